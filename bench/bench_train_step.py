@@ -1,0 +1,140 @@
+"""Single-GPU training-step throughput of the foldmoe trainer core (model + step + AdamW), on synthetic packed batches.
+
+    python bench/bench_train_step.py --config configs/qwen3_30b_a3b.yaml model.num_layers=2 data.seq_len=4096 \
+        data.micro_batch_size=2 run.steps=20
+
+Prints tokens/s, MFU against the datasheet peak and against a GEMM peak measured in the same run, and peak memory.
+The data path (dataloader service) is excluded on purpose: this isolates compute.
+
+Side by side: each `--variant "NAME key=value ..."` runs the same steps on the same initial weights with those config
+overrides on top of the base config, one after the other in this process (weights are initialised once), and a table
+compares them at the end. For example, the MoE data path on torch ops vs the Triton kernels, and recompute:
+
+    --variant "torch model.moe_kernels=[]" --variant "kernels" --variant "kernels+router model.moe_kernels=[permutation,activation,router]" \
+    --variant "kernels+moe_act model.recompute=[moe_act]" --variant "kernels+moe model.recompute=[moe]"
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.common.config import Config, load_config  # noqa: E402
+from services.trainer.metrics import active_params, datasheet_peak, flops_per_token, measure_peak_tflops  # noqa: E402
+from services.trainer.model.recompute import apply_memory_policy  # noqa: E402
+from services.trainer.model.transformer import MoETransformer  # noqa: E402
+from services.trainer.optim import build_adamw  # noqa: E402
+from services.trainer.step import forward_backward  # noqa: E402
+
+
+def synthetic_batch(seq_len: int, mbs: int, vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """mbs sequences, each packed with documents of random lengths (mean ~seq_len/4)."""
+    lengths = []
+    for _ in range(mbs):
+        left = seq_len
+        while left > 0:
+            n = min(left, int(torch.randint(64, seq_len // 2, (1,), generator=gen)))
+            lengths.append(n)
+            left -= n
+    T = seq_len * mbs
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    tokens = torch.randint(0, vocab, (T,), generator=gen)
+    return {"tokens": tokens, "labels": torch.roll(tokens, -1), "position_ids": pos, "cu_seqlens": cu,
+            "max_seqlen": max(lengths)}
+
+
+@dataclass
+class Outcome:
+    name: str
+    tokens_per_s: float
+    mfu: float
+    peak_gib: float
+    step_ms: float
+    final_loss: float
+
+
+def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batches, device, sheet: float) -> Outcome:
+    """Build the model for `cfg` on the device from `weights`, apply its memory policy, time `run.steps` steps."""
+    with torch.device(device):  # parameters allocated on the device, buffers (RoPE frequencies) computed there
+        model = MoETransformer(cfg.model)
+    model.load_state_dict(weights)
+    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload)
+    opt = build_adamw(model, cfg.optimizer)
+    tokens = cfg.data.seq_len * cfg.data.micro_batch_size * cfg.data.grad_accum
+    torch.cuda.reset_peak_memory_stats()
+    times, loss = [], torch.zeros(())
+    for step in range(cfg.run.steps):
+        mbs = batches[step % len(batches)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = forward_backward(model, mbs, tokens, device, torch.bfloat16)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        print(f"[{name}] step {step + 1} loss {float(loss) / tokens:.4f} {tokens / times[-1]:,.0f} tok/s", flush=True)
+    steady = statistics.median(times[3:]) if len(times) > 5 else statistics.median(times)
+    tps = tokens / steady
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, torch.cuda.max_memory_allocated() / 2**30,
+                      steady * 1000, float(loss) / tokens)
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return outcome
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--variant", action="append", default=[],
+                    help='"NAME key=value ...": config overrides on top of the base config; repeatable')
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_train_step needs a CUDA device")
+    variants = [shlex.split(v) for v in args.variant] or [["base"]]
+    configs = [(words[0], load_config(args.config, [*args.overrides, *words[1:]])) for words in variants]
+    base = load_config(args.config, args.overrides)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = MoETransformer(base.model)
+    model.init_weights(0)
+    weights = model.state_dict()  # on the host: a device copy would not fit next to a variant's model and Adam state
+    del model
+    gen = torch.Generator().manual_seed(0)
+    batches = [[synthetic_batch(base.data.seq_len, base.data.micro_batch_size, base.model.vocab_size, gen)
+                for _ in range(base.data.grad_accum)] for _ in range(4)]
+    sheet = datasheet_peak(device)
+    outcomes = []
+    for name, cfg in configs:
+        outcomes.append(run_variant(name, cfg, weights, batches, device, sheet))
+        m = cfg.model
+        o = outcomes[-1]
+        print(f"RESULT {name} | moe_kernels {m.moe_kernels} recompute {m.recompute} offload {m.offload} | "
+              f"tokens/s {o.tokens_per_s:,.0f} | MFU {o.mfu:.1f}% of {sheet:.0f} | peak mem {o.peak_gib:.1f} GiB | "
+              f"median step {o.step_ms:.0f} ms | final loss {o.final_loss:.4f}", flush=True)
+    measured = measure_peak_tflops(device, torch.bfloat16)
+    fpt = flops_per_token(base.model, base.data.seq_len)
+    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | active params "
+          f"{active_params(base.model) / 1e9:.3f}B | GEMM peak measured {measured:.0f} TFLOP/s")
+    print(f"{'variant':<24}{'tokens/s':>12}{'MFU sheet':>11}{'MFU meas.':>11}{'peak GiB':>10}{'step ms':>9}")
+    for o in outcomes:
+        print(f"{o.name:<24}{o.tokens_per_s:>12,.0f}{o.mfu:>10.1f}%{100 * o.tokens_per_s * fpt / 1e12 / measured:>10.1f}%"
+              f"{o.peak_gib:>10.1f}{o.step_ms:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Compile every kernel for a GPU architecture without a GPU (Triton's bundled ptxas), to catch what the interpreter
+lets through (loop-carried type changes, unsupported ops) on CPU-only machines.
+
+    python -m kernels.compile_check [--arch 90]
+
+Must run in a process where TRITON_INTERPRET is unset (interpreted kernels cannot be compiled). Prints one line per
+kernel variant and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+
+def _jit_function(kernel) -> JITFunction:
+    while not isinstance(kernel, JITFunction):  # autotuned kernels wrap the JITFunction
+        kernel = kernel.fn
+    return kernel
+
+
+def _variants():
+    """(kernel, pointer/scalar signature, constexprs, num_warps) at the Qwen3-30B-A3B shapes, bf16 and fp32."""
+    rows = importlib.import_module("kernels._rows")
+    permute = importlib.import_module("kernels.permute")
+    router = importlib.import_module("kernels.router")
+    swiglu = importlib.import_module("kernels.swiglu")
+    for dt in ("bf16", "fp32"):
+        yield (rows._scatter_rows_kernel,
+               {"src_ptr": f"*{dt}", "row_id_map_ptr": "*i32", "weights_ptr": "*fp32", "dot_src_ptr": f"*{dt}",
+                "out_ptr": f"*{dt}", "dots_ptr": "*fp32"},
+               {"h": 2048, "K": 8, "K_PAD": 8, "HAS_WEIGHTS": True, "HAS_DOT": True, "BLOCK_H": 1024}, 4)
+        yield (rows._gather_rows_kernel,
+               {"src_ptr": f"*{dt}", "row_id_map_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": f"*{dt}"},
+               {"h": 2048, "K": 8, "HAS_WEIGHTS": True, "BLOCK_H": 1024}, 4)
+        yield (swiglu._swiglu_prob_fwd_kernel,
+               {"x_ptr": f"*{dt}", "prob_ptr": "*fp32", "out_ptr": f"*{dt}", "N": "i32"},
+               {"f": 768, "BLOCK_N": 8, "BLOCK_F": 256}, 4)
+        yield (swiglu._swiglu_prob_bwd_kernel,
+               {"x_ptr": f"*{dt}", "prob_ptr": "*fp32", "grad_out_ptr": f"*{dt}", "grad_x_ptr": f"*{dt}",
+                "grad_prob_ptr": "*fp32", "N": "i32"},
+               {"f": 768, "BLOCK_N": 4, "BLOCK_F": 256}, 4)
+    for write_rows in (False, True):
+        yield (permute._slot_kernel,
+               {"indices_ptr": "*i64", "block_counts_ptr": "*i32", "block_base_ptr": "*i32", "row_id_map_ptr": "*i32",
+                "T": "i32", "E": "i32"},
+               {"K": 8, "K_PAD": 8, "BLOCK_T": 64, "BLOCK_E": 16, "WRITE_ROWS": write_rows}, 4)
+    yield (permute._scan_kernel,
+           {"block_counts_ptr": "*i32", "block_base_ptr": "*i32", "tokens_per_expert_ptr": "*i32",
+            "offsets_ptr": "*i32", "n_blocks": "i32", "E": "i32"},
+           {"B_PAD": 256, "CHUNK": 32}, 4)
+    for sigmoid in (False, True):
+        yield (router._router_kernel,
+               {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "indices_ptr": "*i64",
+                "count_partial_ptr": "*i32", "prob_partial_ptr": "*fp32", "T": "i32", "E": "i32",
+                "scaling_factor": "fp32"},
+               {"K": 8, "K_PAD": 8, "E_PAD": 128, "BLOCK_T": 32, "SIGMOID": sigmoid, "HAS_BIAS": True,
+                "NORMALISE": True, "EPS": 1e-20}, 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "") == "1":
+        raise SystemExit("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    target = GPUTarget("cuda", args.arch, 32)
+    for kernel, signature, constexprs, num_warps in _variants():
+        fn = _jit_function(kernel)
+        start = time.perf_counter()
+        src = ASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs)
+        triton.compile(src, target=target, options={"num_warps": num_warps})
+        print(f"sm_{args.arch} {fn.__name__} {constexprs}: ok ({time.perf_counter() - start:.1f}s)")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

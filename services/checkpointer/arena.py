@@ -1,0 +1,175 @@
+"""Host memory a trainer rank snapshots into: one mapping laid out once for a fixed set of tensors, reused by every save.
+
+Why one mapping, allocated ahead of the first save:
+- page-locking tens of GB costs seconds (that was the first save's whole stall), so it is paid once, off the step path;
+- a mapping of a file in /dev/shm is readable by a writer process on the same host: the writer streams the snapshot
+  straight from it, so no tensor byte crosses a socket (ZMQ stays the path to a writer on another host);
+- `cudaHostRegister` on exactly the bytes needed; `torch.empty(pin_memory=True)` would round every tensor (or one flat
+  buffer) up to a power of two in the caching host allocator, up to twice the memory for a 22 GB state.
+
+Each tensor starts on a page boundary and is registered with CUDA on its own (a copy never spans two registrations).
+When /dev/shm is missing or too small the arena falls back to anonymous memory: still pinned, only ZMQ can ship it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("foldmoe.checkpointer")
+
+PAGE = mmap.PAGESIZE
+SHM_PREFIX = "foldmoe-snapshot-"
+_STALE_RE = re.compile(rf"^{SHM_PREFIX}pid(\d+)-")
+
+
+def shm_dir() -> Path:
+    """Where shared snapshot files live; FOLDMOE_SHM_DIR overrides /dev/shm (tests, hosts with tmpfs elsewhere)."""
+    return Path(os.environ.get("FOLDMOE_SHM_DIR", "/dev/shm"))
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a buffer must hold: the arena is reused only while every saved tensor keeps its shape and dtype."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), t.dtype)
+
+
+def _align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def remove_stale_files(directory: Path | None = None) -> list[Path]:
+    """Delete snapshot files whose trainer process is gone (a crashed rank never unlinks its arena)."""
+    directory = directory or shm_dir()
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _STALE_RE.match(p.name)
+        if m is None or process_alive(int(m.group(1))):
+            continue
+        try:
+            p.unlink()
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+class HostArena:
+    """Host buffers for `specs` in one mapping. `pin=True` registers them with CUDA (needs a CUDA device)."""
+
+    def __init__(self, specs: dict[str, TensorSpec], *, pin: bool, shared: bool = True, tag: str = ""):
+        self.specs = dict(specs)
+        self.offsets: dict[str, int] = {}
+        size = 0
+        for name, spec in self.specs.items():
+            self.offsets[name] = size
+            size += _align(max(spec.nbytes, 1))
+        self.size = max(size, PAGE)
+        self.path: Path | None = None
+        self._fd = -1
+        self._map = self._map_shared(tag) if shared else None
+        if self._map is None:
+            self._map = mmap.mmap(-1, self.size)
+        base = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.views: dict[str, torch.Tensor] = {}
+        self._registered: list[int] = []
+        try:
+            for name, spec in self.specs.items():
+                off, nbytes = self.offsets[name], spec.nbytes
+                self.views[name] = base[off:off + nbytes].view(spec.dtype).view(spec.shape)
+                if pin and nbytes:
+                    self._register(self.views[name].data_ptr(), nbytes)
+        except Exception:
+            self.close()
+            raise
+        del base
+
+    def _map_shared(self, tag: str) -> mmap.mmap | None:
+        directory = shm_dir()
+        if not directory.is_dir():
+            return None
+        path = directory / f"{SHM_PREFIX}pid{os.getpid()}-{tag}{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            log.warning("snapshot buffers in anonymous memory: cannot create %s (%s)", path, e)
+            return None
+        try:
+            # Reserve every page now: a tmpfs that is too small fails here, not with SIGBUS in the middle of a save.
+            os.posix_fallocate(fd, 0, self.size)
+            mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            log.warning("snapshot buffers in anonymous memory: %s cannot hold %.2f GB (%s); a writer on this host "
+                        "will receive them over ZMQ (enlarge /dev/shm, e.g. docker --shm-size)", directory,
+                        self.size / 1e9, e)
+            return None
+        self.path, self._fd = path, fd
+        return mapped
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}; the host may limit "
+                               "locked memory (ulimit -l) or be out of memory")
+        self._registered.append(ptr)
+
+    def matches(self, specs: dict[str, TensorSpec]) -> bool:
+        return specs == self.specs
+
+    @property
+    def shared(self) -> bool:
+        return self.path is not None
+
+    def close(self) -> None:
+        """Unpin, unmap and unlink. A writer still reading keeps its own mapping of the (unlinked) file valid."""
+        for ptr in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered = []
+        self.views = {}
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view escaped; the mapping lives until it is collected
+                log.debug("snapshot arena still referenced at close")
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None

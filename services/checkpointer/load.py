@@ -1,0 +1,124 @@
+"""Reading checkpoints back: find the newest one that verifies, and read any box of any saved tensor.
+
+`Checkpoint.read(name, offsets, shape)` assembles the requested slice of the global tensor from whichever saved pieces
+overlap it, reading only the overlapping bytes (safetensors slices are memory-mapped). That is all resharding needs:
+a new parallel layout asks for exactly its own piece, whatever layout wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from services.checkpointer.layout import (DTYPE_NAMES, CheckpointError, Manifest, TensorEntry, parse_step, verify)
+
+log = logging.getLogger("foldmoe.checkpointer")
+
+
+def find_latest_valid(root: str | Path, checksums: bool = True) -> Path | None:
+    """The newest committed checkpoint under `root` that verifies; skipped ones are logged with the reason."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    candidates = sorted(((parse_step(p.name), p) for p in root.iterdir() if p.is_dir() and parse_step(p.name) is not None),
+                        reverse=True)
+    for _, path in candidates:
+        try:
+            verify(path, checksums=checksums)
+            return path
+        except CheckpointError as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+    return None
+
+
+class Checkpoint:
+    """A committed checkpoint opened for reading; use as a context manager or call `close()`."""
+
+    def __init__(self, path: Path, manifest: Manifest):
+        self.path, self.manifest = path, manifest
+        self.step = manifest.step
+        self.extras: list[dict[str, Any]] = manifest.extras  # one per saving rank
+        self.extra: dict[str, Any] = manifest.extras[0] if manifest.extras else {}
+        self._files: dict[str, Any] = {}
+
+    def names(self) -> list[str]:
+        return sorted(self.manifest.tensors)
+
+    def _entry(self, name: str) -> TensorEntry:
+        entry = self.manifest.tensors.get(name)
+        if entry is None:
+            raise KeyError(f"tensor {name!r} is not in checkpoint {self.path} ({len(self.manifest.tensors)} tensors; "
+                           "see names())")
+        return entry
+
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).global_shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPE_NAMES[self._entry(name).dtype]
+
+    def _open(self, file: str):
+        handle = self._files.get(file)
+        if handle is None:
+            path = self.path / file
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"{path} cannot be read as safetensors ({e}); the file is corrupt or "
+                                      "truncated") from None
+            self._files[file] = handle
+        return handle
+
+    def read(self, name: str, offsets: tuple[int, ...] | None = None,
+             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The box of global tensor `name` starting at `offsets` (default: origin) of `shape` (default: to the end)."""
+        entry = self._entry(name)
+        g = entry.global_shape
+        lo = tuple(offsets) if offsets is not None else (0,) * len(g)
+        size = tuple(shape) if shape is not None else tuple(s - o for s, o in zip(g, lo))
+        if len(lo) != len(g) or len(size) != len(g) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(lo, size, g)):
+            raise ValueError(f"box offsets={list(lo)} shape={list(size)} is outside tensor {name!r} of global shape "
+                             f"{list(g)}")
+        out = torch.empty(size, dtype=DTYPE_NAMES[entry.dtype])
+        seen: set[tuple] = set()
+        for box in entry.boxes:
+            if (box.offsets, box.shape) in seen:  # replicated copies: one is enough
+                continue
+            seen.add((box.offsets, box.shape))
+            a = [max(o, bo) for o, bo in zip(lo, box.offsets)]
+            b = [min(o + n, bo + bn) for o, n, bo, bn in zip(lo, size, box.offsets, box.shape)]
+            if any(x >= y for x, y in zip(a, b)):
+                continue
+            piece = self._read_piece(name, box.file, [slice(x - bo, y - bo) for x, y, bo in zip(a, b, box.offsets)])
+            out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))] = piece
+        return out
+
+    def _read_piece(self, name: str, file: str, index: list[slice]) -> torch.Tensor:
+        try:
+            handle = self._open(file)
+            if not index:  # a 0-d tensor has nothing to slice
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[tuple(index)]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{self.path / file}: reading {name!r} failed ({e}); the file is corrupt") from None
+
+    def close(self) -> None:
+        self._files.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_checkpoint(path: str | Path, checksums: bool = True) -> Checkpoint:
+    """Open a committed checkpoint after verifying it (sha256 of every file unless `checksums=False`)."""
+    path = Path(path)
+    return Checkpoint(path, verify(path, checksums=checksums))

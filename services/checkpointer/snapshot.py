@@ -1,0 +1,401 @@
+"""Trainer side of a checkpoint: copy this rank's shards to host memory, hand them to a writer, keep training.
+
+The stall is only *enqueuing* the device-to-host copies:
+- the host buffers (`arena.HostArena`, page-locked, in /dev/shm when possible) are allocated once, ahead of the first
+  save, by `prepare` (in a background thread);
+- `save` issues every copy with `non_blocking=True` on a side CUDA stream that first waits for the training stream,
+  records a "copied" event and returns; the sender thread waits for that event before the writer may read the buffers;
+- the copies read the live parameters and optimizer state, so the next optimizer step must not start before they end:
+  `fence()` (call it right before the optimizer step; `services/trainer/checkpointing.py` installs it as an optimizer
+  step pre-hook) makes the training stream wait for the event. The host never blocks on it, and it costs nothing once
+  the copy is done; while the copy is still running, the GPU-side delay is (copy time - forward/backward time of one
+  step), which `bench/bench_checkpoint.py` measures.
+On CPU the copy is a synchronous memcpy.
+
+Handoff: a writer on the same host that proves it sees our shared-memory directory (its `shm_probe`) reads the
+snapshot file directly (the ZMQ message carries only the header); any other writer receives the bytes as ZMQ frames.
+With `host_buffers=N`, up to N saves can be in flight; a save requested while all N are still being written either
+waits (`on_busy="wait"`) or is skipped (`"skip"`). A failed save is reported by the next `save` or `wait`, never lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket as socketlib
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import zmq
+
+from proto import checkpointer_pb2 as pb
+from services.checkpointer.arena import HostArena, TensorSpec, remove_stale_files, shm_dir
+from services.checkpointer.shard import Shard, as_shard
+from services.common import wire
+from services.common.registry import Registry
+
+log = logging.getLogger("foldmoe.checkpointer")
+
+SERVICE = "checkpointer"
+PART_BYTES = 256 << 20  # bytes per part: one file on disk, one ZMQ message, one writer task (the unit of parallelism)
+
+
+class SaveError(RuntimeError):
+    """The writer could not commit a save (or could not be reached); the message says which and why."""
+
+
+@dataclass
+class _Job:
+    step: int
+    arena: HostArena
+    parts: list[list[pb.TensorRecord]]
+    extra: bytes
+    copied: Any = None  # (start, done) CUDA events around the device-to-host copies; None when nothing was on a GPU
+
+
+def pick_writer(records: list[dict[str, Any]], host: str, rank: int) -> dict[str, Any]:
+    """The writer replica for this rank: one on the same host when there is one (spread by rank), else any."""
+    same_host = sorted((r for r in records if r.get("host") == host), key=lambda r: r["instance"])
+    pool = same_host or sorted(records, key=lambda r: r["instance"])
+    return pool[rank % len(pool)]
+
+
+def shares_memory_with(record: dict[str, Any]) -> bool:
+    """True when the writer's probe file sits in our shared-memory directory with its token: the writer sees the
+    directory our snapshot files are in (same host, same mount), so it can open them. A hostname match alone would
+    not prove it (containers on one host have their own /dev/shm)."""
+    path, token = record.get("shm_probe"), record.get("shm_token")
+    if not path or not token:
+        return False
+    try:
+        if not Path(path).parent.samefile(shm_dir()):
+            return False
+        with open(path) as f:
+            return f.read().strip() == token
+    except OSError:
+        return False
+
+
+def specs_of(shards: dict[str, torch.Tensor | Shard]) -> dict[str, TensorSpec]:
+    """The buffers a save of `shards` needs (only the pieces this rank writes)."""
+    out = {}
+    for name, value in shards.items():
+        shard = as_shard(value)
+        if shard.written:
+            out[name] = TensorSpec.of(shard.tensor)
+    return out
+
+
+class Snapshotter:
+    def __init__(self, endpoint: str | None = None, *, registry: Registry | None = None, rank: int = 0,
+                 world_size: int = 1, run: str = "", on_busy: Literal["wait", "skip"] = "wait", session: str = "",
+                 timeout_s: float = 600.0, host: str | None = None, part_bytes: int = PART_BYTES,
+                 host_buffers: int = 1, share_memory: bool = True):
+        """`endpoint`: a writer's ZMQ address; or `registry`: find the writer registered for this host.
+
+        `session` must be the same on every rank of one trainer incarnation and differ between incarnations (e.g. a
+        uuid broadcast from rank 0): a writer then never mixes a restarted job's parts with a crashed one's.
+        `host_buffers`: snapshot buffers (each the size of this rank's state); 2 lets a save start while the previous
+        one is still being written. `share_memory=False` keeps the buffers private (always ZMQ).
+        """
+        if endpoint is None and registry is None:
+            raise ValueError("Snapshotter needs a writer `endpoint` or a `registry` to find one in")
+        if on_busy not in ("wait", "skip"):
+            raise ValueError(f"on_busy={on_busy!r} must be 'wait' or 'skip'")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if host_buffers < 1:
+            raise ValueError(f"host_buffers={host_buffers} must be at least 1")
+        self.endpoint, self.registry = endpoint, registry
+        self.rank, self.world_size = rank, world_size
+        self.run = run or (registry.run if registry is not None else "")
+        self.on_busy, self.session, self.timeout_s = on_busy, session, timeout_s
+        self.host = host or os.environ.get("FOLDMOE_HOST") or socketlib.gethostname()  # as the writer registers
+        self.part_bytes, self.host_buffers, self.share_memory = part_bytes, host_buffers, share_memory
+        self.sync_copy = False  # True: `save` returns only after the copy (for optimizers `fence` cannot hook into)
+        self._pin = torch.cuda.is_available()
+        self._cond = threading.Condition()
+        self._free: list[HostArena] = []  # prepared or returned arenas, not in any job
+        self._in_flight = 0  # jobs queued or being written
+        self._preparing: threading.Thread | None = None
+        self._prepare_error: BaseException | None = None
+        self._stream = None  # side CUDA stream for the device-to-host copies (created at the first GPU save)
+        self._unfenced = None  # (device, "copied" event) of the latest save not yet ordered before a step by `fence`
+        self._error: SaveError | None = None
+        self._last_path = ""
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._sender, name=f"snapshot-rank{rank}", daemon=True)
+        self._thread.start()
+        # Telemetry.
+        self.last_stall_s = 0.0  # seconds the latest accepted save held the caller
+        self.last_copy_s = 0.0  # device-to-host copy time of the latest save that finished copying (CUDA events)
+        self.last_shared = False  # the latest sent save went through shared memory (else ZMQ frames)
+        self.fence_waits = 0  # fences that found the copy still running (the GPU waited for it)
+        self.unprepared_saves = 0  # saves that had to allocate (or re-layout) their buffers
+
+    # ------------------------------------------------------------ buffers
+
+    def prepare(self, shards: dict[str, torch.Tensor | Shard] | dict[str, TensorSpec], background: bool = True) -> None:
+        """Allocate (and pin) the host buffers for saves of `shards` now, so no save pays for it. Specs or the tensors
+        themselves; a later save with other shapes re-allocates (logged)."""
+        specs = {n: v if isinstance(v, TensorSpec) else TensorSpec.of(as_shard(v).tensor)
+                 for n, v in shards.items() if isinstance(v, TensorSpec) or as_shard(v).written}
+        self._join_prepare()
+        with self._cond:
+            missing = self.host_buffers - self._in_flight - len(self._free)
+        if missing <= 0:
+            return
+
+        def allocate() -> None:
+            try:
+                start = time.perf_counter()
+                remove_stale_files()
+                arenas = [self._new_arena(specs) for _ in range(missing)]
+                with self._cond:
+                    self._free.extend(arenas)
+                log.info("rank %d: %d snapshot buffer(s) of %.2f GB ready in %.1fs (%s)", self.rank, missing,
+                         arenas[0].size / 1e9 if arenas else 0.0, time.perf_counter() - start,
+                         "shared memory" if arenas and arenas[0].shared else "private memory")
+            except BaseException as e:  # reported by the next save; that save allocates itself
+                self._prepare_error = e
+
+        if background:
+            self._preparing = threading.Thread(target=allocate, name=f"snapshot-prepare-rank{self.rank}", daemon=True)
+            self._preparing.start()
+        else:
+            allocate()
+
+    def _new_arena(self, specs: dict[str, TensorSpec]) -> HostArena:
+        return HostArena(specs, pin=self._pin, shared=self.share_memory, tag=f"rank{self.rank}-")
+
+    def _join_prepare(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        if self._prepare_error is not None:
+            error, self._prepare_error = self._prepare_error, None
+            log.warning("rank %d: preparing snapshot buffers failed (%s); the save allocates them", self.rank, error)
+
+    def _take_arena(self, specs: dict[str, TensorSpec]) -> HostArena:
+        self._join_prepare()
+        with self._cond:
+            arena = next((a for a in self._free if a.matches(specs)), None)
+            if arena is None and self._free:
+                self._free.pop().close()  # the state changed shape: its buffers are of no use any more
+            elif arena is not None:
+                self._free.remove(arena)
+        if arena is None:
+            self.unprepared_saves += 1
+            log.warning("rank %d: no prepared snapshot buffer fits this save; allocating %.2f GB now (call "
+                        "Snapshotter.prepare ahead of the first save to keep this off the training step)", self.rank,
+                        sum(s.nbytes for s in specs.values()) / 1e9)
+            arena = self._new_arena(specs)
+        return arena
+
+    def _release(self, arena: HostArena, reusable: bool) -> None:
+        with self._cond:
+            if reusable:
+                self._free.append(arena)
+            else:
+                arena.close()
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ caller side
+
+    @property
+    def busy(self) -> bool:
+        """Every snapshot buffer is in a save still being written. With on_busy="skip" ranks must skip together (a
+        step saved by some ranks only never commits): see `services/trainer/checkpointing.should_skip`."""
+        with self._cond:
+            return self._in_flight >= self.host_buffers
+
+    def save(self, step: int, shards: dict[str, torch.Tensor | Shard], extra: dict[str, Any] | None = None,
+             skip_if_busy: bool | None = None) -> bool:
+        """Snapshot `shards` for `step`; True when accepted, False when skipped because every buffer is busy.
+        `skip_if_busy` overrides `on_busy` for this call (the trainer passes the world's agreed decision)."""
+        skip = self.on_busy == "skip" if skip_if_busy is None else skip_if_busy
+        with self._cond:
+            if self._in_flight >= self.host_buffers:
+                if skip:
+                    log.warning("rank %d: checkpoint of step %d skipped, the previous save is still being written",
+                                self.rank, step)
+                    return False
+                self._cond.wait_for(lambda: self._in_flight < self.host_buffers)
+        self._raise_pending_error()
+        start = time.perf_counter()
+        normalized = {name: as_shard(v) for name, v in shards.items()}
+        for name, shard in normalized.items():
+            shard.check(name)
+        try:
+            extra_bytes = json.dumps(extra or {}).encode()
+        except TypeError as e:
+            raise ValueError(f"checkpoint extra must be JSON-serialisable ({e}); send tensors (e.g. RNG states) as "
+                             "shards instead") from None
+        written = {n: s for n, s in normalized.items() if s.written}
+        arena = self._take_arena({n: TensorSpec.of(s.tensor) for n, s in written.items()})
+        copied = self._copy(written, arena)
+        with self._cond:
+            self._in_flight += 1
+        self._jobs.put(_Job(step, arena, self._split(written, arena), extra_bytes, copied))
+        self.last_stall_s = time.perf_counter() - start
+        return True
+
+    def fence(self) -> None:
+        """Order the latest snapshot's copies before whatever the caller's CUDA stream runs next (the optimizer step
+        that overwrites the saved tensors). Never blocks the host; a no-op once the copy has finished."""
+        pending, self._unfenced = self._unfenced, None
+        if pending is None or pending[1].query():
+            return
+        device, done = pending
+        torch.cuda.current_stream(device).wait_event(done)
+        self.fence_waits += 1
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until every save in flight is committed; returns the latest path, raises SaveError with the reason."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout):
+                raise TimeoutError(f"rank {self.rank}: the checkpoint save is still in flight after {timeout}s")
+        self._raise_pending_error()
+        return self._last_path
+
+    def close(self) -> None:
+        """Finish the saves in flight (errors are logged, not raised), stop the sender thread, free the buffers."""
+        self._join_prepare()
+        with self._cond:
+            self._cond.wait_for(lambda: self._in_flight == 0)
+        self._jobs.put(None)
+        self._thread.join()
+        with self._cond:
+            for arena in self._free:
+                arena.close()
+            self._free = []
+        if self._error is not None:
+            log.error("rank %d: %s", self.rank, self._error)
+
+    def _raise_pending_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _copy(self, shards: dict[str, Shard], arena: HostArena):
+        """Copy every shard into its buffer; returns the CUDA (start, done) events (None when all were on the host)."""
+        on_device = [(n, s.tensor.detach()) for n, s in shards.items() if s.tensor.device.type == "cuda"]
+        for name, shard in shards.items():
+            if shard.tensor.device.type != "cuda":
+                arena.views[name].copy_(shard.tensor.detach())
+        if not on_device:
+            return None
+        device = on_device[0][1].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(device))  # copy the values the training stream produced
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for name, src in on_device:
+                arena.views[name].copy_(src, non_blocking=True)
+                src.record_stream(stream)  # a temporary source (e.g. a contiguous() shard) outlives its caller
+            done.record(stream)
+        if self.sync_copy:
+            done.synchronize()
+        else:
+            self._unfenced = (device, done)
+        return start, done
+
+    def _split(self, shards: dict[str, Shard], arena: HostArena) -> list[list[pb.TensorRecord]]:
+        parts: list[list[pb.TensorRecord]] = [[]]
+        size = 0
+        for name, s in shards.items():
+            spec = arena.specs[name]
+            if parts[-1] and size + spec.nbytes > self.part_bytes:
+                parts.append([])
+                size = 0
+            parts[-1].append(pb.TensorRecord(name=name, global_shape=list(s.global_shape), offsets=list(s.offsets),
+                                             shm_offset=arena.offsets[name], shape=list(spec.shape),
+                                             dtype=str(spec.dtype).removeprefix("torch.")))
+            size += spec.nbytes
+        return parts
+
+    # ------------------------------------------------------------ sender thread
+
+    def _resolve(self) -> dict[str, Any]:
+        if self.registry is None:
+            return {"zmq": self.endpoint}
+        records = self.registry.lookup(SERVICE)
+        if not records:
+            raise SaveError(f"no checkpointer is registered for run {self.registry.run!r} at {self.registry.url}; "
+                            "start `python -m services.checkpointer.writer --config FILE`")
+        return pick_writer(records, self.host, self.rank)
+
+    def _sender(self) -> None:
+        ctx = zmq.Context.instance()
+        sock, connected = None, ""
+        while (job := self._jobs.get()) is not None:
+            reusable = False
+            try:
+                if job.copied is not None:
+                    start, done = job.copied
+                    done.synchronize()  # the writer may read the buffers only once the copy has landed
+                    self.last_copy_s = start.elapsed_time(done) / 1e3
+                record = self._resolve()
+                endpoint = record["zmq"]
+                if sock is None or endpoint != connected:
+                    if sock is not None:
+                        sock.close(linger=0)
+                    sock = ctx.socket(zmq.DEALER)
+                    sock.connect(endpoint)
+                    connected = endpoint
+                shared = job.arena.shared and shares_memory_with(record)
+                self._last_path = self._send(sock, job, endpoint, shared)
+                reusable = True
+            except SaveError as e:
+                self._error = e
+                reusable = "no answer" not in str(e)  # a writer that never answered may still be reading the buffers
+            except Exception as e:
+                self._error = SaveError(f"rank {self.rank}: checkpoint of step {job.step} failed: {e}")
+            finally:
+                if not reusable and sock is not None:  # drop queued parts and any late answer: the next save starts clean
+                    sock.close(linger=0)
+                    sock, connected = None, ""
+                self._release(job.arena, reusable)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _send(self, sock: zmq.Socket, job: _Job, endpoint: str, shared: bool) -> str:
+        self.last_shared = shared
+        for i, records in enumerate(job.parts):
+            header = pb.ShardHeader(run=self.run, step=job.step, rank=self.rank, world_size=self.world_size, part=i,
+                                    num_parts=len(job.parts), tensors=records, session=self.session,
+                                    extra=job.extra if i == 0 else b"",
+                                    shm_path=str(job.arena.path) if shared else "")
+            # services.common.wire cannot frame 0-d tensors (a byte view needs a dimension): send them as [1]; the
+            # writer restores the shape from the record.
+            tensors = {} if shared else {r.name: job.arena.views[r.name].reshape(-1) if not r.shape
+                                         else job.arena.views[r.name] for r in records}
+            wire.send(sock, "ckpt.shard", header, tensors)
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(min(left, 1.0) * 1000)):
+                continue
+            kind, result, _ = wire.recv(sock, pb.SaveResult)
+            if result.step != job.step:
+                continue  # a late answer to a save we already gave up on
+            if kind == "ckpt.committed":
+                return result.path
+            raise SaveError(f"rank {self.rank}: {result.error or kind}")
+        raise SaveError(f"rank {self.rank}: no answer from the checkpoint writer at {endpoint} within "
+                        f"{self.timeout_s:.0f}s for step {job.step}; is it running (and is the disk responsive)?")
+
+
+def new_session() -> str:
+    """A fresh session id for one trainer incarnation (broadcast it from rank 0 to all ranks)."""
+    return uuid.uuid4().hex

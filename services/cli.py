@@ -1,0 +1,204 @@
+"""`foldmoe` command line: train, preprocess, status, plot.
+
+    foldmoe train      [--config FILE] [section.key=value ...]   start Redis, the services and the trainer ranks
+                       (with rl.enabled: rollout workers and the RL trainer, e.g. --config configs/rl_tiny.yaml)
+    foldmoe preprocess [--config FILE] [--force] [section.key=value ...]   tokenize the corpus into data.dataset_dir
+    foldmoe status     [--config FILE] [section.key=value ...]   services (health, endpoints), step, checkpoint
+    foldmoe plot       [--config FILE] [--metrics FILE] [--out DIR] [section.key=value ...]   PNG charts of a run
+
+A mistake in the config, a missing corpus or an unreachable Redis is reported as one line naming the cause and the fix,
+with a non-zero exit code, before any process is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from services.common.config import Config, ConfigError, load_config, validate
+
+EXIT_USAGE = 2  # a config or data problem the user must fix
+EXIT_FAILED = 1  # the run started and something failed
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="foldmoe",
+                                     description="Mixture-of-Experts training as a pipeline of services")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in (("train", "run a training job: Redis, dataloader, checkpointer, trainer ranks"),
+                            ("preprocess", "tokenize the corpus into data.dataset_dir (train does this when needed)"),
+                            ("status", "show the registered services (health, endpoints), step and latest checkpoint"),
+                            ("plot", "draw loss, throughput and expert-load charts of a run as PNG files")):
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--config", type=Path, default=None, help="YAML config (default: built-in tiny CPU run)")
+        sub.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, later wins")
+        if name == "plot":
+            sub.add_argument("--metrics", type=Path, default=None,
+                             help="JSONL step records (default: run.metrics_file)")
+            sub.add_argument("--out", type=Path, default=None, help="directory for the PNGs (default: run.dir/plots)")
+    return parser
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    # One line: the messages already name the cause and the fix; a traceback would bury them.
+    print(f"foldmoe: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return code
+
+
+def _ensure_dataset(cfg: Config) -> None:
+    from services.dataloader.errors import DataError
+    from services.dataloader.preprocess import ensure_dataset
+
+    try:
+        ensure_dataset(cfg)
+    except DataError as e:
+        raise _UserError(str(e)) from None
+
+
+class _UserError(Exception):
+    pass
+
+
+def _check_redis(cfg: Config) -> None:
+    """A configured Redis must answer now; with none configured the launcher starts an embedded one."""
+    import redis
+
+    if cfg.run.redis_url:
+        url, source, fix = cfg.run.redis_url, "run.redis_url", "leave run.redis_url empty"
+    elif os.environ.get("REDIS_URL"):
+        url, source, fix = os.environ["REDIS_URL"], "the REDIS_URL environment variable", "unset REDIS_URL"
+    else:
+        return
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        client.ping()
+        client.close()
+    except (redis.RedisError, ValueError) as e:
+        reason = str(e).rstrip(".")
+        raise _UserError(f"cannot reach Redis at {url!r} (from {source}): {reason}; start it, fix the URL, or {fix} "
+                         "so foldmoe starts an embedded Redis") from None
+
+
+def train(cfg: Config) -> int:
+    from services.launcher import Launcher
+
+    validate(cfg, world_size=cfg.run.nproc)
+    if cfg.rl.enabled:
+        from services.trainer.rl.train_rl import validate_rl
+
+        validate_rl(cfg)
+    _check_redis(cfg)  # cheap checks first: an unreachable Redis should not wait for a corpus to be tokenized
+    if not cfg.rl.enabled:  # an RL run's data is the rollout workers' trajectories, not a corpus
+        _ensure_dataset(cfg)
+    return Launcher(cfg, Path(cfg.run.dir)).run()
+
+
+# Run-state keys naming the newest committed checkpoint: the checkpointer writes "checkpoint/latest"; the
+# "latest_checkpoint" spelling is read too until the two are unified.
+LATEST_CHECKPOINT_KEYS = ("checkpoint/latest", "latest_checkpoint")
+
+
+def _show(value) -> str:
+    return "-" if value is None else value if isinstance(value, str) else json.dumps(value)
+
+
+def _health(record: dict) -> str:
+    """SERVING / NOT-SERVING from the service's gRPC health endpoint; "-" for one without gRPC."""
+    from services.common.grpc_server import check
+
+    address = record.get("grpc")
+    if not address:
+        return "-"
+    return "SERVING" if check(address, timeout=1.0) else "NOT-SERVING"
+
+
+def _last_record(path: Path) -> str:
+    """The trainer's newest step record, in a few numbers; "" when there is none yet."""
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        record = json.loads(lines[-1]) if lines else None
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(record, dict):
+        return ""
+    shown = [f"{key} {record[key]:.4g}" for key in ("loss", "grad_norm", "tokens_per_s", "mfu", "data_wait_s",
+                                                    "ckpt_stall_s")
+             if isinstance(record.get(key), (int, float))]
+    return f"step {record.get('step', '?')}: " + ", ".join(shown)
+
+
+def status(cfg: Config, args=None) -> int:
+    from services.common.registry import Registry
+    from services.launcher import STATE_FILE
+
+    url = cfg.run.redis_url or os.environ.get("REDIS_URL", "")
+    state_file = Path(cfg.run.dir) / STATE_FILE
+    if not url and state_file.is_file():
+        url = json.loads(state_file.read_text())["redis_url"]  # the embedded Redis of a running launcher
+    if not url:
+        raise _UserError(f"no running launcher in {cfg.run.dir} (no {STATE_FILE}) and no run.redis_url or REDIS_URL "
+                         "set; start a run with `foldmoe train` or point at its Redis")
+    registry = Registry(url, cfg.run.name)
+    print(f"run {cfg.run.name!r} on {url}")
+    services = registry.services()
+    for rec in services:
+        endpoints = {k: v for k, v in rec.items() if k not in ("service", "instance", "host", "pid", "started")}
+        print(f"  {rec['service']:<14} {rec['instance']:<28} pid {rec['pid']:<8} {_health(rec):<11} "
+              f"{json.dumps(endpoints)}")
+    if not services:
+        print("  (no services registered)")
+    print(f"step: {_show(registry.get_state('step'))}")
+    latest = next((v for v in (registry.get_state(k) for k in LATEST_CHECKPOINT_KEYS) if v is not None), None)
+    print(f"latest checkpoint: {_show(latest)}")
+    last = _last_record(Path(cfg.run.metrics_file))
+    if last:
+        print(f"last record ({cfg.run.metrics_file}) {last}")
+    return 0
+
+
+def plot(cfg: Config, args) -> int:
+    from services.common.plot import PlotError, plot_run
+
+    metrics = args.metrics or Path(cfg.run.metrics_file)
+    out = args.out or Path(cfg.run.dir) / "plots"
+    try:
+        paths = plot_run(metrics, out)
+    except PlotError as e:
+        raise _UserError(str(e)) from None
+    for path in paths:
+        print(path)
+    return 0
+
+
+COMMANDS = {"train": lambda cfg, args: train(cfg), "status": status, "plot": plot}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["preprocess"]:
+        # The dataloader owns preprocessing and its options (--force, --workers); this is only its front door.
+        from services.dataloader.preprocess import main as preprocess_main
+
+        return preprocess_main(argv[1:])
+    args = _parser().parse_args(argv)
+    from services.common.embedded_redis import EmbeddedRedisError
+    from services.common.registry import RegistryError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        return COMMANDS[args.command](cfg, args)
+    except ConfigError as e:
+        return _fail(f"config: {e}")
+    except _UserError as e:
+        return _fail(str(e))
+    except (RegistryError, EmbeddedRedisError) as e:
+        return _fail(str(e), EXIT_FAILED)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""The one typed config tree: model, parallel, data, optimizer, checkpoint, run.
+
+Loaded from YAML, then `section.key=value` overrides from the command line. Unknown keys and impossible values fail at load
+with a `ConfigError` naming the key, so a bad run dies before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot describe a valid run."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 264  # byte tokenizer: 256 bytes + EOS + PAD, rounded up to a multiple of 8 for vocab-parallel TP
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2  # GQA: query heads share key/value heads in groups of num_heads // num_kv_heads
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    ffn_hidden_size: int = 512  # dense MLP width (dense first layers)
+    first_k_dense: int = 0  # leading layers with a dense MLP instead of MoE (DeepSeek-V3: 3)
+    num_experts: int = 8
+    top_k: int = 2
+    moe_ffn_hidden_size: int = 256  # per-expert SwiGLU width
+    shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1
+    num_groups: int = 0  # group-limited routing: experts in num_groups groups, tokens pick topk_groups of them (0: off)
+    topk_groups: int = 0
+    routed_scaling_factor: float = 1.0
+    aux_loss_type: Literal["micro_batch", "sequence", "none"] = "micro_batch"
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 0.0
+    bias_update_rate: float = 0.0  # aux-loss-free balancing: expert bias step per optimizer step (0: off)
+    capacity_factor: float = 0.0  # 0: dropless; else each expert keeps at most ceil(cf * T * k / E) tokens
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    # Triton kernels on the MoE data path on CUDA (the CPU path is always the torch reference): "permutation" (permute +
+    # unpermute), "activation" (SwiGLU with the router weight folded in), "router" (fused top-k; its backward is slower
+    # than torch's at Qwen3 shapes, so it is off unless a benchmark says otherwise).
+    moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation"])
+    # Activation memory (services/trainer/model/recompute.py). Recompute in backward instead of keeping: "norm",
+    # "attn_core", "moe_act" (expert activation), "moe" (whole MoE layer), "layer" (whole decoder block).
+    recompute: list[str] = field(default_factory=list)
+    # Keep these modules' saved activations in pinned host memory until backward: "attn", "moe", "layer".
+    offload: list[str] = field(default_factory=list)
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Two factorizations of one world of ranks: world = pp*tp*cp*dp = pp*etp*ep*edp (dp and edp are derived)."""
+
+    tp: int = 1  # tensor parallel (attention/dense), with sequence parallel
+    cp: int = 1  # context parallel (attention)
+    pp: int = 1  # pipeline stages (shared by both foldings)
+    ep: int = 1  # expert parallel
+    etp: int = 1  # expert tensor parallel
+    sequence_parallel: bool = True  # with tp > 1: activations outside the TP regions are split along the sequence
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    cp_comm: Literal["ring", "allgather"] = "ring"
+    cp_sizes: list[int] = field(default_factory=list)  # allowed dynamic CP sizes; empty: only `cp`
+    distributed_optimizer: bool = True
+    pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty: split evenly
+    virtual_stages: int = 1
+    grad_bucket_mb: float = 25.0
+
+
+@dataclass
+class DataConfig:
+    corpus: list[str] = field(default_factory=lambda: ["/usr/share/common-licenses"])  # files or directories of text
+    tokenizer: str = "byte"  # "byte" or a path to a HF tokenizer.json
+    dataset_dir: str = "runs/data"  # where the tokenized corpus is written
+    seq_len: int = 256
+    micro_batch_size: int = 4  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step per data-parallel rank
+    packing_window: int = 256  # documents looked at together by best-fit-decreasing
+    seed: int = 1234
+    prefetch: int = 8  # micro-batches in flight per rank (credits)
+    blend_weights: list[float] = field(default_factory=list)  # one per corpus entry: each entry its own dataset,
+    # sampled per packed sequence with these weights; empty: all entries form one dataset
+    cp_max_tokens_per_rank: int = 0  # dynamic CP (parallel.cp_sizes): tokens of a micro-batch per CP rank; 0: no limit
+    cp_max_attn_per_rank: float = 0.0  # dynamic CP: attention cost (sum of squared segment lengths) per CP rank; 0: no limit
+    source: Literal["corpus", "rollout"] = "corpus"  # what the dataloader packs: the corpus, or RL trajectory groups
+    rollout_stream: str = ""  # source=rollout: Redis stream key; empty: the "stream" of a rollout worker's registry record
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    clip_grad: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "runs/ckpt"
+    interval: int = 50  # steps between saves; 0: only at the end
+    keep_last: int = 3
+    resume: bool = True  # start from the newest valid checkpoint in `dir` when there is one
+    on_busy: Literal["wait", "skip"] = "wait"  # a save requested while the previous one is still being written
+    host_buffers: int = 1  # pinned snapshot buffers per rank (each = the rank's state); 2: a save may start while
+    #                        the previous one is still being written, at twice the host memory
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    steps: int = 200
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["fp32", "bf16"] = "bf16"  # autocast dtype on GPU; CPU always runs fp32
+    log_interval: int = 1
+    redis_url: str = ""  # empty: the launcher starts an embedded Redis
+    dir: str = "runs"  # the launcher writes the resolved config.yaml and logs/<child>.log here
+    nproc: int = 1  # trainer ranks the launcher starts
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0: datasheet value for the detected device
+    metrics_file: str = "runs/metrics.jsonl"
+    max_restarts: int = 3  # times the launcher restarts each crashed service (not the trainer) before failing the run
+
+
+@dataclass
+class RLConfig:
+    # rollout (services/rl_rollout)
+    workers: int = 2  # rollout workers the local launcher starts in an RL run (compose scales its own)
+    task: str = "arithmetic"  # prompt generator + reward, by name (services/rl_rollout/rewards.py)
+    difficulty: int = 2  # task knob: digits per operand (arithmetic), numbers minus one (countdown)
+    group_size: int = 8  # samples per prompt; GRPO normalises rewards within a group
+    prompts_per_batch: int = 4  # prompts a worker generates together (their groups are published as each completes)
+    max_new_tokens: int = 16  # completion length limit in tokens
+    temperature: float = 1.0  # sampling temperature (0: greedy); the trainer scales its logits by the same
+    top_p: float = 1.0  # nucleus sampling: smallest token set reaching this probability (1: off)
+    top_k: int = 0  # 0: off
+    stop: list[str] = field(default_factory=lambda: ["\n"])  # stop strings (EOS always stops)
+    max_batch: int = 64  # sequences decoding at once (KV cache slots)
+    max_seq_len: int = 128  # prompt + completion tokens per sequence (KV cache length)
+    max_staleness: int = 1  # trajectories may come from weights at most this many versions behind the trainer
+    max_queued_groups: int = 64  # a worker pauses while this many groups wait unconsumed in the stream
+    weight_dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of published weights
+    weight_chunk_mb: float = 64.0
+    # training (services/trainer/rl)
+    groups_per_step: int = 4  # trajectory groups per optimizer step
+    rollout_timeout_s: float = 300.0  # seconds the trainer waits for a step's groups before it fails
+    micro_batch_tokens: int = 4096  # packed tokens per forward/backward
+    clip_eps_low: float = 0.2  # PPO ratio clipped to [1 - low, 1 + high]
+    clip_eps_high: float = 0.28  # above `low`: rarely likely tokens may still grow (clip-higher)
+    tis_cap: float = 2.0  # truncated importance sampling: cap on pi_train_old / pi_rollout (0: no correction)
+    kl_coef: float = 0.0  # k3 KL to the reference policy (0: no reference model)
+    std_normalize: bool = True  # GRPO: divide group-centred rewards by the group std
+    recompute_logprobs: bool = True  # trainer recomputes old log-probs before the update (decoupled PPO + TIS)
+    enabled: bool = False  # `foldmoe train` runs RL: rollout workers + services.trainer.rl.train_rl, no dataloader
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"`{key}={value!r}` is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            # "a, b": the spaces around separators are not part of the entries. Entries of a real list are kept as
+            # they are: whitespace can be the point of one (the stop string "\n" in rl.stop).
+            value = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"`{key}` must be a list, got {value!r}")
+        return [_coerce(v, item_tp, key) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"`{key}` must be true or false, got {value!r}")
+    if tp in (int, float, str):
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"`{key}` must be an integer, got {value!r}")
+        try:
+            return tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"`{key}` must be {tp.__name__}, got {value!r}") from None
+    raise ConfigError(f"`{key}`: unsupported field type {tp}")
+
+
+def _apply(obj: Any, values: dict[str, Any], prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(obj))
+            raise ConfigError(f"unknown config key `{key}` (known: {known})")
+        if dataclasses.is_dataclass(getattr(obj, name)):
+            if not isinstance(value, dict):
+                raise ConfigError(f"`{key}` is a section; give a mapping, not {value!r}")
+            _apply(getattr(obj, name), value, f"{key}.")
+        else:
+            setattr(obj, name, _coerce(value, hints[name], key))
+
+
+def _parse_override(item: str) -> dict[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override `{item}` must look like section.key=value")
+    dotted, raw = item.split("=", 1)
+    value = yaml.safe_load(raw) if raw else ""
+    out: dict[str, Any] = {}
+    node = out
+    parts = dotted.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    for k, v in b.items():
+        a[k] = _merge(a.get(k, {}), v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+    return a
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a validated Config from an optional YAML file and `a.b=c` overrides (later wins)."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections")
+        values = loaded
+    for item in overrides:
+        values = _merge(values, _parse_override(item))
+    cfg = Config()
+    _apply(cfg, values, "")
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _check_choices(key: str, values: list[str], allowed: tuple[str, ...]) -> None:
+    unknown = [v for v in values if v not in allowed]
+    _check(not unknown, f"`{key}` has unknown entries {unknown}; choose among {list(allowed)}")
+    _check(len(set(values)) == len(values), f"`{key}` lists an entry twice: {values}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Reject impossible values; with `world_size`, also the parallel layout."""
+    m, p, d, o = cfg.model, cfg.parallel, cfg.data, cfg.optimizer
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k"):
+        _check(getattr(m, name) > 0, f"`model.{name}` must be positive, got {getattr(m, name)}")
+    _check(m.hidden_size % m.num_heads == 0 or m.head_dim > 0,
+           f"`model.hidden_size={m.hidden_size}` is not divisible by `model.num_heads={m.num_heads}` (or set model.head_dim)")
+    _check(m.num_heads % m.num_kv_heads == 0,
+           f"`model.num_heads={m.num_heads}` is not divisible by `model.num_kv_heads={m.num_kv_heads}`")
+    _check(m.kv_channels % 2 == 0, f"head dim {m.kv_channels} must be even for RoPE (`model.head_dim`)")
+    _check(m.top_k <= m.num_experts, f"`model.top_k={m.top_k}` exceeds `model.num_experts={m.num_experts}`")
+    _check(0 <= m.first_k_dense <= m.num_layers,
+           f"`model.first_k_dense={m.first_k_dense}` must be within [0, model.num_layers={m.num_layers}]")
+    if m.num_groups:
+        _check(m.num_experts % m.num_groups == 0,
+               f"`model.num_experts={m.num_experts}` is not divisible by `model.num_groups={m.num_groups}`")
+        _check(0 < m.topk_groups <= m.num_groups,
+               f"`model.topk_groups={m.topk_groups}` must be in [1, model.num_groups={m.num_groups}]")
+        per_group = m.num_experts // m.num_groups
+        _check(m.topk_groups * per_group >= m.top_k,
+               f"`model.topk_groups={m.topk_groups}` groups of {per_group} experts cannot hold `model.top_k={m.top_k}`")
+    _check(m.capacity_factor >= 0, f"`model.capacity_factor` must be >= 0, got {m.capacity_factor}")
+    _check_choices("model.moe_kernels", m.moe_kernels, ("permutation", "activation", "router"))
+    _check_choices("model.recompute", m.recompute, ("norm", "attn_core", "moe_act", "moe", "layer"))
+    _check_choices("model.offload", m.offload, ("attn", "moe", "layer"))
+    for outer, inner in (("layer", ("norm", "attn_core", "moe_act", "moe")), ("moe", ("moe_act",))):
+        redundant = [name for name in inner if outer in m.recompute and name in m.recompute]
+        _check(not redundant, f"`model.recompute` has {outer!r}, which already recomputes {redundant}: drop them")
+    _check(d.seq_len > 1 and d.micro_batch_size > 0 and d.grad_accum > 0,
+           "`data.seq_len` must be > 1 and `data.micro_batch_size`, `data.grad_accum` positive")
+    _check(o.lr > 0 and o.min_lr >= 0 and o.min_lr <= o.lr, f"need 0 <= `optimizer.min_lr` <= `optimizer.lr` > 0")
+    _check(cfg.run.steps > 0, f"`run.steps` must be positive, got {cfg.run.steps}")
+    _check(cfg.run.max_restarts >= 0, f"`run.max_restarts` must be >= 0, got {cfg.run.max_restarts}")
+    _check(cfg.checkpoint.host_buffers >= 1,
+           f"`checkpoint.host_buffers` must be at least 1, got {cfg.checkpoint.host_buffers}")
+    for name in ("tp", "cp", "pp", "ep", "etp"):
+        _check(getattr(p, name) > 0, f"`parallel.{name}` must be positive, got {getattr(p, name)}")
+    _check(m.num_experts % p.ep == 0, f"`parallel.ep={p.ep}` does not divide `model.num_experts={m.num_experts}`")
+    _check(m.num_heads % p.tp == 0, f"`parallel.tp={p.tp}` does not divide `model.num_heads={m.num_heads}`")
+    _check(m.num_kv_heads % p.tp == 0, f"`parallel.tp={p.tp}` does not divide `model.num_kv_heads={m.num_kv_heads}`")
+    _check(m.vocab_size % p.tp == 0, f"`parallel.tp={p.tp}` does not divide `model.vocab_size={m.vocab_size}`")
+    _check(m.ffn_hidden_size % p.tp == 0, f"`parallel.tp={p.tp}` does not divide `model.ffn_hidden_size`")
+    _check(m.moe_ffn_hidden_size % p.etp == 0,
+           f"`parallel.etp={p.etp}` does not divide `model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}`")
+    _check(p.pp <= m.num_layers, f"`parallel.pp={p.pp}` exceeds `model.num_layers={m.num_layers}`")
+    if p.pp_layers:
+        _check(len(p.pp_layers) == p.pp and sum(p.pp_layers) == m.num_layers,
+               f"`parallel.pp_layers={p.pp_layers}` must have pp={p.pp} entries summing to num_layers={m.num_layers}")
+    if world_size is not None:
+        attn = p.pp * p.tp * p.cp
+        moe = p.pp * p.etp * p.ep
+        _check(world_size % attn == 0,
+               f"world size {world_size} is not divisible by pp*tp*cp = {p.pp}*{p.tp}*{p.cp} = {attn}")
+        _check(world_size % moe == 0,
+               f"world size {world_size} is not divisible by pp*etp*ep = {p.pp}*{p.etp}*{p.ep} = {moe}")

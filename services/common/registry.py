@@ -1,0 +1,111 @@
+"""Redis control plane: service registry with heartbeats, and small run state.
+
+Keys are namespaced by run: `foldmoe:{run}:svc:{service}:{instance}` holds a JSON record that expires unless its
+heartbeat refreshes it, so a dead service disappears from `lookup` within `ttl` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import redis
+
+DEFAULT_TTL_S = 10.0
+
+
+class RegistryError(RuntimeError):
+    """Redis is unreachable or a service did not appear in time."""
+
+
+def redis_url() -> str:
+    url = os.environ.get("REDIS_URL", "")
+    if not url:
+        raise RegistryError("REDIS_URL is not set: start services through `foldmoe train`, or export REDIS_URL=redis://host:port")
+    return url
+
+
+def connect(url: str) -> redis.Redis:
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, decode_responses=True)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise RegistryError(f"cannot reach Redis at {url} ({e}); start it, or leave run.redis_url empty so "
+                            "the launcher starts an embedded one") from None
+    return client
+
+
+class Heartbeat:
+    """Keeps one registration alive until `stop()`."""
+
+    def __init__(self, client: redis.Redis, key: str, record: dict[str, Any], ttl: float):
+        self._client, self._key, self._ttl = client, key, ttl
+        self._payload = json.dumps(record)
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat:{key}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self._client.set(self._key, self._payload, px=int(self._ttl * 1000))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._ttl / 3):
+            try:
+                self._beat()
+            except redis.RedisError:
+                pass  # Redis restarting: the next beat re-registers
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._client.delete(self._key)
+        except redis.RedisError:
+            pass
+
+
+class Registry:
+    def __init__(self, url: str, run: str):
+        self.url, self.run = url, run
+        self.client = connect(url)
+
+    def _key(self, *parts: str) -> str:
+        return ":".join(("foldmoe", self.run, *parts))
+
+    def register(self, service: str, info: dict[str, Any], instance: str | None = None,
+                 ttl: float = DEFAULT_TTL_S) -> Heartbeat:
+        instance = instance or f"{socket.gethostname()}-{os.getpid()}"
+        record = {"service": service, "instance": instance, "host": socket.gethostname(), "pid": os.getpid(),
+                  "started": time.time(), **info}
+        return Heartbeat(self.client, self._key("svc", service, instance), record, ttl)
+
+    def lookup(self, service: str) -> list[dict[str, Any]]:
+        keys = sorted(self.client.scan_iter(match=self._key("svc", service, "*")))
+        records = [self.client.get(k) for k in keys]
+        return [json.loads(r) for r in records if r]
+
+    def services(self) -> list[dict[str, Any]]:
+        keys = sorted(self.client.scan_iter(match=self._key("svc", "*")))
+        return [json.loads(r) for r in (self.client.get(k) for k in keys) if r]
+
+    def wait_for(self, service: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.lookup(service)
+            if len(found) >= count:
+                return found
+            if time.monotonic() > deadline:
+                raise RegistryError(f"service {service!r} did not register within {timeout:.0f}s "
+                                    f"(run {self.run!r}, Redis {self.url}; found {len(found)} of {count})")
+            time.sleep(0.1)
+
+    def set_state(self, key: str, value: Any) -> None:
+        self.client.set(self._key("state", key), json.dumps(value))
+
+    def get_state(self, key: str, default: Any = None) -> Any:
+        raw = self.client.get(self._key("state", key))
+        return json.loads(raw) if raw is not None else default

@@ -1,0 +1,99 @@
+"""Dynamic context-parallel sizing: how many CP ranks each micro-batch needs, and who does which micro-batch.
+
+Cost model: a micro-batch of segments l_1..l_n holds Σ l tokens and costs attention ∝ Σ l² (causal attention within each
+document; padding runs are segments too, and cost like documents: the kernel does not know they are padding). Split over
+c CP ranks (zigzag sharding keeps causal work even), each rank holds Σl / c tokens and does Σl² / c attention work.
+The smallest allowed c that keeps both under budget is chosen: a larger CP group costs communication for nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from services.dataloader.errors import DataError
+
+
+@dataclass(frozen=True)
+class CPBudget:
+    max_tokens_per_rank: int = 0  # 0: no limit
+    max_attn_per_rank: float = 0.0  # Σ l² per rank; 0: no limit
+
+
+def allowed_cp_sizes(parallel_cfg) -> list[int]:
+    """The CP sizes micro-batches may be given: `parallel.cp_sizes`, or just `parallel.cp` when it is empty.
+
+    A dp rank's micro-batches go to all of its `parallel.cp` CP peers, so a size must divide `parallel.cp` for the
+    micro-batch to run on an aligned block of them (the pre-built CP groups).
+    """
+    cp, sizes = parallel_cfg.cp, sorted(set(parallel_cfg.cp_sizes or [parallel_cfg.cp]))
+    bad = [c for c in sizes if c < 1 or cp % c]
+    if bad:
+        raise DataError(f"`parallel.cp_sizes={list(parallel_cfg.cp_sizes)}` has sizes {bad} that do not divide "
+                        f"`parallel.cp={cp}`; every dynamic CP size must divide the CP dimension (e.g. 1, 2, 4 for cp=4)")
+    return sizes
+
+
+def segment_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+
+
+def attention_cost(lengths: list[int]) -> int:
+    return sum(n * n for n in lengths)
+
+
+def choose_cp_size(lengths: list[int], cp_sizes: list[int], budget: CPBudget) -> int:
+    """Smallest size in `cp_sizes` under budget; the largest one when none is (the micro-batch must still run)."""
+    tokens, attn = sum(lengths), attention_cost(lengths)
+    sizes = sorted(cp_sizes)
+    for c in sizes:
+        if ((not budget.max_tokens_per_rank or tokens <= budget.max_tokens_per_rank * c)
+                and (not budget.max_attn_per_rank or attn <= budget.max_attn_per_rank * c)):
+            return c
+    return sizes[-1]
+
+
+def balance_equal_counts(costs: list[float], groups: int, per_group: int) -> list[list[int]]:
+    """Split len(costs) == groups*per_group items into groups of exactly `per_group`, evening out the summed cost.
+
+    Longest-processing-time first with a cardinality limit: each item, costliest first, goes to the least-loaded group
+    that still has room. Ties go to the lower group index, so the plan is deterministic. Items keep ascending order
+    inside a group.
+    """
+    if len(costs) != groups * per_group:
+        raise ValueError(f"{len(costs)} items cannot fill {groups} groups of {per_group}")
+    heap = [(0.0, g) for g in range(groups)]
+    members: list[list[int]] = [[] for _ in range(groups)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        full = []
+        load, g = heapq.heappop(heap)
+        while len(members[g]) == per_group:
+            full.append((load, g))
+            load, g = heapq.heappop(heap)
+        members[g].append(i)
+        heapq.heappush(heap, (load + costs[i], g))
+        for item in full:
+            heapq.heappush(heap, item)
+    return [sorted(m) for m in members]
+
+
+def place_on_ranks(costs: list[float], cp_sizes: list[int], ranks: int) -> list[int]:
+    """First rank of each micro-batch in a plane of `ranks` DP×CP ranks; micro-batch i spans ranks
+    [first, first + cp_sizes[i]), an aligned block (the pre-built CP groups are aligned blocks).
+
+    Each micro-batch, costliest first, takes the aligned block whose busiest rank is least busy, and adds cost / c to
+    every rank of it, so the slowest rank of the step finishes as early as this greedy can make it.
+    """
+    load = [0.0] * ranks
+    first = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        c = cp_sizes[i]
+        if ranks % c:
+            raise ValueError(f"CP size {c} does not divide the {ranks} DP×CP ranks")
+        start = min(range(0, ranks, c), key=lambda s: (max(load[s:s + c]), s))
+        for r in range(start, start + c):
+            load[r] += costs[i] / c
+        first[i] = start
+    return first

@@ -1,0 +1,369 @@
+"""Text corpus -> tokenized, indexed dataset directory (see `dataset.py` for the layout).
+
+Inputs: plain text files, directories of them (recursively), `.jsonl` with a "text" field per line, `.parquet` with a
+"text" column (needs pyarrow). Files are tokenized in parallel and written in corpus order, so the output does not depend
+on the worker count. Re-running with an unchanged corpus and tokenizer does nothing.
+
+    python -m services.dataloader.preprocess --config FILE [data.corpus=[a,b]] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from services.dataloader.dataset import (FORMAT_VERSION, INDEX_FILE, META_FILE, TOKENS_FILE, IndexedDataset, read_meta,
+                                         token_dtype)
+from services.dataloader.errors import DataError
+from services.dataloader.tokenizer import load_tokenizer
+
+# Plain-text files longer than this become one document per paragraph: a license or a source file is hundreds of
+# short, self-contained paragraphs, and packing needs a spread of lengths rather than a few giant documents.
+SPLIT_PARAGRAPHS_OVER = 4096
+# Paragraphs shorter than this (headings, "END OF TERMS") are joined to the next one instead of standing alone.
+MIN_PARAGRAPH_CHARS = 64
+# Below this many corpus bytes, worker processes cost more than they save.
+PARALLEL_MIN_BYTES = 4 << 20
+_SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", "node_modules"}
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    size: int
+    mtime_ns: int
+
+
+# ---------------------------------------------------------------- finding the corpus
+
+
+def discover(corpus: list[str]) -> list[Source]:
+    """Every input file named by `data.corpus`, in a stable order, each once (symlinks resolved)."""
+    if not corpus:
+        raise DataError("`data.corpus` is empty: name at least one text file or directory")
+    seen: set[str] = set()
+    found: list[Source] = []
+    for entry in corpus:
+        for path in _expand(entry):
+            real = os.path.realpath(path)
+            if real in seen:
+                continue
+            seen.add(real)
+            st = os.stat(real)
+            found.append(Source(real, st.st_size, st.st_mtime_ns))
+    if not found:
+        raise DataError(f"`data.corpus={corpus}` holds no files")
+    return found
+
+
+def _expand(entry: str) -> list[str]:
+    if glob.has_magic(entry):
+        paths = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+        if not paths:
+            raise DataError(f"corpus pattern {entry!r} matches no file; fix `data.corpus`")
+        return paths
+    if os.path.isfile(entry):
+        return [entry]
+    if os.path.isdir(entry):
+        out = []
+        for root, dirs, files in os.walk(entry, followlinks=False):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
+            out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
+        return [p for p in out if os.path.isfile(p)]
+    raise DataError(f"corpus entry {entry!r} does not exist; fix `data.corpus` (files, directories or glob patterns)")
+
+
+# ---------------------------------------------------------------- reading documents
+
+
+def iter_documents(path: str) -> Iterator[str]:
+    """The documents of one input file; raises `_NotText` for files that are not text."""
+    if path.endswith(".jsonl"):
+        yield from _jsonl_documents(path)
+    elif path.endswith(".parquet"):
+        yield from _parquet_documents(path)
+    else:
+        yield from _text_documents(path)
+
+
+class _NotText(Exception):
+    pass
+
+
+def _text_documents(path: str) -> Iterator[str]:
+    raw = Path(path).read_bytes()
+    if b"\0" in raw:
+        raise _NotText("binary (NUL bytes)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _NotText("not UTF-8") from None
+    if len(text) <= SPLIT_PARAGRAPHS_OVER:
+        if text.strip():
+            yield text
+        return
+    pending = ""
+    for para in re.split(r"\n[ \t\r\f\v]*\n", text):
+        para = para.strip("\n")
+        if not para.strip():
+            continue
+        pending = f"{pending}\n\n{para}" if pending else para
+        if len(pending) >= MIN_PARAGRAPH_CHARS:
+            yield pending
+            pending = ""
+    if pending:
+        yield pending
+
+
+def _jsonl_documents(path: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno} is not valid JSON ({e})") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{lineno} has no string \"text\" field (keys: "
+                                f"{sorted(record) if isinstance(record, dict) else type(record).__name__})")
+            if text.strip():
+                yield text
+
+
+def _parquet_documents(path: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path} needs pyarrow: `.venv/bin/pip install pyarrow`, "
+                        "or convert it to .jsonl") from None
+    pf = pq.ParquetFile(path)
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"{path} has no \"text\" column (columns: {pf.schema_arrow.names})")
+    for batch in pf.iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text
+
+
+# ---------------------------------------------------------------- tokenizing one file (runs in a worker)
+
+
+@lru_cache(maxsize=4)
+def _worker_tokenizer(spec: str):
+    return load_tokenizer(spec)
+
+
+def tokenize_file(path: str, tokenizer_spec: str) -> dict[str, Any]:
+    """Tokens and document lengths of one file, EOS after each document, plus the file's checksum."""
+    tok = _worker_tokenizer(tokenizer_spec)
+    dtype = token_dtype(tok.vocab_size)
+    chunks: list[np.ndarray] = []
+    lengths: list[int] = []
+    try:
+        for text in iter_documents(path):
+            ids = tok.encode(text)
+            ids.append(tok.eos_id)
+            chunks.append(np.asarray(ids, dtype=dtype))
+            lengths.append(len(ids))
+    except _NotText as e:
+        return {"path": path, "skipped": str(e), "sha256": _sha256(path)}
+    tokens = np.concatenate(chunks) if chunks else np.empty(0, dtype=dtype)
+    return {"path": path, "tokens": tokens, "lengths": np.asarray(lengths, dtype=np.int64), "sha256": _sha256(path)}
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- building the dataset
+
+
+def _build_params(tokenizer_identity: dict[str, Any]) -> dict[str, Any]:
+    """Everything besides the sources that decides the output bytes; a change in any of it means a rebuild."""
+    return {"format_version": FORMAT_VERSION, "tokenizer": tokenizer_identity,
+            "split_paragraphs_over": SPLIT_PARAGRAPHS_OVER, "min_paragraph_chars": MIN_PARAGRAPH_CHARS}
+
+
+def is_up_to_date(out_dir: Path, sources: list[Source], tokenizer_identity: dict[str, Any]) -> bool:
+    try:
+        meta = read_meta(out_dir)
+        IndexedDataset(out_dir)  # sizes and index agree with meta.json
+    except DataError:
+        return False
+    if any(meta.get(k) != v for k, v in _build_params(tokenizer_identity).items()):
+        return False
+    recorded = meta.get("sources", [])
+    if [r["path"] for r in recorded] != [s.path for s in sources]:
+        return False
+    for rec, src in zip(recorded, sources):
+        # Size and mtime unchanged: trust the checksum taken then. Otherwise re-hash: a touched or copied file
+        # with the same bytes must not trigger a rebuild.
+        if (rec["size"], rec["mtime_ns"]) != (src.size, src.mtime_ns) and rec["sha256"] != _sha256(src.path):
+            return False
+    return True
+
+
+def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, workers: int = 0, force: bool = False,
+               progress: bool = True) -> Path:
+    """Tokenize `corpus` into `out_dir` unless it already holds exactly that; returns `out_dir`."""
+    out_dir = Path(out_dir)
+    tok = load_tokenizer(tokenizer_spec)
+    sources = discover(corpus)
+    if not force and is_up_to_date(out_dir, sources, tok.identity()):
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # meta.json goes first: from here until the new one is renamed in, the directory reads as "no dataset", never as
+    # a stale meta.json describing half-written tokens.
+    (out_dir / META_FILE).unlink(missing_ok=True)
+    total_bytes = sum(s.size for s in sources)
+    if workers <= 0:
+        workers = min(os.cpu_count() or 1, len(sources)) if total_bytes >= PARALLEL_MIN_BYTES else 1
+    t0 = time.monotonic()
+    records, num_tokens, lengths, digest = _write_tokens(sources, tokenizer_spec, out_dir, workers, progress)
+    if num_tokens == 0:
+        (out_dir / (TOKENS_FILE + ".tmp")).unlink(missing_ok=True)
+        skipped = [f"{r['path']} ({r['skipped']})" for r in records if "skipped" in r]
+        raise DataError(f"`data.corpus={corpus}` holds no text ({len(sources)} files"
+                        + (f"; skipped: {', '.join(skipped[:5])}" if skipped else "") + ")")
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    with open(out_dir / (INDEX_FILE + ".tmp"), "wb") as f:
+        np.save(f, offsets)
+        f.flush()
+        os.fsync(f.fileno())
+    meta = {**_build_params(tok.identity()), "tokenizer_spec": tokenizer_spec,
+            "dtype": token_dtype(tok.vocab_size).name, "num_docs": int(len(lengths)), "num_tokens": int(num_tokens),
+            "tokens_sha256": digest, "sources": records, "build_seconds": round(time.monotonic() - t0, 3)}
+    os.replace(out_dir / (TOKENS_FILE + ".tmp"), out_dir / TOKENS_FILE)
+    os.replace(out_dir / (INDEX_FILE + ".tmp"), out_dir / INDEX_FILE)
+    _atomic_write_text(out_dir / META_FILE, json.dumps(meta, indent=1))
+    return out_dir
+
+
+def _write_tokens(sources: list[Source], tokenizer_spec: str, out_dir: Path, workers: int, progress: bool):
+    """Stream each file's tokens into tokens.bin.tmp in corpus order; returns (records, count, lengths, sha256)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    records: list[dict[str, Any]] = []
+    all_lengths: list[np.ndarray] = []
+    num_tokens = 0
+    digest = hashlib.sha256()
+    bar = Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                   TextColumn("{task.fields[docs]} docs"), disable=not progress, transient=True)
+    pool = (ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None)
+    try:
+        paths = [s.path for s in sources]
+        results = (pool.map(tokenize_file, paths, [tokenizer_spec] * len(paths), chunksize=1) if pool
+                   else (tokenize_file(p, tokenizer_spec) for p in paths))
+        with bar, open(out_dir / (TOKENS_FILE + ".tmp"), "wb") as out:
+            task = bar.add_task("tokenize", total=sum(s.size for s in sources), docs=0)
+            ndocs = 0
+            for src, res in zip(sources, results):
+                rec = {"path": src.path, "size": src.size, "mtime_ns": src.mtime_ns, "sha256": res["sha256"]}
+                if "skipped" in res:
+                    rec["skipped"] = res["skipped"]
+                else:
+                    data = res["tokens"].tobytes()
+                    out.write(data)
+                    digest.update(data)
+                    num_tokens += len(res["tokens"])
+                    all_lengths.append(res["lengths"])
+                    ndocs += len(res["lengths"])
+                    rec.update(docs=int(len(res["lengths"])), tokens=int(len(res["tokens"])))
+                records.append(rec)
+                bar.update(task, advance=src.size, docs=ndocs)
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)
+    lengths = np.concatenate(all_lengths) if all_lengths else np.empty(0, dtype=np.int64)
+    return records, num_tokens, lengths, digest.hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def dataset_paths(cfg) -> list[Path]:
+    """Where the dataset(s) of `cfg` live: `data.dataset_dir`, or one `part-<i>` under it per blended corpus entry."""
+    d = cfg.data
+    if not d.blend_weights:
+        return [Path(d.dataset_dir)]
+    if len(d.blend_weights) != len(d.corpus) or min(d.blend_weights) <= 0:
+        raise DataError(f"`data.blend_weights={d.blend_weights}` needs one positive weight per `data.corpus` entry "
+                        f"({len(d.corpus)} entries)")
+    return [Path(d.dataset_dir) / f"part-{i}" for i in range(len(d.corpus))]
+
+
+def ensure_dataset(cfg, *, progress: bool = False) -> Path:
+    """Build the dataset(s) of `cfg` (see `dataset_paths`) where missing or stale; returns `data.dataset_dir`.
+
+    Fails with a `DataError` when the tokenizer's vocabulary does not fit `model.vocab_size`.
+    """
+    d = cfg.data
+    paths = dataset_paths(cfg)
+    entries = [[e] for e in d.corpus] if d.blend_weights else [d.corpus]
+    for entry, path in zip(entries, paths):
+        preprocess(entry, d.tokenizer, path, progress=progress)
+    vocab = read_meta(paths[0])["tokenizer"]["vocab_size"]
+    if vocab > cfg.model.vocab_size:
+        raise DataError(f"tokenizer `{d.tokenizer}` has {vocab} ids but `model.vocab_size={cfg.model.vocab_size}`; "
+                        f"set model.vocab_size >= {vocab}")
+    return Path(d.dataset_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common.config import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(prog="python -m services.dataloader.preprocess", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the dataset is up to date")
+    parser.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: automatic)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        d = cfg.data
+        paths = dataset_paths(cfg)
+        entries = [[e] for e in d.corpus] if d.blend_weights else [d.corpus]
+        for entry, path in zip(entries, paths):
+            preprocess(entry, d.tokenizer, path, workers=args.workers, force=args.force, progress=sys.stderr.isatty())
+        ensure_dataset(cfg)  # the vocabulary check; the datasets are up to date by now
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
+        meta = read_meta(path)
+        print(f"{path}: {meta['num_docs']} documents, {meta['num_tokens']} tokens "
+              f"({meta['tokenizer']['kind']} tokenizer, vocab {meta['tokenizer']['vocab_size']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

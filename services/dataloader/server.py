@@ -1,0 +1,213 @@
+"""The dataloader service: streams micro-batches to trainer ranks over ZMQ, answers control calls over gRPC.
+
+    python -m services.dataloader.server --config FILE [section.key=value ...]
+
+ZMQ (ROUTER): clients send `hello` then `credit` messages; the server answers with `micro_batch` messages (a
+`MicroBatchHeader` plus tensor frames, see proto/dataloader.proto) within each client's credits, or one `error`.
+gRPC: `foldmoe.v1.DataLoader` (Status, GetState, ResumeFromState) and `grpc.health.v1.Health`.
+HTTP: Prometheus metrics at `/metrics` (see `metrics.py`).
+Registers as service "dataloader" with {"zmq": ..., "grpc": ..., "metrics": ...} under run `run.name`.
+
+A restarted service (after a crash) starts empty and registers new endpoints; the trainer's `DataClient`s find it in
+the registry and resume it from their last fully received step (see `client.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+import grpc
+import zmq
+
+from proto import dataloader_pb2 as pb
+from proto import dataloader_pb2_grpc as pb_grpc
+from services.common import wire
+from services.common.registry import Registry, redis_url
+from services.dataloader.cp_sizing import allowed_cp_sizes
+from services.dataloader.dataset import IndexedDataset
+from services.dataloader.engine import Engine
+from services.dataloader.errors import DataError
+from services.dataloader.grpc_server import GrpcServer
+from services.dataloader.metrics import MetricsServer
+from services.dataloader.preprocess import dataset_paths, ensure_dataset
+from services.dataloader.tokenizer import load_tokenizer
+
+log = logging.getLogger("dataloader")
+SERVICE_NAME = "foldmoe.v1.DataLoader"
+POLL_MS = 50
+
+
+class _Control(pb_grpc.DataLoaderServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def Status(self, request, context):
+        with self.engine.lock:
+            return self.engine.status()
+
+    def GetState(self, request, context):
+        try:
+            with self.engine.lock:
+                state = self.engine.get_state(request.step if request.HasField("step") else None)
+        except DataError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return pb.DataStreamState(json=json.dumps(state))
+
+    def ResumeFromState(self, request, context):
+        try:
+            with self.engine.lock:
+                step, moved = self.engine.resume(request.state_json, request.dp_size)
+        except DataError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("rank %d resumed at step %d (%s)", request.rank, step, "stream moved" if moved else "already there")
+        return pb.DataResumeReply(start_step=step, reset=moved)
+
+
+class DataLoaderServer:
+    """One service instance; `start()` binds and serves in a background thread, `stop()` tears everything down."""
+
+    def __init__(self, cfg, registry: Registry | None = None, host: str = "127.0.0.1"):
+        self.cfg, self.registry, self.host = cfg, registry, host
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        cp_sizes = allowed_cp_sizes(cfg.parallel)
+        if cfg.data.source == "rollout":
+            self.datasets = []
+            self.engine = Engine([], cfg.data, cp_sizes, make_stream=self._rollout_streams(cfg, cp_sizes, tokenizer))
+        else:
+            ensure_dataset(cfg)
+            self.datasets = [IndexedDataset(p, expect_tokenizer=tokenizer.identity()) for p in dataset_paths(cfg)]
+            self.engine = Engine(self.datasets, cfg.data, cp_sizes)
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._heartbeat = None
+        self.error: BaseException | None = None
+
+    def _rollout_streams(self, cfg, cp_sizes, tokenizer):
+        from services.dataloader.rollout_source import RolloutStepStream, TrajectoryLog
+
+        if not cfg.data.rollout_stream and self.registry is None:
+            raise DataError("`data.source=rollout` needs `data.rollout_stream` or a registry to find the workers' stream")
+        url = self.registry.url if self.registry is not None else redis_url()
+        log_ = TrajectoryLog(url, cfg.data.rollout_stream, self.registry)
+        return lambda dp_size: RolloutStepStream(log_, cfg, dp_size, cp_sizes, tokenizer.pad_id)
+
+    def start(self) -> "DataLoaderServer":
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        port = self._router.bind_to_random_port(f"tcp://{self.host}")
+        self.zmq_endpoint = f"tcp://{self.host}:{port}"
+        self._grpc = GrpcServer([lambda s: pb_grpc.add_DataLoaderServicer_to_server(_Control(self.engine), s)],
+                                [SERVICE_NAME], host=self.host).start()
+        self.grpc_endpoint = self._grpc.endpoint
+        self._metrics = MetricsServer(self.engine, self.host)
+        self.metrics_endpoint = self._metrics.endpoint
+        self._thread = threading.Thread(target=self._serve, name="dataloader-zmq", daemon=True)
+        self._thread.start()
+        if self.registry is not None:
+            self._heartbeat = self.registry.register("dataloader", {"zmq": self.zmq_endpoint, "grpc": self.grpc_endpoint,
+                                                                    "metrics": self.metrics_endpoint})
+        what = (f"{', '.join(str(d.path) for d in self.datasets)} ({sum(len(d) for d in self.datasets)} documents)"
+                if self.datasets else "RL trajectories from the rollout stream")
+        log.info("serving %s on zmq %s, grpc %s, metrics %s", what, self.zmq_endpoint, self.grpc_endpoint,
+                 self.metrics_endpoint)
+        return self
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(POLL_MS):
+                    self._drain()
+                with self.engine.lock:
+                    outgoing = self.engine.pending()
+                for ident, header, tensors in outgoing:
+                    self._router.send_multipart([ident, *wire.encode("micro_batch", header, tensors)], copy=False)
+        except BaseException as e:  # surfaced by wait(): a dead serving thread must not look like a live service
+            self.error = e
+            log.exception("dataloader serving loop failed")
+            self._stop.set()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident = frames[0].bytes
+            try:
+                kind, _, _ = wire.decode(frames[1:])
+                if kind == "hello":
+                    _, msg, _ = wire.decode(frames[1:], pb.DataHello)
+                    with self.engine.lock:
+                        problem = self.engine.hello(ident, msg)
+                    if problem:
+                        self._reply_error(ident, problem)
+                elif kind == "credit":
+                    _, msg, _ = wire.decode(frames[1:], pb.DataCredit)
+                    with self.engine.lock:
+                        rank = self.engine.client_rank(ident)
+                        if rank is None:
+                            self._reply_error(ident, "credit from a client that never said hello; reconnect")
+                        else:
+                            self.engine.credit(rank, msg.credits)
+                else:
+                    self._reply_error(ident, f"unknown message kind {kind!r}")
+            except wire.WireError as e:
+                self._reply_error(ident, f"malformed message: {e}")
+
+    def _reply_error(self, ident: bytes, message: str) -> None:
+        log.warning("client error: %s", message)
+        self._router.send_multipart([ident, *wire.encode("error", pb.DataErrorReply(message=message))])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stopped (or `timeout`); True if stopped."""
+        return self._stop.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._grpc.stop(grace=0.5)
+        self._metrics.stop()
+        self._router.close(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.common.config import ConfigError, load_config
+    from services.common.registry import RegistryError
+
+    parser = argparse.ArgumentParser(prog="python -m services.dataloader.server", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s dataloader %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        server = DataLoaderServer(cfg, Registry(redis_url(), cfg.run.name)).start()
+    except (ConfigError, DataError, RegistryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stop = lambda *_: server._stop.set()  # noqa: E731 -- signal handlers only flip the event; the main thread cleans up
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while not server.wait(1.0):
+        pass
+    server.stop()
+    if server.error is not None:
+        print(f"error: dataloader serving loop failed: {server.error!r}", file=sys.stderr)
+        return 1
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The global stream of optimizer steps: packed sequences -> micro-batches -> per-dp-rank assignment.
+
+One step takes `dp_size * grad_accum * micro_batch_size` packed sequences off the stream; dp rank r receives micro-batches
+r*grad_accum .. (r+1)*grad_accum-1 of the step. The stream position is counted in sequences, not steps, so a state saved
+under one (dp_size, grad_accum, micro_batch_size) resumes exactly under another: no sequence replayed, none skipped.
+
+State (JSON): {"version", "step", "stream": <node state>, "dataset", "blend_weights", "seq_len", "packing_window", "seed"};
+the last five must match the server's, because they define the stream itself.
+
+CP size of a micro-batch (`MicroBatch.cp_size`, sent as `MicroBatchHeader.cp_size` and handed to the trainer as the
+0-dim tensor `cp_size`): the number of context-parallel ranks that must split this micro-batch between them by zigzag
+sharding. With one allowed size (static CP: `parallel.cp_sizes` empty, the size is `parallel.cp`) every micro-batch
+carries that size. With several (dynamic CP), each micro-batch gets the smallest size under the budget
+(`cp_sizing.choose_cp_size`) and the micro-batches of a step are dealt to dp ranks so that their summed work is even.
+Every size divides `parallel.cp` (`cp_sizing.allowed_cp_sizes`): all CP peers of a dp rank receive the dp rank's
+micro-batches, and one sized c runs on an aligned block of c of them. `cp_sizing.place_on_ranks` (spreading the
+micro-batches of a step over the whole DP x CP plane) is not used: it needs a contract where a micro-batch is addressed
+to a block of ranks rather than to a dp rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import Batcher
+
+from services.dataloader.blend import BlendedSequences
+from services.dataloader.cp_sizing import CPBudget, attention_cost, balance_equal_counts, choose_cp_size
+from services.dataloader.dataset import IndexedDataset
+from services.dataloader.errors import DataError
+from services.dataloader.packing import PackedSequences, Sequence
+
+STATE_VERSION = 2  # 2: packing carries part-filled sequences into the next window (a different stream)
+
+
+@dataclass
+class MicroBatch:
+    tensors: dict[str, torch.Tensor]  # tokens, labels, position_ids, cu_seqlens
+    cp_size: int
+    real_tokens: int
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.tensors["cu_seqlens"]) - 1
+
+
+@dataclass
+class Step:
+    index: int
+    per_rank: list[list[MicroBatch]]  # [dp_rank][micro]
+    state_before: dict[str, Any]  # node state at the start of this step
+    state_after: dict[str, Any] = field(default_factory=dict)  # full JSON state just after this step
+
+
+def build_micro_batch(datasets: list[IndexedDataset], sequences: list[Sequence], seq_len: int) -> MicroBatch:
+    """Concatenate `sequences` into one micro-batch in the trainer's contract format (T = len(sequences) * seq_len).
+
+    `datasets[piece.source]` holds each piece's tokens; all datasets share one tokenizer, hence one pad id.
+    """
+    total = len(sequences) * seq_len
+    tokens = np.full(total, datasets[0].pad_id, dtype=np.int64)
+    labels = np.full(total, -100, dtype=np.int64)
+    positions = np.zeros(total, dtype=np.int64)
+    cu = [0]
+    real = 0
+    for b, seq in enumerate(sequences):
+        at, end = b * seq_len, (b + 1) * seq_len
+        for piece in seq:
+            toks = datasets[piece.source].doc(piece.doc)[piece.start:piece.end]
+            n = len(toks) - 1
+            tokens[at:at + n] = toks[:-1]
+            labels[at:at + n] = toks[1:]
+            # A piece of a split document is a document of its own: attention cannot reach the earlier piece.
+            positions[at:at + n] = np.arange(n)
+            at += n
+            cu.append(at)
+        real += at - b * seq_len
+        if at < end:  # the padding run is a segment too, so no document attends to it
+            positions[at:end] = np.arange(end - at)
+            cu.append(end)
+    tensors = {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
+               "position_ids": torch.from_numpy(positions), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    return MicroBatch(tensors, cp_size=1, real_tokens=real)
+
+
+class StepStream:
+    """Produces `Step`s in order from a position; `reset(state)` moves to any saved position."""
+
+    def __init__(self, datasets: list[IndexedDataset], data_cfg, dp_size: int, cp_sizes: list[int] | None = None):
+        """`cp_sizes`: the CP sizes a micro-batch may be given (see the module docstring); None: [1]."""
+        self.datasets, self.cfg, self.dp_size = datasets, data_cfg, dp_size
+        self.cp_sizes = sorted(set(cp_sizes or [1]))
+        tokens = data_cfg.micro_batch_size * data_cfg.seq_len
+        for c in self.cp_sizes:
+            if c < 1 or (c > 1 and tokens % (2 * c)):
+                raise DataError(f"a micro-batch of data.micro_batch_size*data.seq_len = {tokens} tokens cannot be cut "
+                                f"into 2*cp = {2 * c} equal zigzag chunks; make it a multiple of {2 * max(self.cp_sizes)}")
+        self.budget = CPBudget(data_cfg.cp_max_tokens_per_rank, data_cfg.cp_max_attn_per_rank)
+        self.sequences = self._sequences()
+        per_step = dp_size * data_cfg.grad_accum * data_cfg.micro_batch_size
+        self.node = Batcher(self.sequences, batch_size=per_step, drop_last=True)
+        self.step = 0
+        self.node.reset(None)
+        self.initial_node_state = self.node.state_dict()
+
+    def _sequences(self):
+        """The node of packed sequences this stream cuts into steps."""
+        datasets, cfg = self.datasets, self.cfg
+        if len({str(d.meta["tokenizer"]) for d in datasets}) != 1:
+            raise DataError("blended datasets were tokenized with different tokenizers; preprocess them with one")
+        self._sources = [PackedSequences(d.doc_lengths, cfg.seq_len, cfg.packing_window, cfg.seed, i)
+                         for i, d in enumerate(datasets)]
+        if cfg.blend_weights:
+            return BlendedSequences(self._sources, list(cfg.blend_weights), cfg.seed)
+        if len(self._sources) == 1:
+            return self._sources[0]
+        raise DataError(f"{len(datasets)} datasets need `data.blend_weights` (one weight each)")
+
+    def identity(self) -> dict[str, Any]:
+        return {"dataset": "+".join(d.fingerprint for d in self.datasets),
+                "blend_weights": list(self.cfg.blend_weights), "seq_len": self.cfg.seq_len,
+                "packing_window": self.cfg.packing_window, "seed": self.cfg.seed}
+
+    def state(self) -> dict[str, Any]:
+        """Position before the next step this stream will produce."""
+        return {"version": STATE_VERSION, "step": self.step, "stream": self.node.state_dict(), **self.identity()}
+
+    def check(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise DataError(f"not a version-{STATE_VERSION} dataloader state: {str(state)[:200]}")
+        mine = self.identity()
+        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if diff:
+            raise DataError("dataloader state was saved for another stream (saved, now): "
+                            + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items())
+                            + "; resume with the data config and dataset it was saved with")
+
+    def reset(self, state: dict[str, Any] | None) -> None:
+        if state is None:
+            self.node.reset(None)
+            self.step = 0
+            return
+        self.check(state)
+        self.node.reset(state["stream"])
+        self.step = int(state["step"])
+
+    def next_step(self) -> Step:
+        before = self.node.state_dict()
+        seqs = next(self.node)
+        mbs, ga = self.cfg.micro_batch_size, self.cfg.grad_accum
+        micro = [self.build(seqs[i:i + mbs]) for i in range(0, len(seqs), mbs)]
+        if len(self.cp_sizes) > 1:
+            per_rank = self._size_and_balance(micro)
+        else:
+            for mb in micro:
+                mb.cp_size = self.cp_sizes[0]
+            per_rank = [micro[r * ga:(r + 1) * ga] for r in range(self.dp_size)]
+        step = Step(self.step, per_rank, before)
+        self.step += 1
+        step.state_after = self.state()
+        return step
+
+    def build(self, sequences: list[Sequence]) -> MicroBatch:
+        return build_micro_batch(self.datasets, sequences, self.cfg.seq_len)
+
+    def ready(self) -> bool:
+        """Whether `next_step` can run without waiting for input (a corpus always can)."""
+        return True
+
+    def release(self, state: dict[str, Any]) -> None:
+        """Every rank has moved past the position `state` (a node state): input before it may be discarded."""
+
+    def _size_and_balance(self, micro: list[MicroBatch]) -> list[list[MicroBatch]]:
+        costs = []
+        for mb in micro:
+            cu = mb.tensors["cu_seqlens"]
+            lengths = (cu[1:] - cu[:-1]).tolist()
+            mb.cp_size = choose_cp_size(lengths, self.cp_sizes, self.budget)
+            # Work per rank in token-equivalents: the linear part (tokens) plus attention scaled so that documents of
+            # seq_len tokens weigh as much again; both shrink with the CP size.
+            costs.append((sum(lengths) + attention_cost(lengths) / self.cfg.seq_len) / mb.cp_size)
+        groups = balance_equal_counts(costs, self.dp_size, self.cfg.grad_accum)
+        return [[micro[i] for i in g] for g in groups]
+
+    @property
+    def efficiency(self) -> float:
+        return self.sequences.efficiency
+
+    @property
+    def epoch(self) -> int:
+        return min(int(s.get_state()["epoch"]) for s in self._sources)

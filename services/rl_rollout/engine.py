@@ -1,0 +1,144 @@
+"""Batched autoregressive generation with a KV cache and continuous batching.
+
+`Engine.generate(requests)` keeps up to `max_batch` sequences decoding together. A sequence leaves the batch the step it
+finishes (EOS, a stop string, or its token limit) and a waiting prompt takes its cache slot at the next step, so a long
+completion never holds a batch of short ones hostage. Prompts that join together are prefilled together as one packed
+batch.
+
+Each completion carries the log-prob of every sampled token (see `sampling.py` for which distribution) and the experts
+every MoE layer chose for every token the model was fed (prompt and completion but the last token, which is never fed):
+routing [moe layers, len(prompt) + len(completion) - 1, top_k], what the trainer replays when it recomputes log-probs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from services.rl_rollout.kv_cache import CachedDecoder
+from services.rl_rollout.sampling import SamplingParams, sample
+from services.trainer.model.transformer import MoETransformer
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve as configured."""
+
+
+@dataclass
+class Request:
+    prompt_tokens: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    tag: Any = None  # returned unchanged on the completion (e.g. group id and sample index)
+
+
+@dataclass
+class Completion:
+    tag: Any
+    prompt_tokens: list[int]
+    tokens: list[int]  # sampled tokens, including the EOS or the token that completed a stop string
+    logprobs: list[float]  # one per sampled token
+    routing: torch.Tensor  # [moe layers, len(prompt_tokens) + len(tokens) - 1, top_k] int64 expert ids
+    finish_reason: str  # "eos", "stop" or "length"
+    text: str = ""
+
+
+@dataclass
+class _Running:
+    index: int
+    request: Request
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routing: list[torch.Tensor] = field(default_factory=list)
+
+
+class Engine:
+    """Generation over a model that the caller owns (and may reload weights into between `generate` calls)."""
+
+    def __init__(self, model: MoETransformer, tokenizer, max_batch: int = 32, max_seq_len: int = 256, seed: int = 0):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.cache = CachedDecoder(model, max_batch, max_seq_len)
+        self.generator = torch.Generator(self.cache.device).manual_seed(seed)
+
+    def close(self) -> None:
+        self.cache.close()
+
+    def generate(self, requests: list[Request],
+                 on_complete: Callable[[Completion], None] | None = None) -> list[Completion]:
+        """Completions in request order; `on_complete` is also called as each one finishes (in finishing order)."""
+        for r in requests:
+            need = len(r.prompt_tokens) + r.params.max_tokens
+            if not r.prompt_tokens or need > self.max_seq_len:
+                raise EngineError(f"a prompt of {len(r.prompt_tokens)} tokens with max_tokens={r.params.max_tokens} "
+                                  f"needs {need} cache positions; the engine has max_seq_len={self.max_seq_len} "
+                                  "(raise rl.max_seq_len or shorten prompts)")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._run(requests, on_complete)
+        finally:
+            self.model.train(was_training)
+
+    def _run(self, requests, on_complete):
+        waiting = deque(enumerate(requests))
+        running: dict[int, _Running] = {}  # slot -> sequence
+        done: list[Completion | None] = [None] * len(requests)
+
+        def finish(slot: int, reason: str) -> None:
+            seq = running.pop(slot)
+            c = Completion(seq.request.tag, list(seq.request.prompt_tokens), seq.tokens, seq.logprobs,
+                           torch.cat(seq.routing, dim=1), reason, self.tokenizer.decode(seq.tokens))
+            done[seq.index] = c
+            if on_complete is not None:
+                on_complete(c)
+
+        while waiting or running:
+            free = [s for s in range(self.max_batch) if s not in running]
+            joining = []
+            while waiting and free:
+                index, req = waiting.popleft()
+                slot = free.pop(0)
+                running[slot] = _Running(index, req)
+                joining.append(slot)
+            if joining:
+                logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in joining], joining)
+                lens = [len(running[s].request.prompt_tokens) for s in joining]
+                for s, r in zip(joining, routing.split(lens, dim=1)):
+                    running[s].routing.append(r)
+                self._append(joining, logits, running, finish)
+            stepping = [s for s in running if s not in joining]
+            if stepping:
+                seqs = [running[s] for s in stepping]
+                positions = [len(q.request.prompt_tokens) + len(q.tokens) - 1 for q in seqs]
+                logits, routing = self.cache.decode([q.tokens[-1] for q in seqs], stepping, positions)
+                for i, q in enumerate(seqs):
+                    q.routing.append(routing[:, i:i + 1])
+                self._append(stepping, logits, running, finish)
+        return done
+
+    def _append(self, slots: list[int], logits: torch.Tensor, running: dict[int, _Running], finish) -> None:
+        tokens, logprobs = sample(logits, [running[s].request.params for s in slots], self.generator)
+        for s, t, lp in zip(slots, tokens.tolist(), logprobs.tolist()):
+            seq = running[s]
+            seq.tokens.append(t)
+            seq.logprobs.append(lp)
+            reason = self._finished(seq)
+            if reason:
+                finish(s, reason)
+
+    def _finished(self, seq: _Running) -> str:
+        p = seq.request.params
+        if p.stop_at_eos and seq.tokens[-1] == self.tokenizer.eos_id:
+            return "eos"
+        if p.stop:
+            # Only the tail can hold a newly completed stop string; a token decodes to at least one character (or a
+            # fragment of one), so 4 tokens per character of the longest stop string is always enough.
+            tail = self.tokenizer.decode(seq.tokens[-4 * max(len(s) for s in p.stop) - 4:])
+            if any(s in tail for s in p.stop):
+                return "stop"
+        if len(seq.tokens) >= p.max_tokens:
+            return "length"
+        return ""

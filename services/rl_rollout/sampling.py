@@ -1,0 +1,58 @@
+"""Next-token sampling for a batch of rows, each with its own temperature / top-k / top-p.
+
+The log-prob recorded for a sampled token is taken under the temperature-scaled distribution *before* top-k/top-p
+truncation: that is the density the trainer can recompute from logits alone (it divides by the same temperature), so the
+train/rollout importance ratio compares like with like. Truncation only decides which tokens may be drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy (argmax); log-probs are then those of the unscaled logits
+    top_p: float = 1.0  # nucleus: keep the smallest set of tokens whose probability reaches top_p (1: off)
+    top_k: int = 0  # keep the k most likely tokens (0: off)
+    max_tokens: int = 16  # completion length limit
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop once the completion text contains one of these
+    stop_at_eos: bool = True
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.max_tokens < 1:
+            raise ValueError(f"need top_k >= 0 and max_tokens >= 1, got top_k={self.top_k}, max_tokens={self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError(f"an empty stop string would end every completion at its first token (stop={self.stop!r}); "
+                             "remove it from rl.stop")
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (tokens [B] int64, log-probs [B] fp32 of those tokens)."""
+    logits = logits.float()
+    B, V = logits.shape
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)
+    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    greedy = temp <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=dev)[None, :]
+    drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # A token is dropped when the tokens ranked above it already reach top_p; the most likely token always stays.
+    drop |= (top_p[:, None] < 1) & ((probs.cumsum(-1) - probs) >= top_p[:, None])
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drawn = order.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

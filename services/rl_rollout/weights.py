@@ -1,0 +1,170 @@
+"""Worker side of policy weight sync: pull the trainer's newest weights between batches, within a staleness bound.
+
+The trainer serves versioned weights (`services/trainer/rl/weight_publisher.py`; the exchange is the weight messages of
+`proto/rollout.proto`) and registers the endpoint as service "rl_weights" {"zmq": endpoint}. `WeightReceiver` pulls one
+chunk per request (memory bounded by a chunk). `PolicyWeights` swaps the weights into the rollout model between batches
+and enforces the staleness bound: it never lets the worker generate with weights more than `max_staleness` versions
+behind the newest published, waiting for a newer version instead.
+
+Versions count the trainer's optimizer steps, so they are only comparable within one trainer incarnation: a trainer
+that restarts from a checkpoint publishes from that checkpoint's step again, on a new endpoint. `PolicyWeights` looks
+the publisher up in the registry whenever the one it knows does not answer, and on a new endpoint forgets its version
+(weights of a timeline the trainer abandoned are not a few versions behind: they are not the policy at all).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import zmq
+
+from proto import rollout_pb2 as pb
+from services.common import wire
+
+log = logging.getLogger("rl_rollout.weights")
+
+
+class WeightSyncError(RuntimeError):
+    """The publisher did not answer, or answered something that is not the weights asked for."""
+
+
+class VersionGone(WeightSyncError):
+    """The version being pulled was superseded before all its chunks arrived."""
+
+
+class SyncStopped(WeightSyncError):
+    """The worker is stopping; the request was abandoned."""
+
+
+class WeightReceiver:
+    """Pulls manifests and chunks from one publisher endpoint. A set `stop` event abandons a wait within 0.1 s."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 30.0, stop: threading.Event | None = None):
+        self.endpoint, self.timeout_s, self.stop = endpoint, timeout_s, stop
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.REQ)
+        # A lost reply (publisher restarted) must not wedge the REQ state machine: allow re-sending after a timeout.
+        self._sock.setsockopt(zmq.REQ_RELAXED, 1)
+        self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+
+    def _ask(self, kind: str, req: pb.WeightsRequest, reply_type):
+        wire.send(self._sock, kind, req)
+        # Short polls rather than one blocking receive: a worker told to stop must not sit out the whole timeout.
+        deadline = time.monotonic() + self.timeout_s
+        while not self._sock.poll(100, zmq.POLLIN):
+            if self.stop is not None and self.stop.is_set():
+                raise SyncStopped("stopping")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"the weight publisher at {self.endpoint} did not answer within "
+                                      f"{self.timeout_s:.0f}s; is the trainer running?")
+        frames = self._sock.recv_multipart(copy=False)
+        got, _, _ = wire.decode(frames)
+        if got == "weights_error":
+            _, err, _ = wire.decode(frames, pb.WeightsError)
+            raise (VersionGone if err.version_gone else WeightSyncError)(f"weight publisher: {err.message}")
+        return wire.decode(frames, reply_type)
+
+    def latest(self) -> pb.WeightsManifest:
+        _, manifest, _ = self._ask("weights_latest", pb.WeightsRequest(), pb.WeightsManifest)
+        return manifest
+
+    def fetch(self, manifest: pb.WeightsManifest) -> dict[str, torch.Tensor]:
+        """All chunks of the version in `manifest`, reassembled into full tensors (raises VersionGone if superseded)."""
+        flats: dict[str, torch.Tensor] = {}
+        shapes: dict[str, list[int]] = {}
+        for i in range(manifest.num_chunks):
+            _, chunk, tensors = self._ask("weights_chunk", pb.WeightsRequest(version=manifest.version, chunk=i),
+                                          pb.WeightsChunk)
+            for j, piece in enumerate(chunk.pieces):
+                part = tensors[str(j)]
+                if piece.name not in flats:
+                    shapes[piece.name] = list(piece.shape)
+                    flats[piece.name] = torch.empty(int(torch.Size(piece.shape).numel()), dtype=part.dtype)
+                flats[piece.name][piece.offset:piece.offset + piece.numel] = part
+        return {name: flat.view(shapes[name]) for name, flat in flats.items()}
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class PolicyWeights:
+    """The rollout model's weights and the version they are. Call `refresh()` between batches.
+
+    `receiver`: a fixed publisher; or `locate`: returns the current publisher's endpoint (None while there is none),
+    asked before every refresh so that a new trainer is followed.
+    """
+
+    def __init__(self, model: torch.nn.Module, receiver: WeightReceiver | None, max_staleness: int,
+                 poll_s: float = 0.2, locate: Callable[[], str | None] | None = None,
+                 stop: threading.Event | None = None, timeout_s: float = 30.0):
+        if receiver is None and locate is None:
+            raise ValueError("PolicyWeights needs a receiver or a way to locate the publisher")
+        self.model, self.receiver, self.locate = model, receiver, locate
+        self.max_staleness, self.poll_s, self.stop, self.timeout_s = max_staleness, poll_s, stop, timeout_s
+        self.version = -1
+        self.latest_seen = -1
+
+    def behind(self) -> int:
+        return self.latest_seen - self.version
+
+    def _follow_publisher(self) -> None:
+        endpoint = self.locate() if self.locate is not None else None
+        if not endpoint or (self.receiver is not None and endpoint == self.receiver.endpoint):
+            return
+        if self.receiver is not None:
+            log.info("the weight publisher moved to %s (a new trainer): version %d is no longer the policy",
+                     endpoint, self.version)
+            self.receiver.close()
+        self.receiver = WeightReceiver(endpoint, self.timeout_s, self.stop)
+        self.version = self.latest_seen = -1
+
+    def _stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    def refresh(self, timeout_s: float | None = None) -> bool:
+        """Load the newest published weights if they are newer than ours.
+
+        Returns once our weights are at most `max_staleness` versions behind the newest seen. A worker that cannot get
+        newer weights (the publisher is unreachable, or supersedes versions faster than they can be pulled) keeps
+        generating while within the bound and waits, retrying, once beyond it. Returns False only when `stop` is set or
+        `timeout_s` passes before the bound is met.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        waiting_logged = False
+        while True:
+            self._follow_publisher()
+            try:
+                if self.receiver is not None:
+                    manifest = self.receiver.latest()
+                    self.latest_seen = max(self.latest_seen, manifest.version)
+                    if manifest.version > self.version:
+                        self.model.load_state_dict(self.receiver.fetch(manifest))
+                        self.version = manifest.version
+                        log.info("loaded weights version %d (%.1f MB)", self.version, manifest.total_bytes / 1e6)
+            except VersionGone:
+                continue  # superseded mid-pull: pull the newer one now
+            except SyncStopped:
+                return False
+            except WeightSyncError as e:
+                log.warning("weights not refreshed (version %d, newest seen %d): %s", self.version, self.latest_seen, e)
+            if self.version >= 0 and self.behind() <= self.max_staleness:
+                return True
+            if self._stopped() or (deadline is not None and time.monotonic() > deadline):
+                return False
+            if not waiting_logged and self.version < 0:
+                log.info("waiting for the trainer's first weights (registry service 'rl_weights')")
+                waiting_logged = True
+            if self.stop is not None:
+                self.stop.wait(self.poll_s)
+            else:
+                time.sleep(self.poll_s)
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,156 @@
+"""The rollout worker: pulls policy weights, generates groups of samples per prompt, scores them, publishes the groups.
+
+    python -m services.rl_rollout.worker --config FILE [section.key=value ...]
+
+Registers itself at once as service "rollout" with {"stream": <Redis stream key>, "worker": <id>} (the launcher waits
+for that before it starts the trainer, and the trainer learns the stream from it), then loops until SIGTERM/SIGINT:
+wait while the stream backlog is full -> refresh weights from the trainer's publisher (registry service "rl_weights",
+record {"zmq": endpoint}; bounded staleness, `weights.PolicyWeights`) -> generate `rl.prompts_per_batch` prompts x
+`rl.group_size` samples with one engine batch -> publish each group (XADD) as soon as its last sample finishes. Every
+group records the weights version that generated it. Several workers may run at once; a worker that dies loses only
+the groups it had not finished, and a restarted one starts from the trainer's current weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.config import Config, ConfigError, load_config
+from services.common.registry import Registry, RegistryError, redis_url
+from services.dataloader.tokenizer import load_tokenizer
+from services.rl_rollout.engine import Completion, Engine, Request
+from services.rl_rollout.publish import TrajectoryStream, encode_group
+from services.rl_rollout.rewards import get_task
+from services.rl_rollout.sampling import SamplingParams
+from services.rl_rollout.weights import PolicyWeights
+from services.trainer.model.transformer import MoETransformer
+
+log = logging.getLogger("rl_rollout")
+
+
+@dataclass
+class _Pending:
+    prompt: str
+    meta: dict
+    done: list[Completion | None] = field(default_factory=list)
+
+
+def rollout_device(cfg: Config) -> torch.device:
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("`run.device=cuda` but no CUDA device is visible; use run.device=cpu or auto")
+    return torch.device("cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+class RolloutWorker:
+    def __init__(self, cfg: Config, registry: Registry, worker_id: str | None = None,
+                 stop: threading.Event | None = None):
+        self.cfg, self.registry = cfg, registry
+        self.stop = stop or threading.Event()
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        rl = cfg.rl
+        self.task = get_task(rl.task)  # KeyError names the registered tasks
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but `model.vocab_size={cfg.model.vocab_size}`")
+        self.device = rollout_device(cfg)
+        # bf16 on GPU is the rollout precision; CPU runs fp32 (as training does there).
+        dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
+        self.model = MoETransformer(cfg.model).to(device=self.device, dtype=dtype).eval()
+        self.engine = Engine(self.model, self.tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed)
+        self.params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
+                                     max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
+        self.rng = random.Random(f"{cfg.run.seed}:{self.worker_id}")
+        self.stream = TrajectoryStream(registry.url, registry.run)
+        self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
+        self.groups_published = 0
+        self._heartbeat = registry.register("rollout", {"stream": self.stream.key, "worker": self.worker_id},
+                                            instance=self.worker_id)
+
+    def _publisher(self) -> str | None:
+        """The newest trainer's weight endpoint (a dead trainer's record outlives it by at most the heartbeat TTL)."""
+        records = [r for r in self.registry.lookup("rl_weights") if r.get("zmq")]
+        return max(records, key=lambda r: r.get("started", 0))["zmq"] if records else None
+
+    def run(self, max_groups: int | None = None) -> None:
+        while not self.stop.is_set() and (max_groups is None or self.groups_published < max_groups):
+            # Throttle first, refresh second: weights are pulled right before they are used, not before a wait.
+            while self.stream.backlog() >= self.cfg.rl.max_queued_groups:
+                if self.stop.wait(0.1):
+                    return
+            if not self.policy.refresh():
+                return
+            self.run_batch()
+
+    def run_batch(self) -> None:
+        rl, version = self.cfg.rl, self.policy.version
+        pending = [_Pending(*self.task.make_prompt(self.rng, rl.difficulty)) for _ in range(rl.prompts_per_batch)]
+        requests = []
+        for g, p in enumerate(pending):
+            p.done = [None] * rl.group_size
+            requests += [Request(self.tokenizer.encode(p.prompt), self.params, tag=(g, i)) for i in range(rl.group_size)]
+        t0 = time.perf_counter()
+        rewards: list[float] = []
+
+        def complete(c: Completion) -> None:
+            g, i = c.tag
+            group = pending[g]
+            group.done[i] = c
+            if all(d is not None for d in group.done):
+                rewards.extend(self._publish(group, version))
+
+        completions = self.engine.generate(requests, on_complete=complete)
+        tokens = sum(len(c.tokens) for c in completions)
+        log.info("version %d: %d groups, %d tokens in %.2fs, mean reward %.3f", version, len(pending), tokens,
+                 time.perf_counter() - t0, sum(rewards) / max(1, len(rewards)))
+
+    def _publish(self, group: _Pending, version: int) -> list[float]:
+        rewards = [float(self.task.reward(group.prompt, c.text, group.meta)) for c in group.done]
+        msg = encode_group(f"{self.worker_id}:{self.groups_published}", self.worker_id, version, self.task.name,
+                           group.prompt, group.meta, self.params.temperature, group.done, rewards)
+        self.stream.publish(msg)
+        self.groups_published += 1
+        return rewards
+
+    def close(self) -> None:
+        self._heartbeat.stop()
+        self.engine.close()
+        self.policy.close()
+        self.stream.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.rl_rollout.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        cfg = load_config(args.config, args.overrides)
+        worker = RolloutWorker(cfg, Registry(redis_url(), cfg.run.name), stop=stop)
+    except (ValueError, RegistryError, KeyError) as e:  # ConfigError is a ValueError; KeyError: an unknown rl.task
+        print(f"rollout: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        worker.run()
+    finally:
+        worker.close()
+    log.info("stopped after %d groups", worker.groups_published)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""What the trainer puts into a checkpoint and takes back out of one.
+
+Names are global and layout-free (`model/<param>`, `optim/<param>/exp_avg`, ...): a checkpoint stores each tensor's global
+shape and every saved piece's offsets, so a run with another parallel layout reads exactly the slice it owns.
+
+Per save the trainer is held only while the device-to-host copies are *enqueued* (services/checkpointer/snapshot.py):
+- `attach` (once, after the model and optimizer exist) allocates the pinned host buffers in the background and installs
+  `Snapshotter.fence` as an optimizer step pre-hook, so the next optimizer step never overwrites a tensor whose copy
+  is still in flight;
+- with `checkpoint.on_busy=skip` every rank skips the same saves (`should_skip` all-reduces the busy flag).
+
+Which piece of which global tensor this rank saves is decided by `state_shards`, the one entry point: one rank (or plain
+data parallel) saves every tensor whole, written by rank 0; a folded layout (`groups` given) takes each parameter's box
+and the ZeRO-1 moments from services/trainer/parallel/checkpoint_shards.py, so each set of replicas is written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.checkpointer.arena import TensorSpec
+from services.checkpointer.load import CheckpointError, find_latest_valid, load_checkpoint
+from services.checkpointer.shard import Shard
+from services.checkpointer.snapshot import Snapshotter, specs_of
+from services.common.config import Config
+from services.common.registry import Registry
+
+log = logging.getLogger("foldmoe.trainer")
+
+
+class CheckpointLoadError(RuntimeError):
+    """The checkpoint to resume from exists but does not fit this run."""
+
+
+def connect(registry: Registry, cfg: Config, rank: int, world_size: int) -> Snapshotter:
+    # One session per trainer incarnation, identical on all its ranks: torchrun's run id and restart count.
+    session = f"{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    return Snapshotter(registry=registry, rank=rank, world_size=world_size, on_busy=cfg.checkpoint.on_busy,
+                       session=session, host_buffers=cfg.checkpoint.host_buffers)
+
+
+def due(cfg: Config, step: int) -> bool:
+    every = cfg.checkpoint.interval
+    return step == cfg.run.steps or (every > 0 and step % every == 0)
+
+
+# ---------------------------------------------------------------- what a rank saves
+
+
+def _param_shard(name: str, t: torch.Tensor, rank: int) -> Shard:
+    """One rank, or plain data parallel: every rank holds every tensor whole, rank 0 writes it."""
+    return Shard(t.detach(), replicated=True, writer=rank == 0)
+
+
+def _like_param(box: Shard, value: torch.Tensor) -> Shard:
+    """Optimizer state shaped like its parameter lives in the parameter's box; a scalar (Adam's `step`) is one global
+    value written by the rank that writes the parameter's first box."""
+    if value.ndim == 0 or value.numel() == 1 and value.shape != box.tensor.shape:
+        first = all(o == 0 for o in box.offsets)
+        return Shard(value.reshape(1), replicated=True, writer=box.written and first)
+    return Shard(value.detach().view(box.tensor.shape), box.global_shape, box.offsets, replicated=True,
+                 writer=box.writer)
+
+
+def _predicted_adam_state(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """What torch's Adam/AdamW will create for `p` at its first step, as meta tensors (shapes and dtypes only), so
+    the host buffers can be allocated before the first step. Other optimizers: nothing (the first save allocates)."""
+    if "betas" not in optimizer.defaults:
+        return {}
+    like = torch.empty(p.shape, dtype=p.dtype, device="meta")
+    state = {"step": torch.empty((), dtype=torch.float32, device="meta"), "exp_avg": like, "exp_avg_sq": like}
+    if optimizer.defaults.get("amsgrad"):
+        state["max_exp_avg_sq"] = like
+    return state
+
+
+def state_shards(model: nn.Module, optimizer: Any, rank: int, groups: Any = None,
+                 predict: bool = False) -> dict[str, Shard]:
+    """Every tensor this rank contributes to a checkpoint, by global name, with its box in the global tensor.
+
+    `groups`: the run's ParallelGroups for a folded layout (services/trainer/parallel/checkpoint_shards.py names each
+    parameter's box and gathers the ZeRO-1 moments into boxes); None for one rank or plain data parallel.
+    `predict`: fill optimizer state that does not exist yet (before the first step) with meta tensors of the shapes
+    it will have (see `attach`).
+    """
+    if groups is not None:
+        from services.trainer.parallel import checkpoint_shards as parallel
+        from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
+
+        shards = parallel.model_shards(model, groups)
+        if isinstance(optimizer, DistributedOptimizer):
+            shards.update(parallel.optimizer_shards(optimizer, groups))
+            optimizer = None
+    else:
+        shards = {f"model/{n}": _param_shard(n, t, rank) for n, t in model.state_dict(keep_vars=True).items()}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        names = {id(p): n for n, p in model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p) or (_predicted_adam_state(p, optimizer) if predict else {})
+                box = shards[f"model/{names[id(p)]}"]
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        shards[f"optim/{names[id(p)]}/{key}"] = _like_param(box, value)
+    elif optimizer is not None:
+        raise TypeError(f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: neither a "
+                        "torch.optim.Optimizer nor the parallel DistributedOptimizer")
+    # RNG streams differ per rank, so each rank saves its own under its rank's name.
+    shards[f"rng/rank{rank}/torch_cpu"] = Shard(torch.get_rng_state())
+    if torch.cuda.is_available():
+        shards[f"rng/rank{rank}/torch_cuda"] = Shard(torch.cuda.get_rng_state())
+    return shards
+
+
+def expected_specs(model: nn.Module, optimizer: Any, rank: int, groups: Any = None) -> dict[str, TensorSpec]:
+    """The host buffers the saves of this run need, known before the first optimizer step."""
+    return specs_of(state_shards(model, optimizer, rank, groups, predict=True))
+
+
+# ---------------------------------------------------------------- saving
+
+
+def attach(saver: Snapshotter, model: nn.Module, optimizer: Any, rank: int, groups: Any = None) -> None:
+    """Call once the model and optimizer exist (and state was restored): starts allocating the pinned host buffers in
+    the background and orders every snapshot's copies before the optimizer step that would overwrite the tensors."""
+    if getattr(saver, "_attached_to", None) is optimizer:
+        return
+    saver._attached_to = optimizer
+    register = getattr(optimizer, "register_step_pre_hook", None)
+    if register is not None:
+        register(lambda *_: saver.fence())
+    else:
+        # Without a hook the copies must be complete when `save` returns: correct, but the stall is the copy time.
+        saver.sync_copy = True
+        log.warning("%s has no register_step_pre_hook: checkpoint copies are synchronous; call saver.fence() right "
+                    "before its step and set saver.sync_copy=False to overlap them", type(optimizer).__name__)
+    saver.prepare(expected_specs(model, optimizer, rank, groups))
+
+
+def should_skip(saver: Snapshotter) -> bool:
+    """With on_busy="skip": True on every rank when any rank's buffers are all busy (a save that only some ranks
+    make can never commit). One all-reduce per save step, issued by every rank since they share the config."""
+    if saver.on_busy != "skip":
+        return False
+    busy = saver.busy
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([1 if busy else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        busy = bool(flag.item())
+    return busy
+
+
+def save(saver: Snapshotter, cfg: Config, model: nn.Module, optimizer: Any, data, step: int,
+         groups: Any = None) -> float:
+    """Hands the state to the checkpointer; returns the stall (seconds the trainer was held: enqueuing the copies)."""
+    t0 = time.perf_counter()
+    attach(saver, model, optimizer, saver.rank, groups)  # no-op once the trainer attached at start-up
+    if should_skip(saver):
+        if saver.rank == 0:
+            print(f"trainer: checkpoint of step {step} skipped: the previous save is still being written "
+                  "(checkpoint.on_busy=skip)", file=sys.stderr)
+        return time.perf_counter() - t0
+    extra = {"step": step, "data": data.state(), "config": cfg.to_dict()}
+    saver.save(step, state_shards(model, optimizer, saver.rank, groups), extra, skip_if_busy=False)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- restoring
+
+
+def _read_whole(ckpt, name: str, like: torch.Tensor) -> torch.Tensor:
+    """`name` whole, shaped like `like`: w13 saved by an ETP layout as [E, h, 2, f] is the same bytes as [E, h, 2f]."""
+    t = ckpt.read(name)
+    if t.numel() != like.numel():
+        raise CheckpointLoadError(f"{name!r} is saved as {list(t.shape)} but this run holds it as {list(like.shape)}")
+    return t.reshape(like.shape)
+
+
+def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    try:
+        model_state = {k: _read_whole(ckpt, f"model/{k}", t) for k, t in model.state_dict().items()}
+        model.load_state_dict(model_state)
+    except (KeyError, RuntimeError, CheckpointError) as e:
+        raise CheckpointLoadError(f"checkpoint {path} does not match this model ({e}); "
+                                  "point checkpoint.dir elsewhere or set checkpoint.resume=false") from None
+    for name, p in model.named_parameters():
+        state = {}
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            full = f"optim/{name}/{key}"
+            if full in saved:
+                t = ckpt.read(full).reshape(()) if key == "step" else _read_whole(ckpt, full, p)
+                # fused AdamW keeps `step` on the parameter's device, the default one on the host
+                on_device = key != "step" or optimizer.defaults.get("fused")
+                state[key] = t.to(p.device if on_device else "cpu")
+        if state:
+            optimizer.state[p] = state
+
+
+def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, data, rank: int,
+            groups: Any = None) -> int:
+    """Loads the newest valid checkpoint (if resuming and one exists); returns the step to start from."""
+    if not cfg.checkpoint.resume:
+        return 0
+    path = find_latest_valid(cfg.checkpoint.dir)
+    if path is None:
+        return 0
+    ckpt = load_checkpoint(path)
+    saved = set(ckpt.names())
+    if groups is not None:  # a folded layout reads its own boxes, whatever layout wrote them
+        from services.trainer.parallel import checkpoint_shards as parallel
+
+        try:
+            parallel.load_shards(ckpt, model, optimizer, groups)
+        except (KeyError, ValueError, RuntimeError, CheckpointError) as e:
+            raise CheckpointLoadError(f"checkpoint {path} does not fit this model and layout ({e})") from None
+    else:
+        _restore_whole(ckpt, path, saved, model, optimizer)
+    if f"rng/rank{rank}/torch_cpu" in saved:
+        torch.set_rng_state(ckpt.read(f"rng/rank{rank}/torch_cpu"))
+    if f"rng/rank{rank}/torch_cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ckpt.read(f"rng/rank{rank}/torch_cuda"))
+    data.resume(ckpt.extra["data"])
+    step = int(ckpt.extra["step"])
+    if rank == 0:
+        print(f"trainer: resumed from {path} at step {step}", file=sys.stderr)
+    return step

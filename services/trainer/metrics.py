@@ -1,0 +1,73 @@
+"""Model FLOPs, MFU and the per-step record the trainer prints and exports."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from services.common.config import ModelConfig
+
+# Dense bf16 tensor-core peaks from the datasheets (TFLOP/s, no sparsity).
+DATASHEET_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters a token actually multiplies with: attention, its MLP or top-k experts + shared, router, output layer."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    attn = h * d * (cfg.num_heads * 2 + cfg.num_kv_heads * 2)
+    dense = 3 * h * cfg.ffn_hidden_size
+    moe = 3 * h * cfg.moe_ffn_hidden_size * cfg.top_k + 3 * h * cfg.shared_expert_ffn_hidden_size + h * cfg.num_experts
+    n_moe = cfg.num_layers - cfg.first_k_dense
+    return cfg.num_layers * attn + cfg.first_k_dense * dense + n_moe * moe + h * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """6·N_active + 6·L·heads·head_dim·seq (the attention score/value GEMMs, forward + backward)."""
+    return 6.0 * active_params(cfg) + 6.0 * cfg.num_layers * cfg.num_heads * cfg.kv_channels * seq_len
+
+
+def datasheet_peak(device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in DATASHEET_PEAK_TFLOPS.items() if k in name), 0.0)
+
+
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """Best achieved dense GEMM rate on this device right now: the honest denominator for MFU next to the datasheet's."""
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * n**3 / best / 1e12
+
+
+class MetricsLog:
+    """Appends one JSON record per step (for plotting) and keeps the running totals."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = self.path.open("a") if self.path else None
+
+    def write(self, record: dict) -> None:
+        if self._fh:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh:
+            self._fh.close()

@@ -1,0 +1,80 @@
+"""GQA self-attention over packed sequences: tokens attend causally within their own document only.
+
+The packed micro-batch is one flat [T, hidden] tensor with `cu_seqlens` marking document boundaries. On CUDA the core is
+`torch.nn.attention.varlen.varlen_attn` (flash attention on variable-length segments, no T×T mask); elsewhere, SDPA with an
+explicit block-diagonal causal mask, which is exact and fine for the small shapes tests use.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.config import ModelConfig
+from services.trainer.model.rope import apply_rope, rope_frequencies
+
+
+@functools.cache  # asked on first CUDA use: importing varlen pulls in torch._dynamo (seconds per process)
+def _varlen_supports_gqa() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Segment index of every token: [T] int64."""
+    marks = torch.zeros(total, dtype=torch.int64, device=cu_seqlens.device)
+    starts = cu_seqlens[1:-1].to(torch.int64)
+    marks.index_add_(0, starts[starts < total], torch.ones_like(starts[starts < total]))
+    return marks.cumsum(0)
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, d], k/v: [T, Hkv, d] -> [T, Hq, d]; causal inside each segment of `cu_seqlens`."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seqlens.to(torch.int32)
+        max_len = max_seqlen or int((cu[1:] - cu[:-1]).max())
+        if k.shape[1] != q.shape[1]:
+            if _varlen_supports_gqa():  # torch 2.11's varlen_attn has no enable_gqa: repeat K/V heads there
+                return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+    doc = document_ids(cu_seqlens, q.shape[0])
+    pos = torch.arange(q.shape[0], device=q.device)
+    mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(0, 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.kv_channels
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.register_buffer("inv_freq", rope_frequencies(self.head_dim, cfg.rope_theta), persistent=False)
+        # The core over rotated q, k, v; context parallelism swaps in one with the same signature that exchanges K/V.
+        self.core = packed_causal_attention
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int | None = None) -> torch.Tensor:
+        T = x.shape[0]
+        # Head counts are read from the projections so that a tensor-parallel shard (fewer local heads) runs unchanged.
+        q = self.q_proj(x).view(T, -1, self.head_dim)
+        k = self.k_proj(x).view(T, -1, self.head_dim)
+        v = self.v_proj(x).view(T, -1, self.head_dim)
+        q, k = apply_rope(q, position_ids, self.inv_freq), apply_rope(k, position_ids, self.inv_freq)
+        out = self.core(q, k, v, cu_seqlens, max_seqlen)
+        return self.o_proj(out.reshape(T, -1))

@@ -1,0 +1,63 @@
+"""The MoE FFN: route -> dispatch (permute) -> experts -> combine (unpermute) [+ shared expert]."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.common.config import ModelConfig
+from services.trainer.model.mlp import SwiGLUMLP
+from services.trainer.model.moe.dispatcher import LocalDispatcher
+from services.trainer.model.moe.experts import GroupedExperts
+from services.trainer.model.moe.router import Router
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Returns `x` unchanged; in backward, gives `aux_loss` a gradient of `scale`.
+
+    This lets the aux loss join the backward pass from inside the layer, so it needs no plumbing to the loss and stays
+    correct under pipeline parallelism (the loss lives on the last stage, the router may not).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, device=grad.device, dtype=torch.float32), None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size,
+                                      fused_activation="activation" in cfg.moe_kernels)
+        self.shared_expert = (SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_ffn_hidden_size)
+                              if cfg.shared_expert_ffn_hidden_size else None)
+        # Replaced by an EP dispatcher when parallelized.
+        self.dispatcher = LocalDispatcher(cfg.num_experts, fused="permutation" in cfg.moe_kernels)
+        self.aux_loss_scale = 1.0  # the training loop sets 1/num_micro_batches so aux gradients average like the loss
+        self.last_aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        routing = self.router(x, segment_ids)  # from x as it comes: the router scores in fp32
+        # The experts compute in the autocast dtype: cast before the T·k-row copy, not after (half the bytes moved and
+        # kept; the values the GEMMs see are the same).
+        dispatched = self.dispatcher.dispatch(_compute_dtype(x), routing)
+        expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert, dispatched.weights)
+        out = self.dispatcher.combine(expert_out, dispatched).to(x.dtype)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        self.last_aux_loss = routing.aux_loss.detach()
+        if routing.aux_loss.requires_grad:
+            out = AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
+        return out

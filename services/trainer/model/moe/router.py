@@ -1,0 +1,176 @@
+"""Router: token -> top-k experts and their weights, plus the load-balancing losses.
+
+Scores are computed in fp32 whatever the autocast dtype (small logit differences decide routing). Balancing has three
+mechanisms that can be combined: the aux loss (Switch/GShard form E·Σ fᵢ·Pᵢ, per micro-batch or per sequence), the z-loss
+(ST-MoE, keeps router logits small), and the aux-loss-free expert bias (DeepSeek-V3), which shifts *selection* only and is
+updated after each optimizer step from the observed load.
+
+Nothing here makes the host wait for the device (counts are scatter-adds, the per-sequence statistics are sized by an
+upper bound instead of the number of sequences). With `fused` (config `model.moe_kernels: [router]`) the plain case —
+no group limit, no capacity, no replay, micro-batch aux loss — runs the Triton router (`kernels/router.py`), which
+also returns the per-expert counts and mean probabilities the aux loss needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.config import ModelConfig
+from services.trainer.model import recompute
+from services.trainer.model.moe.experts import triton_applies
+
+
+@dataclass
+class Routing:
+    """Where each token goes. `expert_ids`/`weights`: [T, k]; `kept`: [T, k] bool (False = dropped by capacity), or None
+    when routing is dropless."""
+
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor | None
+    aux_loss: torch.Tensor  # already scaled by its coefficients (aux + z), a scalar attached to the graph
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # Aux-loss-free balancing state: the bias is not trained by gradients; `tokens_per_expert` accumulates the load
+        # seen since the last bias update.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
+        # Set by a replay context (RL routing replay): a [T, k] tensor of expert ids to use instead of top-k.
+        self.replay_ids: torch.Tensor | None = None
+        self.fused = "router" in cfg.moe_kernels  # the Triton router where it applies (see the module docstring)
+
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> Routing:
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        if self.fused and self._fused_applies(logits):
+            return self._forward_fused(logits)
+        scores = torch.softmax(logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
+        expert_ids = self.replay_ids if self.replay_ids is not None else self._select(scores.detach())
+        weights = scores.gather(1, expert_ids)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        weights = weights * cfg.routed_scaling_factor
+        kept = capacity_mask(scores.detach(), expert_ids, cfg.capacity_factor)
+        self._count_load(expert_counts(expert_ids, self.num_experts, kept))
+        aux = logits.new_zeros(())
+        if cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training:
+            probs = scores if cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+            seg = segment_ids if cfg.aux_loss_type == "sequence" and segment_ids is not None else None
+            aux = aux + cfg.aux_loss_coeff * load_balancing_loss(probs, expert_ids, self.num_experts, seg)
+        return Routing(expert_ids, weights, kept, self._with_z_loss(aux, logits))
+
+    def _fused_applies(self, logits: torch.Tensor) -> bool:
+        cfg = self.cfg
+        return (triton_applies(logits) and not cfg.num_groups and cfg.capacity_factor <= 0
+                and self.replay_ids is None and cfg.aux_loss_type != "sequence")
+
+    def _forward_fused(self, logits: torch.Tensor) -> Routing:
+        from kernels.router import router as fused_router
+
+        cfg = self.cfg
+        out = fused_router(logits, self.top_k, cfg.score_func, self.expert_bias, cfg.norm_topk_prob,
+                           cfg.routed_scaling_factor)
+        self._count_load(out.tokens_per_expert)
+        aux = logits.new_zeros(())
+        if cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training:
+            # The micro-batch aux loss from the kernel's statistics: f = counts / (T·k), P = mean probabilities.
+            f = out.tokens_per_expert.float() / (logits.shape[0] * self.top_k)
+            aux = aux + cfg.aux_loss_coeff * self.num_experts * (f * out.mean_probs).sum()
+        return Routing(out.indices, out.weights, None, self._with_z_loss(aux, logits))
+
+    def _with_z_loss(self, aux: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.cfg.z_loss_coeff > 0 and self.training:
+            return aux + self.cfg.z_loss_coeff * z_loss(logits)
+        return aux
+
+    @torch.no_grad()
+    def _count_load(self, counts: torch.Tensor) -> None:
+        """Accumulate the load the bias update reads; once per real forward (not again when recomputed in backward)."""
+        if not recompute.in_recompute():
+            self.tokens_per_expert += counts.float()
+
+    def _select(self, scores: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        choice = scores + self.expert_bias  # the bias steers selection only; weights come from the unbiased scores
+        if cfg.num_groups:
+            choice = limit_to_top_groups(choice, cfg.num_groups, cfg.topk_groups)
+        return choice.topk(self.top_k, dim=-1, sorted=False).indices
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free step: raise the bias of under-loaded experts, lower it for over-loaded ones."""
+        error = tokens_per_expert.mean() - tokens_per_expert
+        self.expert_bias += rate * torch.sign(error)
+
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_experts] int64: how many (kept) slots chose each expert. A scatter-add, unlike `bincount`, whose CUDA
+    kernel reads the largest id back to the host to size its output."""
+    ones = torch.ones_like(expert_ids) if kept is None else kept.to(expert_ids.dtype)
+    counts = torch.zeros(num_experts, dtype=expert_ids.dtype, device=expert_ids.device)
+    return counts.scatter_add_(0, expert_ids.reshape(-1), ones.reshape(-1))
+
+
+def limit_to_top_groups(scores: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): rank groups by the sum of their two best scores, mask all but the best groups."""
+    T, E = scores.shape
+    grouped = scores.view(T, num_groups, E // num_groups)
+    group_score = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(-1)  # [T, G]
+    top_groups = group_score.topk(topk_groups, dim=-1).indices
+    group_mask = torch.zeros(T, num_groups, dtype=torch.bool, device=scores.device).scatter_(1, top_groups, True)
+    return grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(T, E)
+
+
+def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, capacity_factor: float) -> torch.Tensor | None:
+    """[T, k] bool: which (token, slot) assignments survive an expert capacity of ceil(cf·T·k/E); None when dropless.
+
+    Each expert keeps its highest-scoring tokens.
+    """
+    T, k = expert_ids.shape
+    if capacity_factor <= 0:
+        return None
+    E = scores.shape[1]
+    capacity = max(1, int(-(-capacity_factor * T * k // E)))
+    routed = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, expert_ids, True)  # [T, E]
+    ranked = scores.masked_fill(~routed, float("-inf"))
+    keep_tokens = ranked.topk(min(capacity, T), dim=0).indices  # [cap, E] best tokens per expert
+    keep = torch.zeros_like(routed).scatter_(0, keep_tokens, True) & routed
+    return keep.gather(1, expert_ids)
+
+
+def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                        segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """E·Σₑ fₑ·Pₑ, fₑ = share of routed slots that chose e, Pₑ = mean router probability of e.
+
+    With `segment_ids` the statistic is taken per sequence and averaged over sequences (DeepSeek-V3's sequence-wise loss),
+    otherwise over the whole micro-batch.
+    """
+    T, k = expert_ids.shape
+    if segment_ids is None:
+        f = expert_counts(expert_ids, num_experts).to(probs.dtype) / (T * k)
+        return num_experts * (f * probs.mean(0)).sum()
+    # Segment ids are < T (each segment has a token), so T rows hold every segment without asking the device for the
+    # count; rows of ids no token has are left out of the mean.
+    flat = (segment_ids[:, None] * num_experts + expert_ids).reshape(-1)
+    counts = expert_counts(flat, T * num_experts).view(T, num_experts).to(probs.dtype)
+    tokens = torch.zeros(T, device=probs.device, dtype=probs.dtype).index_add_(0, segment_ids, probs.new_ones(T))
+    present = tokens > 0
+    f = counts / (tokens.clamp_min(1)[:, None] * k)
+    p = torch.zeros(T, num_experts, device=probs.device, dtype=probs.dtype).index_add_(0, segment_ids, probs)
+    p = p / tokens.clamp_min(1)[:, None]
+    per_segment = num_experts * (f * p).sum(-1)
+    return torch.where(present, per_segment, 0.0).sum() / present.sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits, dim=-1).square().mean()

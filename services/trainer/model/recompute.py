@@ -1,0 +1,199 @@
+"""Activation memory: recompute chosen modules in backward instead of keeping what they save, or keep it on the host.
+
+`apply_memory_policy(model, recompute, offload)` applies `model.recompute` / `model.offload` to a built (and, if so,
+parallelized) model, in place, without changing parameter names: it replaces the chosen modules' `forward` on the
+instance. Call it once, after parallelization (context parallelism swaps `attn.core` and this wraps whatever is
+there) and after any `copy.deepcopy` of the model (the wrappers hold the module they were applied to).
+
+Two ways to recompute, by what a module's output is used for:
+- whole modules ("attn_core", "moe", "layer"): `torch.utils.checkpoint` (non-reentrant). Only the inputs are kept; the
+  forward runs again in backward. Side effects that must happen once per step (the router's load count) ask
+  `in_recompute()`.
+- cheap element-wise modules whose *output* is what costs memory ("norm", "moe_act"): checkpointing them alone saves
+  nothing, because the next op (a projection) keeps that output for its own backward. So the output is also *discarded
+  from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved tensor that
+  is (a view of) y is stored as a recipe and recomputed, once, when backward first needs it. This is what
+  memory-efficient SwiGLU does for the [T·k, f] expert activation. Under autocast with fp32 parameters the projections
+  save their own bf16 casts of a norm output, so "norm" frees little there; it pays when compute runs in the
+  parameters' dtype.
+
+Offload ("attn", "moe", "layer") runs the module under `torch.autograd.graph.save_on_cpu(pin_memory=True)`: saved
+tensors go to pinned host memory as they are saved and come back when backward needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from contextvars import ContextVar
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+_RECOMPUTING: ContextVar[bool] = ContextVar("foldmoe_recomputing", default=False)
+
+
+def in_recompute() -> bool:
+    """True while a checkpointed forward is being run again in backward."""
+    return _RECOMPUTING.get()
+
+
+def checkpointed(fn: Callable) -> Callable:
+    """`fn` under non-reentrant activation checkpointing; its second and later runs see `in_recompute()`."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        calls = [0]
+
+        def body(*a, **kw):
+            token = _RECOMPUTING.set(calls[0] > 0 or _RECOMPUTING.get())
+            calls[0] += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                _RECOMPUTING.reset(token)
+
+        return checkpoint(body, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def offloaded(fn: Callable) -> Callable:
+    """`fn` with the tensors it saves for backward kept in pinned host memory."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+# ---------------------------------------------------------------- discarding an output from its consumers
+
+
+class _Recipe:
+    """How to rebuild a discarded output: `fn()` under the autocast state of the original forward, computed once."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], device_type: str):
+        self.fn, self.device_type = fn, device_type
+        self.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        self._value: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        if self._value is None:
+            enabled, dtype = self.autocast
+            with torch.no_grad(), torch.autocast(self.device_type, dtype=dtype, enabled=enabled):
+                self._value = self.fn()
+        return self._value
+
+
+# storage address of a discarded output -> (weak reference to it, recipe). Entries leave when the output dies, so a
+# later tensor at the same address is never mistaken for it.
+_DISCARDED: dict[int, tuple[weakref.ref, _Recipe]] = {}
+
+
+def discard_output(y: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Mark `y` so that ops run inside `dropping_discarded()` save a recipe (`recompute()`, which must rebuild y
+    exactly, contiguous) instead of y itself. Returns y."""
+    if not y.is_contiguous():
+        raise ValueError("discard_output needs a contiguous output (its recomputation is re-viewed by offset)")
+    key = y.untyped_storage().data_ptr()
+
+    def forget(ref: weakref.ref) -> None:
+        if _DISCARDED.get(key, (None,))[0] is ref:
+            del _DISCARDED[key]
+
+    _DISCARDED[key] = (weakref.ref(y, forget), _Recipe(recompute, y.device.type))
+    return y
+
+
+def _find_discarded(t: torch.Tensor):
+    if t.layout != torch.strided or not _DISCARDED:
+        return None
+    entry = _DISCARDED.get(t.untyped_storage().data_ptr())
+    if entry is None:
+        return None
+    y = entry[0]()
+    if y is None or y.dtype != t.dtype or y.device != t.device:
+        return None
+    return entry[1], tuple(t.shape), t.stride(), t.storage_offset() - y.storage_offset()
+
+
+@contextlib.contextmanager
+def dropping_discarded() -> Iterator[None]:
+    """Inside: a tensor saved for backward that is (a view of) a `discard_output` is stored as its recipe; any other
+    goes to the saved-tensor hooks that were active outside (offload, an enclosing checkpoint), or is kept as is."""
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    def pack(t: torch.Tensor):
+        found = _find_discarded(t)
+        if found is not None:
+            return ("recipe", found)
+        return ("outer", outer[0](t)) if outer is not None else ("kept", t)
+
+    def unpack(packed):
+        kind, payload = packed
+        if kind == "recipe":
+            recipe, shape, stride, offset = payload
+            value = recipe.value()
+            return value.as_strided(shape, stride, value.storage_offset() + offset)
+        return outer[1](payload) if kind == "outer" else payload
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _dropping_discarded_around(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with dropping_discarded():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+# ---------------------------------------------------------------- applying a policy to the model
+
+
+def _recomputed_norm(norm: nn.Module) -> Callable:
+    original = norm.forward
+    forward = checkpointed(original)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = forward(x)
+        return discard_output(y, lambda: original(x)) if y.is_contiguous() else y
+
+    return run
+
+
+def apply_memory_policy(model: nn.Module, recompute: list[str], offload: list[str]) -> nn.Module:
+    """Apply `model.recompute` and `model.offload` (validated by the config) to every decoder block of `model`."""
+    from services.trainer.model.moe.moe_layer import MoELayer
+    from services.trainer.model.transformer import Block
+
+    for block in (m for m in model.modules() if isinstance(m, Block)):
+        if "norm" in recompute:
+            for norm in (block.attn_norm, block.mlp_norm):
+                norm.forward = _recomputed_norm(norm)
+        if "attn_core" in recompute:
+            block.attn.core = checkpointed(block.attn.core)
+        if isinstance(block.mlp, MoELayer):
+            block.mlp.experts.recompute_activation = "moe_act" in recompute
+            if "moe" in recompute:
+                block.mlp.forward = checkpointed(block.mlp.forward)
+        if "norm" in recompute:  # the norms' consumers: drop their copies of the norm outputs
+            block.attn.forward = _dropping_discarded_around(block.attn.forward)
+            block.mlp.forward = _dropping_discarded_around(block.mlp.forward)
+        if "attn" in offload:
+            block.attn.forward = offloaded(block.attn.forward)
+        if "moe" in offload and isinstance(block.mlp, MoELayer):
+            block.mlp.forward = offloaded(block.mlp.forward)
+        if "layer" in recompute:
+            block.forward = checkpointed(block.forward)
+        if "layer" in offload:
+            block.forward = offloaded(block.forward)
+    return model

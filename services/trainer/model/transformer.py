@@ -1,0 +1,79 @@
+"""The decoder: embedding -> [RMSNorm -> attention -> RMSNorm -> MLP or MoE] x L -> RMSNorm -> output layer.
+
+Written as a single-device model; parallelism is applied to it from `services/trainer/parallel/` (layers are replaced by
+their parallel counterparts, the dispatcher by an expert-parallel one), so this file stays readable on its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from services.common.config import ModelConfig
+from services.trainer.model.attention import Attention, document_ids
+from services.trainer.model.loss import cross_entropy_sum
+from services.trainer.model.mlp import SwiGLUMLP
+from services.trainer.model.moe.moe_layer import MoELayer
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.is_moe = layer_id >= cfg.first_k_dense
+        self.mlp = MoELayer(cfg) if self.is_moe else SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                segment_ids: torch.Tensor, max_seqlen: int | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids, cu_seqlens, max_seqlen)
+        h = self.mlp_norm(x)
+        return x + (self.mlp(h, segment_ids) if self.is_moe else self.mlp(h))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # untied from the embedding
+        # Σ token losses from (logits, labels); tensor parallelism swaps in the vocab-parallel version.
+        self.loss_fn = cross_entropy_sum
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`, independent of device and of how the model is later sharded."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)  # residual-branch outputs scaled down (GPT-2 style)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)  # norm scales
+                continue
+            scale = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")) else std
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        for m in self.modules():
+            if isinstance(m, MoELayer):
+                m.router.expert_bias.zero_()
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed micro-batch [T] -> logits [T, vocab].
+
+        A pipeline stage holds only some of the modules: one without `embed` starts from `hidden` (the previous stage's
+        output), one without `output` returns its hidden states instead of logits.
+        """
+        segment_ids = document_ids(cu_seqlens, tokens.shape[0])
+        x = self.embed(tokens) if self.embed is not None else hidden
+        for block in self.layers.values():
+            x = block(x, position_ids, cu_seqlens, segment_ids, max_seqlen)
+        return self.output(self.norm(x)) if self.output is not None else x

@@ -1,0 +1,281 @@
+"""Context parallelism: a micro-batch's tokens are split over a CP group, attention exchanges keys/values.
+
+Sharding is zigzag: the packed micro-batch of T tokens is cut into 2·CP equal chunks and rank r keeps chunks r and
+2·CP-1-r, so every rank holds one early and one late chunk and causal attention work is even. Documents are not aligned
+to chunks; a document that spans chunks keeps its identity: a query sees every key of its own document at an earlier or
+equal global position, wherever that key lives. The layout (global position and document of every token) is carried
+by `CPLayout`; position_ids stay the in-document positions, so RoPE is unchanged.
+
+KV exchange, chosen by `parallel.cp_comm`:
+- ring: K/V blocks travel around the group; each step computes the resident block while the next one is in flight
+  (batched isend/irecv) and merges partial results by log-sum-exp. Backward travels the ring again with the K/V gradient
+  accumulating alongside its block, and a last hop brings each block's gradient home.
+- allgather: K/V are all-gathered once (backward reduce-scatters their gradients) and attention runs against all keys.
+
+The CP group (hence size) can change per micro-batch (dynamic CP): the group travels with the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from services.trainer.model.attention import Attention, document_ids, packed_causal_attention
+from services.trainer.parallel.differentiable import gather_tokens
+from services.trainer.parallel.groups import ParallelGroups
+
+ProcessGroup = dist.ProcessGroup
+CPComm = Literal["ring", "allgather"]
+
+
+# ---------------------------------------------------------------- layout and sharding
+
+
+def zigzag_index(total: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global token indices held by `cp_rank`: chunks cp_rank and 2·cp_size-1-cp_rank of 2·cp_size."""
+    if total % (2 * cp_size):
+        raise ValueError(f"a micro-batch of {total} tokens cannot be cut into 2*cp = {2 * cp_size} equal chunks; "
+                         f"make data.micro_batch_size * data.seq_len a multiple of {2 * cp_size} (times tp with "
+                         f"sequence parallelism)")
+    chunk = total // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    last = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, device=device)
+    return torch.cat((first, last))
+
+
+@dataclass
+class CPLayout:
+    """Where a CP-sharded micro-batch's tokens came from; enough for any rank to mask any other rank's keys."""
+
+    group: ProcessGroup
+    rank: int
+    size: int
+    doc_ids: torch.Tensor  # [T] int64: document (segment) of every token of the whole micro-batch
+    comm: CPComm = "ring"
+
+    @property
+    def total(self) -> int:
+        return self.doc_ids.shape[0]
+
+    def index(self, rank: int) -> torch.Tensor:
+        return zigzag_index(self.total, self.size, rank, self.doc_ids.device)
+
+    def to(self, device: torch.device) -> "CPLayout":
+        return CPLayout(self.group, self.rank, self.size, self.doc_ids.to(device), self.comm)
+
+
+def local_cu_seqlens(doc_ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Segment boundaries over the local tokens: a new segment wherever the document changes or the chunks jump."""
+    doc, n = doc_ids[index], index.shape[0]
+    starts = torch.ones(n, dtype=torch.bool, device=index.device)
+    starts[1:] = (doc[1:] != doc[:-1]) | (index[1:] != index[:-1] + 1)
+    bounds = torch.nonzero(starts).flatten()
+    return torch.cat((bounds, torch.tensor([n], device=index.device))).to(torch.int32)
+
+
+def shard_micro_batch(mb: dict, groups: ParallelGroups, comm: CPComm = "ring") -> dict:
+    """This rank's zigzag share of a packed micro-batch, over the CP group of the size the micro-batch was sized for.
+
+    `mb["cp_size"]` (set by the dataloader's dynamic CP sizing; default `parallel.cp`) picks the pre-built group; size
+    1 returns the micro-batch unchanged. The result holds local tokens/labels/position_ids, local cu_seqlens
+    (segments of the local tokens, for per-document statistics) and `cp_layout` for the attention cores.
+    """
+    axis = groups.cp_of(int(mb["cp_size"])) if "cp_size" in mb else groups.cp
+    if axis.size == 1:
+        return mb
+    total = mb["tokens"].shape[0]
+    doc_ids = document_ids(mb["cu_seqlens"], total)
+    index = zigzag_index(total, axis.size, axis.rank, doc_ids.device)
+    local = {k: v for k, v in mb.items() if k not in ("tokens", "labels", "position_ids", "cu_seqlens", "max_seqlen")}
+    local.update(tokens=mb["tokens"][index], labels=mb["labels"][index], position_ids=mb["position_ids"][index],
+                 cu_seqlens=local_cu_seqlens(doc_ids, index),
+                 cp_layout=CPLayout(axis.group, axis.rank, axis.size, doc_ids, comm))
+    return local
+
+
+# ---------------------------------------------------------------- attention blocks (fp32 math, explicit LSE)
+
+
+def _visible(layout: CPLayout, q_rank: int, k_rank: int) -> torch.Tensor:
+    """[Tq, Tk] bool: key j is visible to query i (same document, not in the future)."""
+    qi, ki = layout.index(q_rank), layout.index(k_rank)
+    return (layout.doc_ids[qi][:, None] == layout.doc_ids[ki][None, :]) & (ki[None, :] <= qi[:, None])
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold_kv_grad(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum the gradients of query heads that shared a key/value head (inverse of `_expand_kv`)."""
+    T, H, d = g.shape
+    return g if H == kv_heads else g.view(T, kv_heads, H // kv_heads, d).sum(2)
+
+
+def _block_scores(q, k, mask):
+    """q: [Tq, H, d] fp32, k: [Tk, H, d] fp32 -> masked scores [H, Tq, Tk]."""
+    s = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+    return s.masked_fill(~mask[None], float("-inf"))
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+
+def block_attention(q, k, v, mask):
+    """One query block against one key block: (out [Tq, H, d], lse [H, Tq]); rows with no visible key: 0 and -inf."""
+    s = _block_scores(q, k, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse)[..., None])
+    return torch.einsum("hqk,khd->qhd", p, v), lse
+
+
+def merge(out, lse, block_out, block_lse):
+    """Online-softmax merge of two partial attentions over disjoint key sets."""
+    if out is None:
+        return block_out, block_lse
+    new = torch.logaddexp(lse, block_lse)
+    a, b = torch.exp(lse - _finite(new)), torch.exp(block_lse - _finite(new))
+    return out * a.transpose(0, 1)[..., None] + block_out * b.transpose(0, 1)[..., None], new
+
+
+def block_attention_backward(q, k, v, mask, out, lse, dout, delta):
+    """Gradients of one block given the *final* out/lse (flash-attention recurrence): (dq, dk, dv), all fp32."""
+    s = _block_scores(q, k, mask)
+    p = torch.exp(s - _finite(lse)[..., None])  # exactly this block's share of the final softmax
+    dv = torch.einsum("hqk,qhd->khd", p, dout)
+    dp = torch.einsum("qhd,khd->hqk", dout, v)
+    ds = p * (dp - delta[..., None]) * q.shape[-1] ** -0.5
+    return torch.einsum("hqk,khd->qhd", ds, k), torch.einsum("hqk,qhd->khd", ds, q), dv
+
+
+# ---------------------------------------------------------------- ring exchange
+
+
+def _ring_shift(send: torch.Tensor, layout: CPLayout) -> tuple[torch.Tensor, list]:
+    """Start sending `send` to the next rank and receiving the previous rank's tensor of the same shape."""
+    recv = torch.empty_like(send)
+    nxt, prev = (layout.rank + 1) % layout.size, (layout.rank - 1) % layout.size
+    ops = [dist.P2POp(dist.isend, send, group=layout.group, group_peer=nxt),
+           dist.P2POp(dist.irecv, recv, group=layout.group, group_peer=prev)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout: CPLayout):
+        H, kv_heads = q.shape[1], k.shape[1]
+        qf = q.float()
+        kv = torch.stack((k, v))  # one message per hop
+        out = lse = None
+        for step in range(layout.size):
+            pending = None
+            if step < layout.size - 1:
+                nxt_kv, pending = _ring_shift(kv, layout)
+            src = (layout.rank - step) % layout.size
+            mask = _visible(layout, layout.rank, src)
+            if mask.any():  # zigzag makes some blocks entirely future: skip them
+                kb, vb = (_expand_kv(t.float(), H) for t in kv)
+                out, lse = merge(out, lse, *block_attention(qf, kb, vb, mask))
+            if pending is not None:
+                _wait(pending)
+                kv = nxt_kv
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.kv_heads = layout, kv_heads
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, H = ctx.layout, q.shape[1]
+        qf, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1).transpose(0, 1)  # [H, Tq]: rowsum(dO ∘ O)
+        dq = torch.zeros_like(qf)
+        kv = torch.stack((k, v))
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for step in range(layout.size):
+            pending = None
+            if step < layout.size - 1:
+                nxt_kv, pending = _ring_shift(kv, layout)  # K/V move on while this block's gradients are computed
+            src = (layout.rank - step) % layout.size
+            mask = _visible(layout, layout.rank, src)
+            if mask.any():
+                kb, vb = (_expand_kv(t.float(), H) for t in kv)
+                dqb, dkb, dvb = block_attention_backward(qf, kb, vb, mask, out, lse, dout, delta)
+                dq += dqb
+                dkv[0] += _fold_kv_grad(dkb, ctx.kv_heads)
+                dkv[1] += _fold_kv_grad(dvb, ctx.kv_heads)
+            # The K/V gradient follows its block; after the last step it is one hop from home, and takes that hop.
+            dkv, dkv_pending = _ring_shift(dkv, layout)
+            _wait(dkv_pending)
+            if pending is not None:
+                _wait(pending)
+                kv = nxt_kv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+# ---------------------------------------------------------------- all-gather exchange
+
+
+def _allgather_attention(q, k, v, layout: CPLayout) -> torch.Tensor:
+    """All-gathered K/V (rank order), then masked attention of the local queries against every key."""
+    k_all, v_all = gather_tokens(k, layout.group), gather_tokens(v, layout.group)
+    mask = torch.cat([_visible(layout, layout.rank, r) for r in range(layout.size)], dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
+                                         attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(0, 1)
+
+
+# ---------------------------------------------------------------- the swapped-in core
+
+
+class ContextParallelAttention(nn.Module):
+    """Attention core with `packed_causal_attention`'s signature; the micro-batch's layout is bound before forward.
+
+    The layout is per micro-batch state (like the router's replay ids) because the model's forward signature is the
+    single-device one; `bind_micro_batch` sets it, and the ring's autograd Function keeps its own copy for backward, so
+    several micro-batches may be in flight (pipeline schedules).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.layout: CPLayout | None = None
+
+    def forward(self, q, k, v, cu_seqlens, max_seqlen=None):
+        layout = self.layout
+        if layout is None or layout.size == 1:
+            return packed_causal_attention(q, k, v, cu_seqlens, max_seqlen)
+        if layout.total != layout.size * q.shape[0]:
+            raise RuntimeError(f"attention got {q.shape[0]} tokens but the bound CP layout gives this rank "
+                               f"{layout.total // layout.size}; call bind_micro_batch with the micro-batch being run")
+        if layout.comm == "allgather":
+            return _allgather_attention(q, k, v, layout)
+        return _RingAttention.apply(q, k, v, layout)
+
+
+def apply_context_parallel(model: nn.Module) -> nn.Module:
+    """Swap every attention core for the context-parallel one, in place (groups come per micro-batch, in the layout)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.core = ContextParallelAttention()
+    return model
+
+
+def bind_micro_batch(model: nn.Module, mb: dict) -> None:
+    """Point every context-parallel core at this micro-batch's layout (None: unsharded, local attention)."""
+    layout = mb.get("cp_layout")
+    if layout is not None:
+        layout = layout.to(mb["tokens"].device)
+    for module in model.modules():
+        if isinstance(module, ContextParallelAttention):
+            module.layout = layout

@@ -1,0 +1,254 @@
+"""Data parallelism with the distributed optimizer (ZeRO-1): bucketed gradient reduce-scatter overlapped with backward.
+
+Parameters fall in two domains reduced over different groups: dense parameters over DP×CP, routed-expert parameters over
+EDP (their other copies live on the EDP ranks; see `groups.py`). Each domain's parameters are packed, in reverse
+registration order (roughly the order backward produces their gradients), into flat buckets of `parallel.grad_bucket_mb`.
+A parameter's data becomes a view into its bucket's flat parameter buffer, and its gradient is added into the bucket's
+flat fp32 gradient buffer by a post-accumulate-grad hook (then `.grad` is freed). When the last expected micro-batch has
+delivered every gradient of a bucket, the bucket's reduce-scatter is launched asynchronously — while backward still runs
+for the earlier layers. Buckets launch in index order on every rank, so collectives match across ranks.
+
+Each rank of a reducing group of size n owns 1/n of every bucket: only for that range does it keep fp32 master weights
+and Adam moments, and compute the update; an all-gather then refreshes the full bucket on every rank. Gradients are
+SUMMED over the group: with the loss divided by the loss tokens of the whole step (all ranks), a parallel step equals one
+process over all micro-batches. With `parallel.distributed_optimizer=false` the same buckets are all-reduced and every
+rank updates the whole bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.common.config import OptimizerConfig
+from services.trainer.parallel.expert_parallel import is_expert_param
+from services.trainer.parallel.groups import Axis, ParallelGroups
+
+# torch 2.13 renames the tensor-in/tensor-out collectives; 2.11 only has the old names (same signatures).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives in its bucket."""
+
+    name: str
+    param: nn.Parameter
+    start: int
+    numel: int
+    decay: bool  # weight decay applies (matrices; not norm scales)
+    counted: bool  # counts toward the global grad norm on this rank (False for a TP-replicated copy on tp_rank > 0)
+
+
+@dataclass
+class Bucket:
+    index: int
+    domain: str  # "dense" or "expert"
+    axis: Axis  # the group its gradients are reduced over
+    slots: list[Slot]
+    size: int  # padded to a multiple of the group size
+    params: torch.Tensor  # flat parameter storage (the parameters are views into it)
+    grads: torch.Tensor  # flat fp32 gradient accumulator
+    lo: int = 0  # this rank's owned range [lo, hi)
+    hi: int = 0
+    arrivals: int = 0  # hook calls seen this step
+    work: object = None
+    launched: bool = False
+    grad_shard: torch.Tensor | None = None
+    master: torch.Tensor | None = None  # fp32 owned range of the parameters
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    decay_mask: torch.Tensor | None = None  # 1.0 where weight decay applies, over the owned range
+    norm_mask: torch.Tensor | None = None  # 1.0 where the element counts toward the grad norm
+    slot_of: dict[int, Slot] = field(default_factory=dict)
+
+
+def _domain(name: str, p: nn.Parameter) -> str:
+    return "expert" if is_expert_param(name, p) else "dense"
+
+
+class DistributedOptimizer:
+    """AdamW over bucketed, DP-reduced gradients. Use per step:
+
+        opt.zero_grad(); opt.begin_step(num_micro_batches)
+        ... forward/backward of every micro-batch (hooks launch the reductions) ...
+        grad_norm = opt.step(lr)
+    """
+
+    def __init__(self, model: nn.Module, groups: ParallelGroups, cfg: OptimizerConfig, bucket_mb: float = 25.0,
+                 shard: bool = True):
+        self.cfg, self.groups, self.shard = cfg, groups, shard
+        self.step_count = 0
+        self.expected_arrivals = 1
+        self.launch_log: list[int] = []  # bucket indices in launch order this step (tests read it to prove overlap)
+        self.buckets = self._build_buckets(model, max(1, int(bucket_mb * 2**20)))
+        self._next_launch = 0
+        for b in self.buckets:
+            for s in b.slots:
+                s.param.register_post_accumulate_grad_hook(self._make_hook(b, s))
+
+    # ------------------------------------------------------------ layout
+
+    def _build_buckets(self, model: nn.Module, bucket_bytes: int) -> list[Bucket]:
+        open_: dict[str, list[tuple[str, nn.Parameter]]] = {"dense": [], "expert": []}
+        filled: dict[str, int] = {"dense": 0, "expert": 0}
+        groups_of_params: list[tuple[str, list[tuple[str, nn.Parameter]]]] = []
+        for name, p in reversed(list(model.named_parameters())):
+            if not p.requires_grad:
+                continue
+            d = _domain(name, p)
+            if not open_[d]:
+                groups_of_params.append((d, open_[d]))
+            open_[d].append((name, p))
+            filled[d] += p.numel() * 4
+            if filled[d] >= bucket_bytes:
+                open_[d], filled[d] = [], 0
+        return [self._make_bucket(i, d, members) for i, (d, members) in enumerate(groups_of_params)]
+
+    def _make_bucket(self, index: int, domain: str, members: list[tuple[str, nn.Parameter]]) -> Bucket:
+        axis = self.groups.edp if domain == "expert" else self.groups.dp_cp
+        tp = self.groups.tp
+        n = axis.size
+        total = sum(p.numel() for _, p in members)
+        size = -(-total // n) * n
+        ref = members[0][1]
+        params = torch.zeros(size, dtype=ref.dtype, device=ref.device)
+        grads = torch.zeros(size, dtype=torch.float32, device=ref.device)
+        slots, start = [], 0
+        for name, p in members:
+            params[start:start + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = params[start:start + p.numel()].view_as(p)
+            # Count each element once in the world: TP-replicated parameters on tp rank 0 only; without sharding, every
+            # replica of the reducing group holds the whole reduced gradient, so replica 0 only.
+            counted = (domain == "expert" or hasattr(p, "tensor_parallel_dim") or tp.rank == 0) and \
+                (self.shard or axis.rank == 0)
+            slots.append(Slot(name, p, start, p.numel(), p.ndim >= 2, counted))
+            start += p.numel()
+        b = Bucket(index, domain, axis, slots, size, params, grads)
+        b.lo, b.hi = ((axis.rank * size // n, (axis.rank + 1) * size // n) if self.shard else (0, size))
+        owned = params[b.lo:b.hi]
+        b.master = owned if owned.dtype == torch.float32 else owned.float()
+        b.exp_avg, b.exp_avg_sq = torch.zeros_like(b.master), torch.zeros_like(b.master)
+        decay, norm = torch.zeros(size, device=ref.device), torch.zeros(size, device=ref.device)
+        for s in slots:
+            decay[s.start:s.start + s.numel] = float(s.decay)
+            norm[s.start:s.start + s.numel] = float(s.counted)
+        b.decay_mask, b.norm_mask = decay[b.lo:b.hi].clone(), norm[b.lo:b.hi].clone()
+        return b
+
+    # ------------------------------------------------------------ gradient path
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.grads.zero_()
+            b.arrivals, b.work, b.launched, b.grad_shard = 0, None, False, None
+            for s in b.slots:
+                s.param.grad = None
+        self._next_launch = 0
+        self.launch_log = []
+
+    def begin_step(self, num_micro_batches: int) -> None:
+        """How many backward passes will deliver gradients this step: a bucket is reduced after the last one."""
+        self.expected_arrivals = max(1, num_micro_batches)
+
+    def _make_hook(self, bucket: Bucket, slot: Slot):
+        def hook(p: nn.Parameter) -> None:
+            bucket.grads[slot.start:slot.start + slot.numel].add_(p.grad.reshape(-1))
+            p.grad = None  # the bucket holds the gradient from here on
+            bucket.arrivals += 1
+            if bucket.arrivals == len(bucket.slots) * self.expected_arrivals:
+                self._launch_ready()
+        return hook
+
+    def _launch_ready(self) -> None:
+        """Launch complete buckets in index order (every rank issues the same collectives in the same order)."""
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if b.arrivals < len(b.slots) * self.expected_arrivals:
+                return
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        n = b.axis.size
+        if n > 1 and self.shard:
+            b.grad_shard = torch.empty(b.hi - b.lo, dtype=b.grads.dtype, device=b.grads.device)
+            b.work = _reduce_scatter_single(b.grad_shard, b.grads, group=b.axis.group, async_op=True)
+        elif n > 1:
+            b.work = dist.all_reduce(b.grads, group=b.axis.group, async_op=True)
+        b.launched = True
+        self._next_launch += 1
+        self.launch_log.append(b.index)
+
+    def finish_grad_sync(self) -> None:
+        """Launch what backward left (parameters without gradients count as zero) and wait for every reduction."""
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            if b.grad_shard is None:
+                b.grad_shard = b.grads[b.lo:b.hi]
+
+    # ------------------------------------------------------------ the update
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm over all parameters, each element counted once across every group."""
+        device = self.buckets[0].grads.device if self.buckets else torch.device("cpu")
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for b in self.buckets:
+            sq += (b.grad_shard.float().square() * b.norm_mask).sum()
+        if self.groups.world.size > 1:
+            dist.all_reduce(sq, group=self.groups.world.group)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> torch.Tensor:
+        """Finish the reductions, clip by the global norm, AdamW on the owned ranges, all-gather. Returns the norm."""
+        self.finish_grad_sync()
+        norm = self.grad_norm()
+        clip = self.cfg.clip_grad
+        scale = (clip / (norm + 1e-6)).clamp(max=1.0) if clip > 0 else torch.ones_like(norm)
+        self.step_count += 1
+        c = self.cfg
+        bc1, bc2 = 1 - c.beta1 ** self.step_count, 1 - c.beta2 ** self.step_count
+        for b in self.buckets:
+            g = b.grad_shard.float() * scale
+            b.exp_avg.lerp_(g, 1 - c.beta1)
+            b.exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
+            b.master.mul_(1 - lr * c.weight_decay * b.decay_mask)
+            denom = (b.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
+            b.master.addcdiv_(b.exp_avg, denom, value=-lr / bc1)
+            if b.master.data_ptr() != b.params[b.lo:b.hi].data_ptr():
+                b.params[b.lo:b.hi].copy_(b.master)
+        self._gather_params()
+        return norm
+
+    def _gather_params(self) -> None:
+        works = []
+        for b in self.buckets:
+            if b.axis.size > 1 and self.shard:
+                works.append(_all_gather_single(b.params, b.params[b.lo:b.hi].clone(), group=b.axis.group,
+                                                async_op=True))
+        for w in works:
+            w.wait()
+
+    # ------------------------------------------------------------ inspection (tests, checkpoints)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every local parameter's reduced gradient (after `finish_grad_sync`), gathered over its reducing group."""
+        out = {}
+        for b in self.buckets:
+            flat = b.grad_shard
+            if self.shard and b.axis.size > 1:
+                flat = torch.empty(b.size, dtype=b.grad_shard.dtype, device=b.grad_shard.device)
+                _all_gather_single(flat, b.grad_shard.contiguous(), group=b.axis.group)
+            for s in b.slots:
+                out[s.name] = flat[s.start:s.start + s.numel].view_as(s.param).clone()
+        return out

@@ -1,0 +1,201 @@
+"""Expert parallelism (EP) and expert tensor parallelism (ETP), applied to the single-device MoE layers.
+
+Each rank of an EP×ETP group (`groups.ep_etp`: the ranks that together hold every expert once) keeps E/ep experts and,
+with ETP, a 1/etp slice of each expert's FFN width: the gate and up columns [t·f/etp, (t+1)·f/etp) of `w13` and the same
+rows of `w2`. SwiGLU is elementwise in the FFN dimension and the router weight is folded in before `w2`, so the ETP
+ranks' outputs are partial sums of the expert output: the way back sums them.
+
+Two dispatchers implement the `LocalDispatcher` interface (`dispatch(hidden, routing) -> Dispatched`, `combine`), so
+the MoE layer itself is unchanged:
+- `AllToAllDispatcher`: permute by expert, exchange per-expert counts, all-to-all the rows (and their router weights)
+  to the ranks holding their expert — once to every ETP rank of that expert —, regroup by local expert, and reverse it
+  all on the way back, summing the ETP partials. Traffic ∝ routed tokens.
+- `AllGatherDispatcher`: all-gather every rank's tokens and routing over EP×ETP, each rank computes the slots routed
+  to its experts, and a reduce-scatter brings each token's summed output home. Simpler and better when k·T is large
+  relative to T·ep (small EP, many active experts).
+Routing, including the capacity drop decision, is made by the router on the rank's own tokens before dispatch, so
+which slots survive does not depend on the expert layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from services.trainer.model.moe.dispatcher import Dispatched, permute, unpermute
+from services.trainer.model.moe.experts import GroupedExperts
+from services.trainer.model.moe.moe_layer import MoELayer
+from services.trainer.model.moe.router import Routing
+from services.trainer.parallel.differentiable import all_gather_dim0, gather_tokens, reduce_scatter_tokens
+from services.trainer.parallel.groups import Axis, ParallelGroups
+
+# ---------------------------------------------------------------- all-to-all with its autograd dual
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [sum(send), ...] -> [sum(recv), ...]; the gradient goes back along the same routes."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, send, recv, group)
+
+
+# ---------------------------------------------------------------- dispatchers
+
+
+class AllToAllDispatcher:
+    def __init__(self, num_experts: int, axis: Axis, ep: int, etp: int):
+        self.num_experts, self.ep, self.etp, self.axis = num_experts, ep, etp, axis
+        self.local_experts = num_experts // ep
+
+    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
+        x, w, counts, token_idx = permute(hidden, routing, self.num_experts)
+        El, peers = self.local_experts, self.axis.size
+        # Group rank = ep_rank * etp + etp_rank (ETP innermost), so each EP rank's expert block goes to its etp ranks.
+        send_counts = counts.view(self.ep, El).repeat_interleave(self.etp, dim=0)  # [peers, El]
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.axis.group)
+        # all_to_all_single takes its split sizes as host ints: this is the dispatch's one device->host sync.
+        send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        dup = None
+        if self.etp > 1:  # each EP block's rows are sent once per ETP rank of that block
+            starts = [0] + counts.view(self.ep, El).sum(1).cumsum(0).tolist()
+            dup = torch.cat([torch.arange(starts[j], starts[j + 1], device=x.device)
+                             for j in range(self.ep) for _ in range(self.etp)])
+            x, w = x[dup], w[dup]
+        x = all_to_all(x, send, recv, self.axis.group)
+        w = all_to_all(w, send, recv, self.axis.group)
+        # Received rows are grouped by source rank, then by local expert; the experts want them by local expert.
+        expert_of_row = torch.arange(El, device=x.device).repeat(peers).repeat_interleave(recv_counts.reshape(-1))
+        order = torch.sort(expert_of_row, stable=True).indices
+        state = (order, dup, send, recv, token_idx, hidden.shape[0])
+        return Dispatched(x[order], w[order], recv_counts.sum(0), state)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        order, dup, send, recv, token_idx, num_tokens = dispatched.state
+        by_source = expert_out[torch.argsort(order)]
+        back = all_to_all(by_source, recv, send, self.axis.group)
+        if dup is not None:  # sum the ETP partial outputs of each row
+            back = back.new_zeros(token_idx.shape[0], back.shape[1]).index_add(0, dup, back)
+        return unpermute(back, token_idx, num_tokens)
+
+
+class AllGatherDispatcher:
+    def __init__(self, num_experts: int, axis: Axis, ep_rank: int, ep: int):
+        self.num_experts, self.axis = num_experts, axis
+        self.local_experts = num_experts // ep
+        self.first_expert = ep_rank * self.local_experts
+
+    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
+        T, group = hidden.shape[0], self.axis.group
+        # Ranks may hold different token counts (dynamic CP): pad to the largest so one all-gather carries them all.
+        # Its size is needed on the host to allocate the buffer.
+        sizes = all_gather_dim0(torch.tensor([T], device=hidden.device), group).tolist()
+        pad = max(sizes) - T
+        kept = routing.kept if routing.kept is not None else torch.ones_like(routing.expert_ids, dtype=torch.bool)
+        x_all = gather_tokens(F.pad(hidden, (0, 0, 0, pad)), group)
+        w_all = gather_tokens(F.pad(routing.weights, (0, 0, 0, pad)), group)
+        ids_all = all_gather_dim0(F.pad(routing.expert_ids, (0, 0, 0, pad)), group)
+        kept_all = all_gather_dim0(F.pad(kept.to(torch.uint8), (0, 0, 0, pad)), group).bool()
+        local_ids = ids_all - self.first_expert
+        mine = kept_all & (local_ids >= 0) & (local_ids < self.local_experts)
+        local = Routing(local_ids.clamp(0, self.local_experts - 1), w_all, mine, routing.aux_loss)
+        x, w, counts, token_idx = permute(x_all, local, self.local_experts)
+        return Dispatched(x, w, counts, (token_idx, x_all.shape[0], T))
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        token_idx, num_gathered, num_tokens = dispatched.state
+        partial_sums = unpermute(expert_out, token_idx, num_gathered)  # this rank's experts (and FFN slice) only
+        return reduce_scatter_tokens(partial_sums, self.axis.group)[:num_tokens]
+
+
+# ---------------------------------------------------------------- sharding the experts
+
+
+def shard_experts(experts: GroupedExperts, ep_rank: int, ep: int, etp_rank: int, etp: int) -> None:
+    """Keep experts [ep_rank·E/ep, …) and the FFN slice etp_rank of each, in place. Tags each parameter with
+    `expert_box`: (global shape, offsets) in the [E, h, 2, f] view of w13 and the [E, f, h] of w2."""
+    E, h, f2 = experts.w13.shape
+    f = f2 // 2
+    if E % ep or f % etp:
+        raise ValueError(f"ep={ep} must divide num_experts={E} and etp={etp} the expert FFN width {f}")
+    El, fl = E // ep, f // etp
+    e, c = slice(ep_rank * El, (ep_rank + 1) * El), slice(etp_rank * fl, (etp_rank + 1) * fl)
+    gate, up = experts.w13.detach()[e, :, :f], experts.w13.detach()[e, :, f:]
+    w13 = nn.Parameter(torch.cat([gate[..., c], up[..., c]], dim=-1).contiguous())
+    w2 = nn.Parameter(experts.w2.detach()[e, c, :].contiguous())
+    w13.expert_box = ((E, h, 2, f), (ep_rank * El, 0, 0, etp_rank * fl))
+    w2.expert_box = ((E, f, h), (ep_rank * El, etp_rank * fl, 0))
+    experts.w13, experts.w2 = w13, w2
+    experts.num_experts = El
+
+
+def expert_box_view(p: torch.Tensor) -> torch.Tensor:
+    """The local piece of an expert parameter shaped as its box (w13 seen as [El, h, 2, f/etp])."""
+    global_shape, _ = p.expert_box
+    return p.view(p.shape[0], p.shape[1], 2, -1) if len(global_shape) == 4 else p
+
+
+def full_expert_tensor(pieces: list[tuple[torch.Tensor, tuple]], global_shape: tuple[int, ...]) -> torch.Tensor:
+    """Reassemble a full expert tensor in the single-device layout from (box piece, offsets) pairs (tests, export)."""
+    out = pieces[0][0].new_zeros(global_shape)
+    for piece, offsets in pieces:
+        out[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] = piece
+    return out.reshape(global_shape[0], global_shape[1], -1) if len(global_shape) == 4 else out
+
+
+def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, dispatcher: str = "alltoall") -> nn.Module:
+    """Shard every MoE layer's experts over EP×ETP and swap in the EP dispatcher. Call on the full-weight model (after
+    `init_weights`), so every layout starts from the single-device weights."""
+    ep, etp = groups.ep, groups.etp
+    if ep.size * etp.size == 1:
+        return model
+    for moe in (m for m in model.modules() if isinstance(m, MoELayer)):
+        E = moe.experts.w13.shape[0]
+        shard_experts(moe.experts, ep.rank, ep.size, etp.rank, etp.size)
+        if dispatcher == "alltoall":
+            moe.dispatcher = AllToAllDispatcher(E, groups.ep_etp, ep.size, etp.size)
+        elif dispatcher == "allgather":
+            moe.dispatcher = AllGatherDispatcher(E, groups.ep_etp, ep.rank, ep.size)
+        else:
+            raise ValueError(f"`parallel.dispatcher={dispatcher!r}` is not one of 'alltoall', 'allgather'")
+    model.expert_parallel = (ep.size, etp.size)
+    return model
+
+
+def is_expert_param(name: str, p: torch.Tensor) -> bool:
+    """Routed-expert weights: reduced over EDP, not DP×CP. Identified by the layer they belong to, sharded or not."""
+    return hasattr(p, "expert_box") or name.endswith(("experts.w13", "experts.w2"))
+
+
+@torch.no_grad()
+def sync_expert_load(model: nn.Module, groups: ParallelGroups) -> None:
+    """Sum every router's `tokens_per_expert` over all ranks of this stage (TP shards × DP×CP replicas) so the
+    aux-loss-free bias update sees the global load and leaves the bias identical on every rank."""
+    routers = [m.router for m in model.modules() if isinstance(m, MoELayer)]
+    if not routers:
+        return
+    load = torch.stack([r.tokens_per_expert for r in routers])
+    for axis in (groups.tp, groups.dp_cp):
+        if axis.size > 1:
+            dist.all_reduce(load, group=axis.group)
+    for r, row in zip(routers, load):
+        r.tokens_per_expert.copy_(row)
+

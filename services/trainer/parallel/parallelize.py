@@ -1,0 +1,84 @@
+"""The one entry that turns the single-device model into this rank's piece of the folded layout, and the step that runs it.
+
+    model = MoETransformer(cfg.model); model.init_weights(seed)      # full weights, identical on every rank
+    groups = init_groups(cfg)
+    parallelize(model, cfg, groups)                                   # PP stage -> EP/ETP experts -> TP/SP -> CP cores
+    optimizer = build_optimizer(model, cfg, groups)
+    loss = forward_backward_parallel(model, micro_batches, groups, cfg, device, autocast, optimizer)
+    grad_norm = optimizer.step(lr)
+
+Order matters: the pipeline split comes first so only owned layers are sharded; experts are sliced from the full weights;
+TP then shards what is left of the dense layers. Every rank starts from the same full initialisation, so any layout
+begins exactly where the single-device model does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.common.config import Config
+from services.trainer.parallel.context_parallel import apply_context_parallel, shard_micro_batch
+from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
+from services.trainer.parallel.expert_parallel import apply_expert_parallel
+from services.trainer.parallel.groups import ParallelGroups
+from services.trainer.parallel.pipeline import apply_pipeline, forward_backward_pipeline
+from services.trainer.parallel.tensor_parallel import apply_tensor_parallel
+from services.trainer.step import count_loss_tokens
+
+
+def parallelize(model: nn.Module, cfg: Config, groups: ParallelGroups) -> nn.Module:
+    """Apply every parallelism of `cfg.parallel` to `model` (an initialised MoETransformer), in place."""
+    p = cfg.parallel
+    apply_pipeline(model, groups.pp.group, p.pp_layers)
+    apply_expert_parallel(model, groups, p.dispatcher)
+    apply_tensor_parallel(model, groups.tp.group, p.sequence_parallel)
+    if max(groups.cp_by_size) > 1:
+        apply_context_parallel(model)
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: Config, groups: ParallelGroups) -> DistributedOptimizer:
+    return DistributedOptimizer(model, groups, cfg.optimizer, cfg.parallel.grad_bucket_mb,
+                                shard=cfg.parallel.distributed_optimizer)
+
+
+def _all_reduce(t: torch.Tensor, *axes) -> torch.Tensor:
+    for axis in axes:
+        if axis.size > 1:
+            dist.all_reduce(t, group=axis.group)
+    return t
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    for m in model.modules():
+        if hasattr(m, "aux_loss_scale"):
+            m.aux_loss_scale = scale
+
+
+def forward_backward_parallel(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], groups: ParallelGroups,
+                              cfg: Config, device: torch.device, autocast_dtype: torch.dtype | None,
+                              optimizer: DistributedOptimizer | None = None) -> tuple[torch.Tensor, int]:
+    """This rank's micro-batches (whole, unsharded; CP peers hold the same ones) through forward and backward.
+
+    Returns (summed token loss of the whole step over all ranks, loss tokens of the whole step). The loss of every
+    micro-batch is divided by the step's loss tokens over DP×CP and gradients are summed by the optimizer, so the step
+    equals one process running all micro-batches. The MoE aux losses are scaled by 1 / (micro-batches of the step over
+    DP), the single-process `1 / micro-batches`.
+    """
+    p = cfg.parallel
+    local = [shard_micro_batch(mb, groups, p.cp_comm) for mb in micro_batches]
+    # A micro-batch sized for c CP ranks is held by c ranks: each contributes 1/c of it to the micro-batch count.
+    share = sum(1.0 / int(mb.get("cp_size", groups.cp.size)) for mb in micro_batches)
+    totals = torch.tensor([float(count_loss_tokens(local)), share], dtype=torch.float64, device=device)
+    step_tokens, num_micro = _all_reduce(totals, groups.dp_cp).tolist()
+    step_tokens = int(round(step_tokens))
+    set_aux_loss_scale(model, 1.0 / max(num_micro, 1.0))
+    if optimizer is not None:
+        optimizer.begin_step(len(local))
+    sp = groups.tp.size if p.sequence_parallel else 1
+    loss = forward_backward_pipeline(model, local, max(step_tokens, 1), device, autocast_dtype, groups.pp.group, sp)
+    # The loss lives on the last stage, on every TP rank alike (vocab-parallel CE is complete after its all-reduces).
+    loss = _all_reduce(loss.detach().float().reshape(1).clone(), groups.dp_cp, groups.pp)[0]
+    return loss, step_tokens

@@ -1,0 +1,226 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style), applied to the single-device model.
+
+Attention and every dense SwiGLU (dense layers, shared experts) become a *TP region*: the input projections (q/k/v,
+gate/up) keep a slice of their output features (whole heads; whole FFN columns), the output projection (o_proj, down)
+keeps the matching slice of its input features, so a region needs one collective on the way in and one on the way out.
+With sequence parallelism the residual stream between regions is sharded along tokens over TP: the region entry
+all-gathers tokens, the exit reduce-scatters them. Norms, the router and the routed experts then run on the rank's
+token shard, which is why their parameter gradients are partial over TP (the norm scales and the router weight get a
+backward hook that all-reduces them over TP; the routed experts are reduced over EDP by the expert grouping).
+
+The embedding and output layer are split over the vocabulary; the loss is a vocab-parallel cross-entropy in fp32, so
+no rank ever materialises full-vocabulary logits.
+
+Sharded parameters carry `tensor_parallel_dim` (the dim split over TP) so checkpointing and tests can reassemble them;
+parameters whose gradient a hook all-reduces over TP carry `sequence_parallel=True`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from services.trainer.model.attention import Attention
+from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.model.mlp import SwiGLUMLP
+from services.trainer.model.moe.moe_layer import MoELayer
+from services.trainer.parallel.differentiable import (all_reduce_sum, copy_to_group, gather_tokens, group_rank,
+                                                      group_size, local_token_shard, reduce_from_group,
+                                                      reduce_scatter_tokens)
+
+ProcessGroup = dist.ProcessGroup
+
+
+# ---------------------------------------------------------------- sharding helpers
+
+
+def shard_parameter(param: nn.Parameter, dim: int, group: ProcessGroup) -> nn.Parameter:
+    """This rank's contiguous slice of `param` along `dim`, as a new parameter tagged with the split dim."""
+    n, r = group_size(group), group_rank(group)
+    if param.shape[dim] % n:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} cannot be split over tp={n} along dim {dim}")
+    shard = nn.Parameter(param.detach().chunk(n, dim=dim)[r].clone(), requires_grad=param.requires_grad)
+    shard.tensor_parallel_dim = dim
+    return shard
+
+
+def _shard_linear(linear: nn.Linear, dim: int, group: ProcessGroup) -> None:
+    """dim 0: keep a slice of output features (column parallel); dim 1: of input features (row parallel)."""
+    if linear.bias is not None:
+        raise ValueError("tensor parallel linears here are bias-free; the model has no biases")
+    linear.weight = shard_parameter(linear.weight, dim, group)
+    linear.out_features, linear.in_features = linear.weight.shape
+
+
+def _reduce_grad_over(group: ProcessGroup, grad: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(grad, group)
+
+
+def mark_sequence_parallel(param: nn.Parameter, group: ProcessGroup) -> None:
+    """`param` is used on this rank's token shard only: sum its gradient over TP as it is produced.
+
+    A tensor hook sees each backward's contribution before it is accumulated into `.grad`, so gradient accumulation over
+    micro-batches stays a plain sum.
+    """
+    param.register_hook(partial(_reduce_grad_over, group))
+    param.sequence_parallel = True
+
+
+# ---------------------------------------------------------------- TP regions (hooks keep names and state_dict keys)
+
+
+def _enter_region(group: ProcessGroup, sequence_parallel: bool, module: nn.Module, args: tuple):
+    x, *rest = args
+    return (gather_tokens(x, group) if sequence_parallel else copy_to_group(x, group), *rest)
+
+
+def _leave_region(group: ProcessGroup, sequence_parallel: bool, module: nn.Module, args: tuple, out: torch.Tensor):
+    return reduce_scatter_tokens(out, group) if sequence_parallel else reduce_from_group(out, group)
+
+
+def _make_region(module: nn.Module, group: ProcessGroup, sequence_parallel: bool) -> None:
+    module.register_forward_pre_hook(partial(_enter_region, group, sequence_parallel))
+    module.register_forward_hook(partial(_leave_region, group, sequence_parallel))
+
+
+def parallelize_attention(attn: Attention, group: ProcessGroup, sequence_parallel: bool) -> None:
+    n = group_size(group)
+    if attn.num_heads % n or attn.num_kv_heads % n:
+        raise ValueError(f"tp={n} must divide num_heads={attn.num_heads} and num_kv_heads={attn.num_kv_heads}")
+    # Contiguous head slices keep GQA grouping: query head i uses kv head i // (Hq/Hkv) on every rank alike.
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        _shard_linear(proj, 0, group)
+    _shard_linear(attn.o_proj, 1, group)
+    _make_region(attn, group, sequence_parallel)
+
+
+def parallelize_swiglu(mlp: SwiGLUMLP, group: ProcessGroup, sequence_parallel: bool) -> None:
+    _shard_linear(mlp.gate_proj, 0, group)
+    _shard_linear(mlp.up_proj, 0, group)
+    _shard_linear(mlp.down_proj, 1, group)
+    _make_region(mlp, group, sequence_parallel)
+
+
+def _moe_on_token_shard(group: ProcessGroup, module: nn.Module, args: tuple):
+    """The MoE layer sees this rank's tokens; its per-token segment ids must be cut the same way."""
+    if len(args) > 1 and args[1] is not None:
+        return (args[0], local_token_shard(args[1], group), *args[2:])
+    return None
+
+
+# ---------------------------------------------------------------- vocab parallel embedding, output layer and loss
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + V/tp) of the embedding; other ids contribute zeros and the sum over TP completes them."""
+
+    def __init__(self, full: nn.Embedding, group: ProcessGroup, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = shard_parameter(full.weight, 0, group)
+        self.vocab_start = group_rank(group) * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0.0)
+        return reduce_scatter_tokens(out, self.group) if self.sequence_parallel else reduce_from_group(out, self.group)
+
+
+class VocabParallelOutput(nn.Module):
+    """Output layer split over the vocabulary: [T(/tp), h] -> logits for this rank's vocab slice [T, V/tp]."""
+
+    def __init__(self, full: nn.Linear, group: ProcessGroup, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = shard_parameter(full.weight, 0, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_tokens(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
+        return F.linear(x, self.weight)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Σ over tokens of -log softmax(logits)[label], with the vocabulary split over `group`; fp32 throughout.
+
+    Three all-reduces of [T] vectors (max, Σexp, target logit) replace a gather of [T, V] logits.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: ProcessGroup):
+        x = logits.float()
+        row_max = x.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = x - row_max[:, None]
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        local = labels - vocab_start
+        valid = labels != IGNORE_INDEX
+        here = valid & (local >= 0) & (local < x.shape[-1])
+        idx = local.clamp(0, x.shape[-1] - 1)
+        target = shifted.gather(1, idx[:, None]).squeeze(1) * here
+        dist.all_reduce(target, group=group)
+        loss = ((sum_exp.log() - target) * valid).sum()
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), idx, here, valid)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, idx, here, valid = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(1, idx[:, None], -here.to(g.dtype)[:, None])
+        g.mul_(valid.to(g.dtype)[:, None] * grad)
+        return g.to(ctx.logits_dtype), None, None, None
+
+
+class VocabParallelCrossEntropy:
+    """Drop-in for `cross_entropy_sum(logits, labels)` when logits are this rank's vocab slice."""
+
+    def __init__(self, group: ProcessGroup, vocab_start: int):
+        self.group, self.vocab_start = group, vocab_start
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelCE.apply(logits, labels, self.vocab_start, self.group)
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence_parallel: bool = True) -> nn.Module:
+    """Shard `model` (an initialised `MoETransformer`, or a pipeline stage of one) over the TP `group`, in place.
+
+    Every rank must hold the same full weights before the call: each keeps its slice, so a parallel run starts from
+    exactly the single-device initialisation. The model's `loss_fn` becomes the vocab-parallel cross-entropy.
+    """
+    if group_size(group) == 1:
+        return model
+    if getattr(model, "tensor_parallel_group", None) is not None:
+        raise RuntimeError("apply_tensor_parallel was already applied to this model")
+    has_moe = any(isinstance(m, MoELayer) for m in model.modules())
+    if has_moe and not sequence_parallel:
+        raise ValueError("MoE layers under tensor parallelism need `parallel.sequence_parallel=true`: without it every "
+                         "TP rank would route and compute the same tokens")
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            parallelize_attention(module, group, sequence_parallel)
+        elif isinstance(module, SwiGLUMLP):  # dense FFN or a MoE layer's shared expert
+            parallelize_swiglu(module, group, sequence_parallel)
+        elif isinstance(module, MoELayer) and sequence_parallel:
+            module.register_forward_pre_hook(partial(_moe_on_token_shard, group))
+            mark_sequence_parallel(module.router.weight, group)
+        elif isinstance(module, nn.RMSNorm) and sequence_parallel and module.weight is not None:
+            mark_sequence_parallel(module.weight, group)
+    if getattr(model, "embed", None) is not None:
+        model.embed = VocabParallelEmbedding(model.embed, group, sequence_parallel)
+    if getattr(model, "output", None) is not None:
+        model.output = VocabParallelOutput(model.output, group, sequence_parallel)
+        model.loss_fn = VocabParallelCrossEntropy(group, group_rank(group) * model.output.weight.shape[0])
+    model.tensor_parallel_group = group
+    model.sequence_parallel = sequence_parallel
+    return model

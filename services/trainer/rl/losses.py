@@ -1,0 +1,74 @@
+"""RL policy-gradient losses over response tokens: GRPO advantages and the PPO-clip objective.
+
+Three policies meet here. pi_rollout generated the tokens (its log-probs come with the trajectories, computed by the
+rollout engine, possibly from weights a few versions old and in another precision). pi_old is the trainer's own
+evaluation of the weights at the start of the step (optional: `old_logp`). pi_theta is being optimised.
+
+- Without `old_logp`, the PPO ratio is taken directly against the rollout: r = pi_theta / pi_rollout.
+- With `old_logp` (decoupled PPO), the ratio is r = pi_theta / pi_old, and the train/rollout mismatch (staleness,
+  kernels, precision) is corrected by a truncated importance weight w = min(pi_old / pi_rollout, tis_cap), detached.
+- Optional KL to a reference policy, k3 estimator (Schulman): exp(ref - logp) - (ref - logp) - 1, unbiased and >= 0.
+
+Aggregation is token-level: the caller divides the returned sum by the response tokens of the whole step, so long and
+short responses weigh per token and the gradient does not depend on how samples were split into micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: rewards [groups, samples] -> advantages, centred on the group mean and (optionally) divided by the group
+    standard deviation (Bessel-corrected). A group whose samples all score the same gets zero advantage."""
+    centred = rewards - rewards.mean(dim=-1, keepdim=True)
+    if not std_normalize or rewards.shape[-1] < 2:
+        return centred
+    return centred / (rewards.std(dim=-1, keepdim=True) + eps)
+
+
+@dataclass
+class PolicyLoss:
+    loss_sum: torch.Tensor  # Σ per-token loss (with grad); divide by the step's response tokens
+    tokens: int
+    clipped: float  # tokens whose gradient the clip removed
+    kl_sum: float  # Σ k3 KL to the reference (0 without one)
+    mismatch_abs_sum: float  # Σ |log pi_train - log pi_rollout| (pi_train = pi_old when given, else pi_theta)
+    mismatch_kl_sum: float  # Σ k3 estimate of KL(pi_rollout || pi_train) over the rollout's own samples
+    tis_weight_sum: float  # Σ truncated importance weights (tokens when not used)
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(q || p) from samples of q, given log(p/q) at those samples."""
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def ppo_clip_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+                  clip_high: float, old_logp: torch.Tensor | None = None, tis_cap: float = 0.0,
+                  ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0) -> PolicyLoss:
+    """All inputs are flat over response tokens [N]; only `logp` carries a gradient."""
+    rollout_logp = rollout_logp.detach().float()
+    logp = logp.float()
+    base = rollout_logp if old_logp is None else old_logp.detach().float()
+    ratio = torch.exp(logp - base)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    weight = torch.ones_like(per_token)
+    if old_logp is not None and tis_cap > 0:
+        weight = torch.exp(base - rollout_logp).clamp(max=tis_cap)
+        per_token = per_token * weight
+    kl = torch.zeros_like(per_token)
+    if ref_logp is not None and kl_coef > 0:
+        kl = k3(ref_logp.detach().float() - logp)
+        per_token = per_token + kl_coef * kl
+    loss_sum = per_token.sum()
+    with torch.no_grad():
+        train = base if old_logp is not None else logp.detach()
+        was_clipped = ((advantages > 0) & (ratio > 1 + clip_high)) | ((advantages < 0) & (ratio < 1 - clip_low))
+        return PolicyLoss(
+            loss_sum=loss_sum, tokens=logp.numel(), clipped=float(was_clipped.sum()),
+            kl_sum=float(kl.detach().sum()), mismatch_abs_sum=float((train - rollout_logp).abs().sum()),
+            mismatch_kl_sum=float(k3(train - rollout_logp).sum()), tis_weight_sum=float(weight.sum()))

@@ -1,0 +1,162 @@
+"""RL trainer entry point: `torchrun ... -m services.trainer.rl.train_rl --config FILE [section.key=value ...]`.
+
+`foldmoe train` starts it instead of `services.trainer.train` when `rl.enabled`. The loop is the pre-training loop's
+(runtime, registry, model, AdamW with its schedule, checkpointer service, per-step record and progress line, all reused
+from services/trainer/train.py and friends) with the data and the step swapped:
+
+    publish weights v0 ─▶ workers generate ─▶ stream ─▶ read groups (fresh enough for v_s) ─▶ rl_step ─▶ publish v_{s+1}
+
+Versions count optimizer steps: the weights after s steps are version s, so a checkpoint of step s holds version s and
+a resumed trainer publishes from there. Data comes from the rollout stream through `rollouts.RolloutReader` (its module
+docstring says why not through the dataloader). One rank for now: `rl_step` runs the plain model (routing replay), not
+the folded parallel layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+
+import torch
+from redis import RedisError
+
+from services.common.config import Config, ConfigError, load_config
+from services.common.registry import Registry, RegistryError, redis_url
+from services.trainer import checkpointing
+from services.trainer.metrics import MetricsLog
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.optim import build_adamw, lr_at, set_lr
+from services.trainer.progress import StepPrinter
+from services.trainer.rl.rollouts import RolloutReader
+from services.trainer.rl.step import rl_step
+from services.trainer.rl.weight_publisher import WeightPublisher
+from services.trainer.train import init_runtime, seed_everything, update_router_bias
+
+
+def validate_rl(cfg: Config) -> None:
+    """What an RL run needs beyond `config.validate`; the CLI calls it before starting any process."""
+    rl = cfg.rl
+    if cfg.run.nproc != 1:
+        raise ConfigError(f"RL training runs on one trainer rank (`run.nproc=1`, got {cfg.run.nproc}): the RL step "
+                          "does not use the folded parallel layout yet; scale rollout with `rl.workers`")
+    if rl.workers < 1:
+        raise ConfigError(f"`rl.workers` must be at least 1 in an RL run, got {rl.workers}")
+    if rl.group_size < 2:
+        raise ConfigError(f"`rl.group_size={rl.group_size}`: GRPO needs at least 2 samples per prompt, otherwise "
+                          "every advantage is zero")
+    if rl.groups_per_step < 1 or rl.rollout_timeout_s <= 0:
+        raise ConfigError("`rl.groups_per_step` and `rl.rollout_timeout_s` must be positive")
+    if cfg.model.capacity_factor > 0:
+        raise ConfigError(f"RL needs a dropless MoE (`model.capacity_factor=0`, got {cfg.model.capacity_factor}): "
+                          "routing replay cannot reproduce batch-dependent token drops")
+
+
+class RLStepPrinter(StepPrinter):
+    """The pre-training progress line with RL's numbers: reward, response length, clip fraction, KL to the reference,
+    train/rollout log-prob mismatch and how stale the step's trajectories were."""
+
+    def rl_header(self, cfg: Config, device: torch.device, start_step: int, stream: str) -> None:
+        if self.enabled:
+            where = f"resuming at step {start_step}" if start_step else "from scratch"
+            self.console.print(f"trainer: RL run {cfg.run.name} on {device}, {cfg.run.steps} steps {where}; task "
+                               f"{cfg.rl.task}, {cfg.rl.groups_per_step} groups x {cfg.rl.group_size} samples per "
+                               f"step from {stream}")
+
+    def step(self, r: dict) -> None:
+        if not self.enabled:
+            return
+        step = r["step"]
+        eta = (time.perf_counter() - self.t0) / max(step - self.start, 1) * (self.total - step)
+        self.console.print(
+            f"step {step:>5}/{self.total} {self._bar(step)} reward {r['reward']:.3f} len {r['response_length']:.1f} "
+            f"clip {100 * r['clip_frac']:.1f}% kl {r['kl']:.4f} mismatch {r['logprob_mismatch']:.4f} "
+            f"stale {r['staleness_max']} (v{min(r['policy_versions'])}-{max(r['policy_versions'])}) "
+            f"loss {r['loss']:+.4f} gnorm {r['grad_norm']:.2f} wait {1000 * r['rollout_wait_s']:.0f}ms eta {eta:.0f}s")
+
+
+def reference_model(model: MoETransformer, cfg: Config) -> MoETransformer | None:
+    """A frozen copy of the initial policy for the KL term (only with `rl.kl_coef > 0`). Taken before a resume
+    restores later weights: the reference is the starting policy, whichever step the run resumes at."""
+    if cfg.rl.kl_coef <= 0:
+        return None
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def train_rl(cfg: Config) -> int:
+    validate_rl(cfg)
+    rt = init_runtime(cfg)
+    seed_everything(cfg.run.seed)
+    registry = Registry(redis_url(), cfg.run.name)
+    model = MoETransformer(cfg.model)
+    model.init_weights(cfg.run.seed)
+    model.to(rt.device)
+    optimizer = build_adamw(model, cfg.optimizer)
+    ref = reference_model(model, cfg)
+
+    reader = RolloutReader.from_registry(registry, cfg.rl.max_staleness, timeout=cfg.rl.rollout_timeout_s)
+    saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
+    try:
+        start_step = checkpointing.restore(cfg, model, optimizer, reader, rt.rank)
+    except ValueError as e:
+        raise checkpointing.CheckpointLoadError(str(e)) from None
+    reader.discard_backlog()  # before the first publish: whatever is there was generated for another incarnation
+    publisher = WeightPublisher.from_config(cfg.rl).start()
+    publisher.publish(start_step, model.state_dict())
+    beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
+    printer = RLStepPrinter(cfg.run.steps, start_step, enabled=rt.rank == 0)
+    log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
+    printer.rl_header(cfg, rt.device, start_step, reader.stream)
+    try:
+        for step in range(start_step, cfg.run.steps):
+            t0 = time.perf_counter()
+            groups = reader.next_groups(cfg.rl.groups_per_step, step, timeout_s=cfg.rl.rollout_timeout_s)
+            wait = time.perf_counter() - t0
+            lr = lr_at(step, cfg.optimizer, cfg.run.steps)
+            set_lr(optimizer, lr)
+            metrics = rl_step(model, optimizer, groups, cfg.rl, rt.device, cfg.optimizer.clip_grad, ref,
+                              rt.autocast_dtype, version=step)
+            load = update_router_bias(model, cfg)  # the bias moves the rollout's routing: part of the policy
+            publisher.publish(step + 1, model.state_dict())
+            stall = checkpointing.save(saver, cfg, model, optimizer, reader, step + 1) \
+                if checkpointing.due(cfg, step + 1) else 0.0
+            record = {"step": step + 1, **metrics, "lr": lr, "step_time_s": time.perf_counter() - t0,
+                      "rollout_wait_s": wait, "ckpt_stall_s": stall, "max_load_ratio": load["max_ratio"],
+                      "dropped_stale": reader.dropped_stale, "dropped_foreign": reader.dropped_foreign,
+                      "groups": len(groups)}
+            log.write(record)
+            printer.step(record)
+            registry.set_state("step", step + 1)
+        saver.wait()
+    finally:
+        beat.stop()
+        publisher.stop()
+        saver.close()
+        log.close()
+        reader.close()
+    printer.done()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="services.trainer.rl.train_rl", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=None, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        return train_rl(cfg)
+    except (ConfigError, RegistryError, checkpointing.CheckpointLoadError) as e:
+        print(f"trainer: error: {e}", file=sys.stderr)
+        return 2
+    except (TimeoutError, RedisError) as e:
+        print(f"trainer: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

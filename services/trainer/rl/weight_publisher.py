@@ -1,0 +1,135 @@
+"""Trainer side of policy weight sync: serve versioned copies of the weights to the rollout workers.
+
+`publish(version, state_dict)` copies the full tensors to host memory in the sync dtype (bf16 by default; integer buffers
+keep theirs), cuts them into chunks of about `chunk_bytes`, and serves them from a background thread over a ZMQ ROUTER
+socket; the exchange is `proto/rollout.proto` (WeightsRequest / WeightsManifest / WeightsChunk / WeightsError). A
+sharded trainer gathers full tensors before calling it; a single rank passes `model.state_dict()`. Workers pull (the
+trainer never pushes), so a worker that starts late, or restarts, gets the current weights, and no worker can slow the
+trainer down: the trainer's cost is the one host copy. The worker side is `services/rl_rollout/weights.py`; the two
+share only the proto messages.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+import zmq
+
+from proto import rollout_pb2 as pb
+from services.common import wire
+
+Chunk = tuple[list[pb.WeightPiece], list[torch.Tensor]]
+
+
+def chunk_state(state: dict[str, torch.Tensor], chunk_bytes: int) -> list[Chunk]:
+    """Cut the tensors, flattened, into pieces so that no chunk holds much more than `chunk_bytes`."""
+    chunks: list[Chunk] = [([], [])]
+    room = chunk_bytes
+    for name, t in state.items():
+        flat, offset = t.reshape(-1), 0
+        while True:
+            if room <= 0:
+                chunks.append(([], []))
+                room = chunk_bytes
+            n = min(flat.numel() - offset, max(1, room // t.element_size()))
+            chunks[-1][0].append(pb.WeightPiece(name=name, shape=list(t.shape), offset=offset, numel=n))
+            chunks[-1][1].append(flat[offset:offset + n])
+            room, offset = room - n * t.element_size(), offset + n
+            if offset >= flat.numel():
+                break
+    return chunks
+
+
+class WeightPublisher:
+    """`start()` binds a ROUTER on `host`; `endpoint` is what workers connect to (the trainer registers it)."""
+
+    def __init__(self, host: str = "127.0.0.1", dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 64 << 20,
+                 keep: int = 2):
+        self.host, self.dtype, self.chunk_bytes, self.keep = host, dtype, chunk_bytes, keep
+        self._versions: OrderedDict[int, list[Chunk]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ctx = zmq.Context.instance()
+        self.endpoint = ""
+
+    @classmethod
+    def from_config(cls, rl, host: str = "127.0.0.1") -> "WeightPublisher":
+        """From the `rl` config section (`weight_dtype`, `weight_chunk_mb`)."""
+        dtype = torch.bfloat16 if rl.weight_dtype == "bf16" else torch.float32
+        return cls(host, dtype=dtype, chunk_bytes=int(rl.weight_chunk_mb * 2**20))
+
+    def start(self) -> "WeightPublisher":
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{self.host}")
+        self.endpoint = f"tcp://{self.host}:{port}"
+        self._thread = threading.Thread(target=self._serve, name="weights-publisher", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def latest(self) -> int:
+        with self._lock:
+            return next(reversed(self._versions)) if self._versions else -1
+
+    @torch.no_grad()
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Make `state` (full tensors) the newest weights. Versions must increase; the tensors are copied."""
+        if version <= self.latest:
+            raise ValueError(f"weights version {version} is not newer than the published {self.latest}")
+        host = {k: (v.detach().to("cpu", self.dtype) if v.is_floating_point() else v.detach().to("cpu")).contiguous()
+                for k, v in state.items()}
+        chunks = chunk_state(host, self.chunk_bytes)
+        with self._lock:
+            self._versions[version] = chunks
+            while len(self._versions) > self.keep:
+                self._versions.popitem(last=False)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            # The routing envelope (peer identity, REQ_CORRELATE's request id) ends at the first empty frame; it goes
+            # back unchanged in front of the reply.
+            split = next((i for i, f in enumerate(frames) if len(f.buffer) == 0), None)
+            if split is None:
+                continue  # not from a REQ socket: nothing we can answer
+            try:
+                reply = self._answer(frames[split + 1:])
+            except wire.WireError as e:
+                reply = wire.encode("weights_error", pb.WeightsError(message=f"malformed request: {e}"))
+            self._sock.send_multipart([*frames[:split + 1], *reply], copy=False)
+
+    def _answer(self, frames) -> list:
+        kind, req, _ = wire.decode(frames, pb.WeightsRequest)
+        with self._lock:
+            if kind == "weights_latest":
+                if not self._versions:
+                    return wire.encode("weights_manifest", pb.WeightsManifest(version=-1))
+                version, chunks = next(reversed(self._versions.items()))
+                total = sum(t.numel() * t.element_size() for _, ts in chunks for t in ts)
+                return wire.encode("weights_manifest", pb.WeightsManifest(version=version, num_chunks=len(chunks),
+                                                                          total_bytes=total))
+            if kind == "weights_chunk":
+                chunks = self._versions.get(req.version)
+                if chunks is None:
+                    return wire.encode("weights_error", pb.WeightsError(
+                        message=f"version {req.version} is no longer published", version_gone=True))
+                if req.chunk >= len(chunks):
+                    return wire.encode("weights_error", pb.WeightsError(
+                        message=f"version {req.version} has {len(chunks)} chunks, asked for chunk {req.chunk}"))
+                pieces, tensors = chunks[req.chunk]
+                body = pb.WeightsChunk(version=req.version, chunk=req.chunk, num_chunks=len(chunks), pieces=pieces)
+                return wire.encode("weights_chunk", body, {str(i): t for i, t in enumerate(tensors)})
+        return wire.encode("weights_error", pb.WeightsError(message=f"unknown request kind {kind!r}"))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if hasattr(self, "_thread"):
+            self._thread.join(timeout=5)
+            self._sock.close(linger=0)

@@ -1,0 +1,34 @@
+"""One optimizer step's forward and backward over its micro-batches (no pipeline; the pipeline schedule has the same shape).
+
+Loss normalisation is by tokens: every micro-batch contributes Σ token losses / (loss tokens of the whole step), so the
+gradient does not depend on how tokens were split into micro-batches, packed, or spread over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.trainer.model.loss import IGNORE_INDEX, cross_entropy_sum
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def count_loss_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> int:
+    return int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches))
+
+
+def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], step_tokens: int,
+                     device: torch.device, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """Runs forward+backward on each micro-batch; returns this rank's summed token loss (detached, fp32)."""
+    total = torch.zeros((), device=device)
+    for mb in micro_batches:
+        mb = to_device(mb, device)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"))
+        loss_sum = cross_entropy_sum(logits, mb["labels"])
+        (loss_sum / step_tokens).backward()
+        total += loss_sum.detach()
+    return total

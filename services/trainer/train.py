@@ -1,0 +1,215 @@
+"""Trainer rank entry point: `torchrun ... -m services.trainer.train --config FILE [section.key=value ...]`.
+
+The trainer does compute only. It finds the dataloader and checkpointer through the Redis registry, pulls each step's
+micro-batches, runs forward/backward/step, and hands state to the checkpointer, which writes it while training goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.config import Config, ConfigError, load_config, validate
+from services.common.registry import Registry, RegistryError, redis_url
+from services.trainer import checkpointing
+from services.trainer.metrics import (MetricsLog, datasheet_peak, flops_per_token, measure_peak_tflops)
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.optim import build_adamw, lr_at, set_lr
+from services.trainer.parallel import checkpoint_shards
+from services.trainer.parallel.expert_parallel import sync_expert_load
+from services.trainer.parallel.groups import ParallelGroups, init_groups
+from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
+from services.trainer.progress import StepPrinter
+from services.trainer.step import count_loss_tokens, forward_backward
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+
+
+def init_runtime(cfg: Config) -> Runtime:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    want_cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("`run.device=cuda` but no CUDA device is visible; use run.device=cpu or auto")
+    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if want_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        torch.distributed.init_process_group("nccl" if want_cuda else "gloo", device_id=device if want_cuda else None)
+    validate(cfg, world_size)
+    autocast = torch.bfloat16 if (want_cuda and cfg.run.dtype == "bf16") else None
+    return Runtime(rank, world_size, device, autocast)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def train(cfg: Config) -> int:
+    rt = init_runtime(cfg)
+    seed_everything(cfg.run.seed)
+    registry = Registry(redis_url(), cfg.run.name)
+
+    groups = init_groups(cfg, rt.world_size, rt.rank)
+    parallel = rt.world_size > 1  # one rank keeps torch's AdamW and the plain step; several run the folded layout
+    model = MoETransformer(cfg.model)
+    model.init_weights(cfg.run.seed)  # full weights on every rank: parallelize keeps each rank's slice
+    if parallel:
+        parallelize(model, cfg, groups)
+    model.to(rt.device)
+    optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
+
+    from services.dataloader.client import DataClient
+
+    data = DataClient.from_registry(registry, dp_rank=groups.dp.rank, dp_size=groups.dp.size, cfg=cfg)
+    saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
+    if parallel:
+        start_step = restore_parallel(cfg, model, optimizer, data, groups)
+    else:
+        start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank)
+
+    tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * groups.dp.size
+    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak_sheet = cfg.run.peak_tflops or datasheet_peak(rt.device)
+    peak_measured = measure_peak_tflops(rt.device, rt.autocast_dtype or torch.float32) if rt.rank == 0 else 0.0
+    for moe in model.moe_layers():
+        moe.aux_loss_scale = 1.0 / cfg.data.grad_accum
+    printer = StepPrinter(cfg.run.steps, start_step, enabled=rt.rank == 0)
+    log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
+    printer.header(cfg, rt.device, peak_sheet, peak_measured, start_step)
+
+    try:
+        for step in range(start_step, cfg.run.steps):
+            t0 = time.perf_counter()
+            micro_batches = data.next_step()
+            data_wait = time.perf_counter() - t0
+            lr = lr_at(step, cfg.optimizer, cfg.run.steps)
+            if parallel:
+                optimizer.zero_grad()
+                loss_sum, step_tokens = forward_backward_parallel(model, micro_batches, groups, cfg, rt.device,
+                                                                  rt.autocast_dtype, optimizer)
+                grad_norm = optimizer.step(lr)
+                sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
+            else:
+                set_lr(optimizer, lr)
+                step_tokens = count_loss_tokens(micro_batches)
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
+                optimizer.step()
+            load = update_router_bias(model, cfg, groups.dp.size)
+            loss = float(loss_sum) / step_tokens
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize(rt.device)
+            t_compute = time.perf_counter() - t0
+
+            stall = 0.0
+            if checkpointing.due(cfg, step + 1) and parallel:
+                stall = save_parallel(saver, cfg, model, optimizer, data, groups, step + 1)
+            elif checkpointing.due(cfg, step + 1):
+                stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1)
+            dt = time.perf_counter() - t0
+            tps = tokens_per_step / dt
+            record = {
+                "step": step + 1, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
+                "tokens_per_s": tps, "step_time_s": dt, "compute_time_s": t_compute, "data_wait_s": data_wait,
+                "ckpt_stall_s": stall, "aux_loss": float(sum(m.last_aux_loss for m in model.moe_layers())),
+                "mfu": tps * flops_tok / 1e12 / rt.world_size / peak_sheet if peak_sheet else None,
+                "mfu_measured_peak": tps * flops_tok / 1e12 / rt.world_size / peak_measured if peak_measured else None,
+                "expert_load": load["per_expert"], "max_load_ratio": load["max_ratio"],
+                "dropped_frac": load["dropped_frac"],
+            }
+            if rt.device.type == "cuda":
+                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+            log.write(record)
+            printer.step(record)
+            registry.set_state("step", step + 1) if rt.rank == 0 else None
+        saver.wait()
+    finally:
+        saver.close()
+        log.close()
+    printer.done()
+    return 0
+
+
+@torch.no_grad()
+def update_router_bias(model: MoETransformer, cfg: Config, data_parallel: int = 1) -> dict:
+    """Reads (and resets) the per-expert load of this step; applies the aux-loss-free bias update when enabled.
+    Under data parallelism the load was already summed over the stage (`sync_expert_load`): `data_parallel` replicas."""
+    per_layer = []
+    routed = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cfg.model.top_k * data_parallel
+    for moe in model.moe_layers():
+        counts = moe.router.tokens_per_expert.clone()
+        if cfg.model.bias_update_rate > 0:
+            moe.router.update_bias(counts, cfg.model.bias_update_rate)
+        moe.router.tokens_per_expert.zero_()
+        per_layer.append(counts)
+    if not per_layer:
+        return {"per_expert": [], "max_ratio": 1.0, "dropped_frac": 0.0}
+    loads = torch.stack(per_layer)  # [layers, E]
+    kept = loads.sum(-1)
+    return {
+        "per_expert": loads.mean(0).tolist(),
+        "max_ratio": float((loads.max(-1).values / loads.mean(-1).clamp_min(1e-9)).max()),
+        "dropped_frac": float(1 - kept.mean() / routed) if routed else 0.0,
+    }
+
+
+def save_parallel(saver, cfg: Config, model, optimizer, data, groups: ParallelGroups, step: int) -> float:
+    """`checkpointing.save` for a folded layout: every rank hands its boxes (see `parallel/checkpoint_shards.py`)."""
+    t0 = time.perf_counter()
+    shards = {**checkpoint_shards.model_shards(model, groups), **checkpoint_shards.optimizer_shards(optimizer, groups)}
+    shards[f"rng/torch_cpu/rank{groups.global_rank}"] = torch.get_rng_state()
+    saver.save(step, shards, {"step": step, "data": data.state(), "config": cfg.to_dict()})
+    return time.perf_counter() - t0
+
+
+def restore_parallel(cfg: Config, model, optimizer, data, groups: ParallelGroups) -> int:
+    """`checkpointing.restore` for a folded layout: each rank reads its own boxes (any saved layout works)."""
+    if not cfg.checkpoint.resume:
+        return 0
+    path = checkpointing.find_latest_valid(cfg.checkpoint.dir)
+    if path is None:
+        return 0
+    ckpt = checkpointing.load_checkpoint(path)
+    try:
+        checkpoint_shards.load_shards(ckpt, model, optimizer, groups)
+    except (KeyError, ValueError, RuntimeError, checkpointing.CheckpointError) as e:
+        raise checkpointing.CheckpointLoadError(f"checkpoint {path} does not match this model ({e}); point "
+                                                "checkpoint.dir elsewhere or set checkpoint.resume=false") from None
+    data.resume(ckpt.extra["data"])
+    step = int(ckpt.extra["step"])
+    if groups.global_rank == 0:
+        print(f"trainer: resumed from {path} at step {step}", file=sys.stderr)
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="services.trainer.train", description=__doc__)
+    parser.add_argument("--config", default=None, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        return train(cfg)
+    except (ConfigError, RegistryError, checkpointing.CheckpointLoadError) as e:
+        print(f"trainer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

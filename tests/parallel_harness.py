@@ -1,0 +1,278 @@
+"""Multi-process parity harness: N gloo processes on CPU run the production parallel path against one process.
+
+    cfg = tiny_config(ep=2)                       # tiny fp32 model + the parallel layout under test
+    batches = make_batches(cfg.model, steps=3, micro=4, tokens=32)
+    ref = run_reference(cfg, batches)            # one process over all micro-batches of each step
+    par = run_parallel(cfg, batches, world=2)    # init_groups -> parallelize -> DistributedOptimizer, as train.py does
+    assert_parity(ref, par)
+
+Both sides start from `init_weights(seed)` of the full model (the parallel side slices it), see the same micro-batches
+(rank with data-parallel index d takes the d-th contiguous block of each step's list; TP and CP peers share it), use
+AdamW with the same settings and clipping, and record every step's mean token loss, every parameter's gradient
+reassembled to full shape (before clipping) and, at the end, every parameter. Optional probes record the router's kept
+masks and the MoE layers' outputs per (micro-batch, layer), and whether gradient reductions began before backward ended.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.common.config import Config, ModelConfig
+from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.model.moe.moe_layer import MoELayer
+from services.trainer.model.moe.router import Router
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.optim import build_adamw, set_lr
+from services.trainer.step import count_loss_tokens, forward_backward
+
+RTOL = 1e-5  # relative L2 error allowed for every gradient, parameter and step loss (fp32)
+LR = 1e-2
+TIMEOUT_S = 120.0
+
+
+def tiny_config(**parallel) -> Config:
+    cfg = Config()
+    m = cfg.model
+    for k, v in dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
+                     first_k_dense=0, num_experts=4, top_k=2, moe_ffn_hidden_size=16, aux_loss_coeff=1e-2).items():
+        setattr(m, k, v)
+    # clip_grad below the tiny model's gradient norm: clipping is active, so every parity run checks the global norm
+    cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad = LR, 0.1, 0.2
+    # Adam turns a gradient difference d on a near-zero gradient into an update difference of up to lr·d/eps: a larger
+    # eps keeps fp32 summation-order differences (other reduction orders in parallel) at rounding level over the steps.
+    cfg.optimizer.eps = 1e-6
+    cfg.parallel.grad_bucket_mb = 0.01  # several buckets even for the tiny model, so bucketing and overlap are exercised
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def make_batches(cfg: ModelConfig, steps: int, micro: int, tokens: int = 32, seed: int = 0) -> list[list[dict]]:
+    """`steps` lists of `micro` packed micro-batches: several documents each, a padding segment, ignored labels."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(micro):
+            lengths, left = [], tokens - 3
+            while left > 0:
+                n = min(left, int(torch.randint(3, tokens // 2, (1,), generator=gen)))
+                lengths.append(n)
+                left -= n
+            lengths.append(3)  # padding run
+            labels = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
+            labels[-3:] = IGNORE_INDEX
+            labels[torch.rand(tokens, generator=gen) < 0.1] = IGNORE_INDEX
+            mbs.append({"tokens": torch.randint(0, cfg.vocab_size, (tokens,), generator=gen), "labels": labels,
+                        "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+                        "cu_seqlens": torch.tensor([0] + lengths).cumsum(0).to(torch.int32)})
+        out.append(mbs)
+    return out
+
+
+# ---------------------------------------------------------------- probes
+
+
+class _Probe:
+    """Router kept masks and MoE outputs, keyed by (step, micro-batch index in the step, layer name)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.key: tuple[int, int] = (0, 0)
+        self.kept: dict[tuple, torch.Tensor] = {}
+        self.moe_out: dict[tuple, torch.Tensor] = {}
+        for name, m in model.named_modules():
+            if isinstance(m, Router):
+                m.register_forward_hook(self._router_hook(name))
+            elif isinstance(m, MoELayer):
+                m.register_forward_hook(self._moe_hook(name))
+
+    def _router_hook(self, name):
+        def hook(module, args, routing):
+            if routing.kept is not None:
+                self.kept[(*self.key, name)] = routing.kept.clone()
+        return hook
+
+    def _moe_hook(self, name):
+        def hook(module, args, out):
+            self.moe_out[(*self.key, name)] = out.detach().clone()
+        return hook
+
+
+# ---------------------------------------------------------------- the single-process reference
+
+
+def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict:
+    model = MoETransformer(cfg.model)
+    model.init_weights(seed)
+    opt = build_adamw(model, cfg.optimizer)
+    probe = _Probe(model)
+    for m in model.moe_layers():
+        m.aux_loss_scale = 1.0 / len(batches[0])
+    losses, grads, loads, norms = [], [], [], []
+    for step, mbs in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        set_lr(opt, cfg.optimizer.lr)
+        tokens = count_loss_tokens(mbs)
+        loss = torch.zeros(())
+        for i, mb in enumerate(mbs):
+            probe.key = (step, i)
+            loss += forward_backward(model, [mb], tokens, torch.device("cpu"), None)
+        losses.append(float(loss) / tokens)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)))
+        opt.step()
+        loads.append([m.router.tokens_per_expert.clone() for m in model.moe_layers()])
+        for m in model.moe_layers():
+            m.router.tokens_per_expert.zero_()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
+            "loads": loads, "norms": norms}
+
+
+# ---------------------------------------------------------------- the parallel run
+
+
+def _gather_full(name: str, t: torch.Tensor, p: torch.nn.Parameter, groups) -> torch.Tensor:
+    """A local piece (of a parameter or its gradient) reassembled to the single-device shape."""
+    from services.trainer.parallel.expert_parallel import full_expert_tensor
+
+    if hasattr(p, "expert_box"):
+        global_shape, offsets = p.expert_box
+        piece = t.reshape(p.shape)
+        piece = piece.view(piece.shape[0], piece.shape[1], 2, -1) if len(global_shape) == 4 else piece
+        axis = groups.ep_etp
+        if axis.size == 1:
+            return full_expert_tensor([(piece, offsets)], global_shape)
+        pieces = [torch.empty_like(piece) for _ in range(axis.size)]
+        dist.all_gather(pieces, piece.contiguous(), group=axis.group)
+        offs = [torch.empty(len(offsets), dtype=torch.int64) for _ in range(axis.size)]
+        dist.all_gather(offs, torch.tensor(offsets), group=axis.group)
+        return full_expert_tensor([(pc, tuple(o.tolist())) for pc, o in zip(pieces, offs)], global_shape)
+    dim = getattr(p, "tensor_parallel_dim", None)
+    if dim is None or groups.tp.size == 1:
+        return t.clone()
+    parts = [torch.empty_like(t) for _ in range(groups.tp.size)]
+    dist.all_gather(parts, t.contiguous(), group=groups.tp.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int) -> None:
+    from services.trainer.parallel.expert_parallel import sync_expert_load
+    from services.trainer.parallel.groups import init_groups
+    from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
+
+    torch.set_num_threads(1)
+    # A file rendezvous in the run's own directory: no free-port race with other tests running at the same time.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        groups = init_groups(cfg)
+        model = MoETransformer(cfg.model)
+        model.init_weights(seed)
+        parallelize(model, cfg, groups)
+        probe = _Probe(model)
+        opt = build_optimizer(model, cfg, groups)
+        overlap = []  # (buckets launched when the first block's backward ran, total buckets) per backward
+        first_block = model.layers[min(model.layers.keys(), key=int)]
+        first_block.register_full_backward_hook(lambda *a: overlap.append((len(opt.launch_log), len(opt.buckets))))
+        named = dict(model.named_parameters())
+        losses, grads, loads, norms = [], [], [], []
+        for step, mbs in enumerate(batches):
+            per_rank = len(mbs) // groups.dp.size
+            first = groups.dp.rank * per_rank
+            mine = mbs[first:first + per_rank]
+            opt.zero_grad()
+            overlap.clear()
+            local_index = iter(range(first, first + per_rank))
+            handle = model.register_forward_pre_hook(lambda *a: setattr(probe, "key", (step, next(local_index, -1))))
+            loss, tokens = forward_backward_parallel(model, mine, groups, cfg, torch.device("cpu"), None, opt)
+            handle.remove()
+            opt.finish_grad_sync()
+            losses.append(float(loss) / tokens)
+            grads.append({n: _gather_full(n, g, named[n], groups) for n, g in opt.full_grads().items()})
+            sync_expert_load(model, groups)
+            loads.append([m.router.tokens_per_expert.clone() for m in model.moe_layers()])
+            for m in model.moe_layers():
+                m.router.tokens_per_expert.zero_()
+            norms.append(float(opt.step(cfg.optimizer.lr)))
+        params = {n: _gather_full(n, p.detach(), p, groups) for n, p in named.items()}
+        torch.save({"losses": losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
+                    "overlap": overlap[-1:], "loads": loads, "norms": norms, "last_stage": groups.is_last_stage},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_parallel(cfg: Config, batches: list[list[dict]], world: int, out_dir: str, seed: int = 7) -> dict:
+    """Run the layout `cfg.parallel` on `world` gloo processes; merge what every rank recorded."""
+    ctx = mp.start_processes(_worker, args=(world, cfg, batches, out_dir, seed), nprocs=world,
+                             start_method="spawn", join=False)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"parallel run of {world} processes did not finish in {TIMEOUT_S:.0f} s "
+                                   f"(a collective is probably mismatched between ranks)")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise AssertionError(f"a rank failed:\n{e}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    merged = {"losses": next(r["losses"] for r in results if r["last_stage"]), "grads": [], "params": {},
+              "kept": {}, "moe_out": {}, "overlap": [r["overlap"] for r in results], "loads": results[0]["loads"],
+              "norms": results[0]["norms"], "ranks": results}
+    for step in range(len(batches)):
+        merged["grads"].append({})
+        for r in results:
+            for n, g in r["grads"][step].items():
+                merged["grads"][step].setdefault(n, g)
+    for r in results:
+        for key in ("params", "kept", "moe_out"):
+            for k, v in r[key].items():
+                merged[key].setdefault(k, v)
+    return merged
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def assert_parity(ref: dict, par: dict, rtol: float = RTOL, params: bool = True) -> None:
+    """Every step's loss, every parameter's gradient each step and (optionally) every final parameter agree."""
+    for step, (lr, lp) in enumerate(zip(ref["losses"], par["losses"], strict=True)):
+        assert abs(lp - lr) <= rtol * abs(lr), f"step {step}: loss {lp} != reference {lr}"
+    for step, (gr, gp) in enumerate(zip(ref["grads"], par["grads"], strict=True)):
+        assert gp.keys() == gr.keys(), f"step {step}: gradients of {sorted(gp.keys() ^ gr.keys())} on one side only"
+        for name in gr:
+            assert gp[name].shape == gr[name].shape, f"{name}: shape {tuple(gp[name].shape)} != {tuple(gr[name].shape)}"
+            err = rel_err(gp[name], gr[name])
+            assert err <= rtol, f"step {step}: gradient of {name} differs from the reference by {err:.2e} (relative)"
+    for step, (nr, np_) in enumerate(zip(ref["norms"], par["norms"], strict=True)):
+        assert abs(np_ - nr) <= rtol * nr, f"step {step}: global grad norm {np_} != reference {nr}"
+    if params:
+        assert par["params"].keys() == ref["params"].keys()
+        for name, p in ref["params"].items():
+            err = rel_err(par["params"][name], p)
+            assert err <= rtol, f"parameter {name} after {len(ref['losses'])} steps differs by {err:.2e} (relative)"
+
+
+def assert_same_rank_replicas(par: dict, key: str = "params") -> None:
+    """Copies of a tensor held by several ranks (DP replicas after the all-gather) are bit-identical."""
+    seen: dict[str, torch.Tensor] = {}
+    for r in par["ranks"]:
+        for n, t in r[key].items():
+            if n in seen:
+                assert torch.equal(seen[n], t), f"replicas of {n} differ between ranks"
+            seen.setdefault(n, t)
+

@@ -1,0 +1,42 @@
+"""Small models and references shared by the RL tests."""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.config import ModelConfig
+from services.trainer.model.transformer import MoETransformer
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    # A dense first layer and a shared expert so the cached forward is checked on every kind of block.
+    base = dict(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, ffn_hidden_size=96, first_k_dense=1,
+                num_experts=4, top_k=2, moe_ffn_hidden_size=48, shared_expert_ffn_hidden_size=32)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32, **overrides) -> MoETransformer:
+    model = MoETransformer(tiny_model_config(**overrides))
+    model.init_weights(seed)
+    # Larger-than-training init so that a random model has peaked, seed-dependent next-token distributions.
+    with torch.no_grad():
+        model.output.weight.mul_(20)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def full_forward(model: MoETransformer, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uncached forward of one sequence: (logits [T, V] fp32, routing [moe layers, T, k]) recorded by router hooks."""
+    taps = []
+    hooks = [m.router.register_forward_hook(lambda mod, inp, out: taps.append(out.expert_ids.cpu()))
+             for m in model.moe_layers()]
+    try:
+        dev = next(model.parameters()).device
+        t = torch.tensor(tokens, device=dev)
+        logits = model(t, torch.arange(len(tokens), device=dev),
+                       torch.tensor([0, len(tokens)], dtype=torch.int32, device=dev))
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits.float().cpu(), torch.stack(taps) if taps else torch.zeros(0, len(tokens), 0, dtype=torch.int64)

@@ -1,0 +1,179 @@
+"""The trainer's checkpoint glue (services/trainer/checkpointing.py): what a rank saves and how it comes back.
+
+Specification: the host buffers can be sized before the first optimizer step and fit the state after it exactly; a
+parameter sharded by the parallel code is saved as its box of the global tensor and each set of replicas is written by
+one rank only; with on_busy=skip every rank skips when any rank is busy; `attach` makes the optimizer step wait for
+the snapshot's copies (or the copies synchronous where it cannot hook the step); a save restores to the same model,
+optimizer state and RNG, with expert weights stored in the layout-independent [E, h, 2, f] view.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.checkpointer.load import load_checkpoint
+from services.checkpointer.snapshot import Snapshotter, specs_of
+from services.checkpointer.store import CheckpointStore
+from services.checkpointer.writer import Writer
+from services.common.config import Config, ModelConfig
+from services.trainer import checkpointing
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.optim import build_adamw
+
+CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
+                  moe_ffn_hidden_size=16, ffn_hidden_size=48, vocab_size=64, first_k_dense=1)
+
+
+def tiny() -> tuple[MoETransformer, torch.optim.Optimizer]:
+    model = MoETransformer(CFG)
+    model.init_weights(seed=1)
+    return model, build_adamw(model, Config().optimizer)
+
+
+def train_step(model: MoETransformer, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (12,), generator=g)
+    logits = model(tokens, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32))
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(logits.float().reshape(12, -1), tokens).backward()
+    opt.step()
+
+
+def test_buffers_sized_before_the_first_step_fit_the_state_after_it():
+    model, opt = tiny()
+    before = checkpointing.expected_specs(model, opt, rank=0)
+    train_step(model, opt, 0)
+    after = specs_of(checkpointing.state_shards(model, opt, rank=0))
+    assert before == after
+    assert any(n.startswith("optim/") and n.endswith("/exp_avg_sq") for n in after)
+
+
+def axes(tp=(0, 1), dp_cp=(0, 1), edp=(0, 1), etp=(0, 1)) -> SimpleNamespace:
+    mk = lambda rs: SimpleNamespace(rank=rs[0], size=rs[1])
+    return SimpleNamespace(tp=mk(tp), dp_cp=mk(dp_cp), edp=mk(edp), etp=mk(etp))
+
+
+def test_with_a_parallel_layout_each_piece_is_its_global_box_written_once_per_set_of_replicas():
+    column = torch.nn.Parameter(torch.zeros(6, 4))
+    column.tensor_parallel_dim = 0
+    w13 = torch.nn.Parameter(torch.zeros(2, 4, 2 * 3))  # 2 of 8 experts, FFN slice 1 of 2 (f = 6)
+    w13.expert_box = ((8, 4, 2, 6), (4, 0, 0, 3))
+    norm = torch.nn.Parameter(torch.ones(4))
+    model = torch.nn.Module()
+    model.q, model.w13, model.norm = column, w13, norm
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    s = checkpointing.state_shards(model, opt, rank=3, groups=axes(tp=(1, 2), dp_cp=(0, 2), edp=(1, 2), etp=(1, 2)))
+    q, e, n = s["model/q"], s["model/w13"], s["model/norm"]
+    assert (q.global_shape, q.offsets, q.written) == ((12, 4), (6, 0), True)  # TP rank 1 of 2, DP replica 0
+    assert (e.global_shape, e.offsets, tuple(e.tensor.shape), e.written) == ((8, 4, 2, 6), (4, 0, 0, 3), (2, 4, 2, 3),
+                                                                             False)  # EDP replica 1 does not write
+    assert (n.global_shape, n.written) == ((4,), False)  # TP-replicated: tp rank 0 writes it
+    assert (s["optim/q/exp_avg"].global_shape, s["optim/q/exp_avg"].offsets) == ((12, 4), (6, 0))
+    assert s["optim/q/step"].global_shape == (1,) and not s["optim/q/step"].written  # only the first box's owner
+    s0 = checkpointing.state_shards(model, opt, rank=0, groups=axes(tp=(0, 2), dp_cp=(0, 2), edp=(0, 2), etp=(0, 2)))
+    assert s0["model/norm"].written and s0["optim/q/step"].written and s0["model/w13"].written
+
+
+class FakeSaver:
+    def __init__(self, busy: bool):
+        self.busy, self.on_busy = busy, "skip"
+
+
+CASES = [([1], True), ([], False), ([0, 1], True)]  # (busy ranks, every rank must skip)
+
+
+def _skip_worker(rank: int, init_file: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        out[rank] = [checkpointing.should_skip(FakeSaver(rank in busy)) for busy, _ in CASES]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_with_on_busy_skip_every_rank_skips_when_any_rank_is_busy(tmp_path):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_skip_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+        expected = [skip for _, skip in CASES]
+        assert dict(out) == {0: expected, 1: expected}
+
+
+def test_on_busy_wait_never_skips():
+    saver = FakeSaver(True)
+    saver.on_busy = "wait"
+    assert checkpointing.should_skip(saver) is False
+
+
+def test_attach_fences_the_optimizer_step_or_makes_copies_synchronous():
+    model, opt = tiny()
+    saver = Snapshotter("tcp://127.0.0.1:1")
+    fences = []
+    saver.fence = lambda: fences.append(1)
+    checkpointing.attach(saver, model, opt, rank=0)
+    checkpointing.attach(saver, model, opt, rank=0)  # idempotent: one hook
+    train_step(model, opt, 0)
+    assert fences == [1] and saver.sync_copy is False
+
+    class NoHooks(torch.optim.SGD):  # like the ZeRO-1 DistributedOptimizer: no step hooks to install the fence in
+        register_step_pre_hook = None
+
+    other = Snapshotter("tcp://127.0.0.1:1")
+    checkpointing.attach(other, model, NoHooks(model.parameters(), lr=0.1), rank=0)
+    assert other.sync_copy is True
+    saver.close(), other.close()
+
+
+class FakeData:
+    def __init__(self, position: int):
+        self.position = position
+
+    def state(self) -> dict:
+        return {"position": self.position}
+
+    def resume(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def test_a_save_restores_model_optimizer_and_rng(tmp_path):
+    cfg = Config()
+    cfg.checkpoint.dir = str(tmp_path)
+    writer = Writer(CheckpointStore(tmp_path, keep_last=2), None)
+    stop = threading.Event()
+    thread = threading.Thread(target=writer.serve, args=(stop,), daemon=True)
+    thread.start()
+    saver = Snapshotter(writer.endpoint)
+    model, opt = tiny()
+    checkpointing.attach(saver, model, opt, rank=0)
+    train_step(model, opt, 0)
+    torch.manual_seed(7)
+    checkpointing.save(saver, cfg, model, opt, FakeData(123), step=1)
+    saver.wait(30)
+    expected_rng = torch.get_rng_state()
+    train_step(model, opt, 1)  # moves on after the save; the checkpoint must not see it
+    saver.close()
+    stop.set()
+    thread.join(10)
+
+    with load_checkpoint(Path(tmp_path) / "step_00000001") as c:
+        assert c.global_shape("model/layers.1.mlp.experts.w13") == (4, 32, 32)  # as the parallel layouts with etp=1
+    fresh, fresh_opt = tiny()
+    data = FakeData(0)
+    torch.manual_seed(99)
+    assert checkpointing.restore(cfg, fresh, fresh_opt, data, rank=0) == 1
+    assert data.position == 123 and torch.equal(torch.get_rng_state(), expected_rng)
+    reference, reference_opt = tiny()
+    train_step(reference, reference_opt, 0)
+    for (name, a), b in zip(reference.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(reference.parameters(), fresh.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(reference_opt.state[p][key], fresh_opt.state[q][key]), key

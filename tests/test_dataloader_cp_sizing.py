@@ -1,0 +1,79 @@
+"""Dynamic CP sizing: the smallest CP size under budget, and even work across the ranks of a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.dataloader.cp_sizing import (CPBudget, attention_cost, balance_equal_counts, choose_cp_size,
+                                           place_on_ranks, segment_lengths)
+
+
+def test_segment_lengths_and_attention_cost_follow_cu_seqlens():
+    lengths = segment_lengths(torch.tensor([0, 3, 10, 16], dtype=torch.int32))
+    assert lengths == [3, 7, 6] and attention_cost(lengths) == 9 + 49 + 36
+
+
+def test_one_long_document_needs_more_cp_ranks_than_many_short_ones_of_the_same_total():
+    budget = CPBudget(max_attn_per_rank=4096 ** 2 // 4)
+    assert choose_cp_size([4096], [1, 2, 4, 8], budget) == 4
+    assert choose_cp_size([256] * 16, [1, 2, 4, 8], budget) == 1
+
+
+def test_token_budget_alone_decides_when_attention_is_unlimited():
+    assert choose_cp_size([1000, 1000], [1, 2, 4], CPBudget(max_tokens_per_rank=1000)) == 2
+    assert choose_cp_size([1000, 1000], [4, 2, 1], CPBudget()) == 1  # no limits: the smallest allowed size
+
+
+def test_when_nothing_fits_the_largest_size_is_used():
+    assert choose_cp_size([10_000], [1, 2], CPBudget(max_tokens_per_rank=100)) == 2
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=20), st.integers(1, 10 ** 8), st.integers(1, 20000))
+def test_chosen_size_is_the_smallest_that_fits(lengths, attn, tokens):
+    sizes = [1, 2, 4, 8]
+    budget = CPBudget(max_tokens_per_rank=tokens, max_attn_per_rank=attn)
+    c = choose_cp_size(lengths, sizes, budget)
+    fits = lambda k: sum(lengths) <= tokens * k and attention_cost(lengths) <= attn * k  # noqa: E731
+    assert fits(c) or c == 8
+    assert not any(fits(k) for k in sizes if k < c)
+
+
+@given(st.lists(st.floats(0, 1e6), min_size=1, max_size=8).flatmap(
+    lambda base: st.tuples(st.just(base), st.integers(1, 4))))
+def test_equal_count_balance_uses_every_item_once_and_fills_every_group_exactly(args):
+    base, per_group = args
+    groups = len(base)
+    costs = (base * per_group)[: groups * per_group]
+    plan = balance_equal_counts(costs, groups, per_group)
+    assert sorted(i for g in plan for i in g) == list(range(len(costs)))
+    assert all(len(g) == per_group for g in plan)
+
+
+def test_equal_count_balance_pairs_heavy_with_light():
+    # Dealt in order the loads would be 9+8 and 1+2; balanced they are 9+1 and 8+2.
+    assert balance_equal_counts([9, 8, 1, 2], 2, 2) == [[0, 2], [1, 3]]
+
+
+def test_equal_count_balance_rejects_a_mismatched_count():
+    with pytest.raises(ValueError, match="cannot fill"):
+        balance_equal_counts([1, 2, 3], 2, 2)
+
+
+def test_placement_uses_aligned_blocks_and_evens_out_rank_load():
+    # One heavy micro-batch over 4 ranks and four light ones of 1 rank each, on 8 ranks.
+    costs, sizes = [400.0, 100.0, 100.0, 100.0, 100.0], [4, 1, 1, 1, 1]
+    first = place_on_ranks(costs, sizes, 8)
+    assert first[0] in (0, 4) and first[0] % 4 == 0
+    load = [0.0] * 8
+    for f, c, cost in zip(first, sizes, costs):
+        for r in range(f, f + c):
+            load[r] += cost / c
+    assert max(load) == 100.0  # perfect: every rank does exactly 100
+
+
+def test_placement_rejects_a_cp_size_that_does_not_tile_the_ranks():
+    with pytest.raises(ValueError, match="does not divide"):
+        place_on_ranks([1.0], [3], 8)

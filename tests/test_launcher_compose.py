@@ -1,0 +1,130 @@
+"""compose/docker-compose.yml runs the launcher's topology: each service's command is exactly the launcher's, the
+trainer reserves GPUs and runs under torchrun, the services have gRPC health checks, rollout workers sit behind the
+`rl` profile, and `docker-compose config` accepts the file."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.config import load_config
+from services.common.grpc_server import serve
+from services.common.registry import Registry
+from services.launcher import child_specs
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
+DEFAULT_CONFIG = "configs/tiny.yaml"
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose's `${VAR:-default}` substitution, enough for this file."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1), m.group(2)), value)
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    return value
+
+
+def services(env: dict[str, str] | None = None) -> dict:
+    return interpolate(yaml.safe_load(COMPOSE.read_text())["services"], env or {})
+
+
+@pytest.mark.parametrize("env", [{}, {"FOLDMOE_CONFIG": "configs/qwen3_30b_a3b.yaml", "FOLDMOE_NPROC": "8"}],
+                         ids=["defaults", "overridden"])
+def test_service_commands_are_the_launchers(env):
+    config = env.get("FOLDMOE_CONFIG", DEFAULT_CONFIG)
+    cfg = load_config(ROOT / config, [f"run.nproc={env.get('FOLDMOE_NPROC', '1')}"])
+    compose = services(env)
+    for spec in child_specs(Path(config), cfg, python="python"):
+        assert compose[spec.name]["command"] == spec.argv, spec.name
+
+
+def test_trainer_reserves_gpus_and_runs_under_torchrun():
+    trainer = services()["trainer"]
+    assert trainer["command"][:3] == ["python", "-m", "torch.distributed.run"]
+    devices = trainer["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert set(trainer["depends_on"]) == {"dataloader", "checkpointer"}
+    assert all(dep["condition"] == "service_healthy" for dep in trainer["depends_on"].values())
+
+
+def test_services_have_grpc_health_checks_and_redis_a_ping():
+    compose = services()
+    for name in ("dataloader", "checkpointer"):
+        test = compose[name]["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "services.common.grpc_server"], name
+        assert test[-1] == name
+    assert compose["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_rollout_workers_only_run_with_the_rl_profile():
+    compose = services()
+    assert compose["rollout"]["profiles"] == ["rl"]
+    assert all("profiles" not in s for name, s in compose.items() if name != "rollout")
+
+
+def test_runs_live_in_a_named_volume():
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert "runs" in doc["volumes"]
+    assert "runs:/app/runs" in services()["trainer"]["volumes"]
+
+
+def probe(service: str, run: str) -> subprocess.CompletedProcess:
+    """The command the compose health checks run, against the shared test Redis."""
+    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379"}
+    return subprocess.run([sys.executable, "-m", "services.common.grpc_server", service, f"run.name={run}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_health_probe_passes_for_a_registered_serving_service_and_fails_otherwise():
+    run = f"probe-{uuid.uuid4().hex[:8]}"
+    res = probe("dataloader", run)
+    assert res.returncode == 1
+    assert f"no 'dataloader' registered in run '{run}'" in res.stderr
+    server, port = serve()
+    heartbeat = Registry("redis://127.0.0.1:6379", run).register("dataloader", {"grpc": f"127.0.0.1:{port}"})
+    try:
+        res = probe("dataloader", run)
+        assert res.returncode == 0, res.stderr
+        server.stop(0).wait()
+        res = probe("dataloader", run)
+        assert res.returncode == 1 and f"127.0.0.1:{port} is not SERVING" in res.stderr
+    finally:
+        heartbeat.stop()
+        server.stop(0)
+
+
+def _docker_compose() -> str:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("docker-compose is not installed; .ci/run installs it (apt-get install docker-compose)")
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose); CI runs this check")
+    return exe
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "rl"]], ids=["default", "rl"])
+def test_docker_compose_accepts_the_file(profile):
+    res = subprocess.run([_docker_compose(), "-f", str(COMPOSE), *profile, "config", "--quiet"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+
+
+def test_docker_compose_rejects_a_broken_file(tmp_path):
+    # The validation above means something only if the validator refuses a wrong file.
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE.read_text().replace("condition: service_healthy", "condition: when_it_feels_like_it", 1))
+    res = subprocess.run([_docker_compose(), "-f", str(broken), "config", "--quiet"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0

@@ -1,0 +1,129 @@
+"""Selective recompute and activation offload (`model.recompute`, `model.offload`) change what is kept for backward,
+never the result: gradients equal those of the plain model, and the bytes of tensors saved for backward in device
+memory shrink. Saved bytes are counted by saved-tensor hooks around the whole forward (each storage once); tensors a
+recomputed or offloaded region keeps elsewhere never reach those hooks, which is the point."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from services.common.config import ConfigError, ModelConfig, load_config
+from services.trainer.model.recompute import apply_memory_policy, discard_output, dropping_discarded, in_recompute
+from services.trainer.model.transformer import MoETransformer
+
+CFG = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2, moe_ffn_hidden_size=24,
+           shared_expert_ffn_hidden_size=16, ffn_hidden_size=48, first_k_dense=1, aux_loss_coeff=0.01)
+T = 24
+
+
+def batch():
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 264, (T,), generator=gen)
+    cu_seqlens = torch.tensor([0, 10, 24], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(10), torch.arange(14)])
+    return tokens, position_ids, cu_seqlens
+
+
+def train_step(model):
+    """(loss, gradients by name, bytes of distinct storages saved for backward, router load)."""
+    tokens, position_ids, cu_seqlens = batch()
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens, position_ids, cu_seqlens)
+        loss = torch.nn.functional.cross_entropy(logits, torch.roll(tokens, -1))
+    loss.backward()
+    load = torch.stack([m.router.tokens_per_expert for m in model.moe_layers()])
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(storages.values()), load
+
+
+def models(recompute=(), offload=()):
+    plain = MoETransformer(ModelConfig(**CFG))
+    plain.init_weights(0)
+    policy = copy.deepcopy(plain)
+    return plain, apply_memory_policy(policy, list(recompute), list(offload))
+
+
+def assert_same_step(got, want):
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-6, atol=1e-7, msg=f"gradient of {name}")
+    assert torch.equal(got[3], want[3]), "the router load must be counted once per step, recompute or not"
+
+
+@pytest.mark.parametrize("recompute", [["norm"], ["attn_core"], ["moe_act"], ["moe"], ["layer"],
+                                       ["norm", "attn_core", "moe_act"]])
+def test_recompute_keeps_gradients_and_shrinks_saved_activations(recompute):
+    plain, policy = models(recompute=recompute)
+    want, got = train_step(plain), train_step(policy)
+    assert_same_step(got, want)
+    assert got[2] < want[2], f"{recompute}: saved {got[2]} bytes, plain model {want[2]}"
+
+
+@pytest.mark.parametrize("offload", [["attn"], ["moe"], ["layer"], ["attn", "moe"]])
+def test_offload_keeps_gradients_and_moves_saved_activations_off_the_device(offload):
+    plain, policy = models(offload=offload)
+    want, got = train_step(plain), train_step(policy)
+    assert_same_step(got, want)
+    assert got[2] < want[2], f"{offload}: {got[2]} bytes left on the device, plain model {want[2]}"
+
+
+def test_recompute_and_offload_combine():
+    plain, policy = models(recompute=["norm", "moe_act"], offload=["attn"])
+    want, got = train_step(plain), train_step(policy)
+    assert_same_step(got, want)
+    assert got[2] < train_step(models(recompute=["norm", "moe_act"])[1])[2]
+
+
+def test_a_discarded_output_is_rebuilt_once_for_all_its_consumers_in_backward():
+    calls = []
+    x = torch.randn(4, 3, requires_grad=True)
+    w1, w2 = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+
+    def rebuild():
+        calls.append(1)
+        return torch.tanh(x)
+
+    y = discard_output(torch.tanh(x), rebuild)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with dropping_discarded():
+            out = (y @ w1).sum() + (y @ w2).sum()
+    assert not any(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in saved)
+    out.backward()
+    assert len(calls) == 1
+    torch.testing.assert_close(w1.grad, torch.tanh(x).detach().T @ torch.ones(4, 5))
+
+
+def test_in_recompute_is_true_only_while_backward_reruns_a_checkpointed_forward():
+    seen = []
+    plain, policy = models(recompute=["moe"])
+    moe = policy.moe_layers()[0]
+    original = moe.experts.forward
+
+    def spy(*args):
+        seen.append(in_recompute())
+        return original(*args)
+
+    moe.experts.forward = spy
+    train_step(policy)
+    assert seen == [False, True]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.recompute=[mlp]", "unknown entries"),
+    ("model.offload=[norm]", "unknown entries"),
+    ("model.recompute=[layer,norm]", "already recomputes"),
+    ("model.recompute=[moe,moe_act]", "already recomputes"),
+    ("model.moe_kernels=[gemm]", "unknown entries"),
+])
+def test_config_rejects_what_it_cannot_apply(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

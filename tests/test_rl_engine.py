@@ -1,0 +1,155 @@
+"""The rollout engine: the KV-cached, continuously batched generation computes exactly what the model's full forward pass
+computes, and honours every sampling and stop setting."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from services.dataloader.tokenizer import load_tokenizer
+from services.rl_rollout.engine import Engine, EngineError, Request
+from services.rl_rollout.sampling import SamplingParams, sample
+from tests.rl_helpers import full_forward, tiny_model
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+TOK = load_tokenizer("byte")
+PROMPTS = ["12+34=", "Hello, world", "a", "The quick brown fox jumps over", "x*y"]
+
+
+def _greedy(max_tokens=12, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_at_eos=False, **kw)
+
+
+def _requests(params: SamplingParams, prompts=PROMPTS) -> list[Request]:
+    return [Request(TOK.encode(p), params, tag=i) for i, p in enumerate(prompts)]
+
+
+def _model(device):
+    # bf16 on CUDA is the rollout dtype there; fp32 on CPU lets the comparison be exact.
+    return tiny_model(seed=3, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_cached_decoding_matches_full_forward_token_by_token(device):
+    model = _model(device)
+    engine = Engine(model, TOK, max_batch=3, max_seq_len=64)
+    for c in engine.generate(_requests(_greedy())):
+        seq = c.prompt_tokens + c.tokens
+        logits, routing = full_forward(model, seq[:-1])
+        P = len(c.prompt_tokens)
+        pred = logits[P - 1:]
+        lp = torch.log_softmax(pred, dim=-1)
+        chosen = torch.tensor(c.tokens)
+        if device == "cpu":
+            assert chosen.tolist() == pred.argmax(-1).tolist()
+            torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, chosen[:, None]).squeeze(1),
+                                       atol=1e-4, rtol=0)
+            # The routing recorded for replay is the routing of the full forward, token by token and layer by layer.
+            assert torch.equal(c.routing.sort(-1).values, routing.sort(-1).values)
+        else:
+            # bf16 kernels differ between the cached and the packed path: a greedy pick may only differ from the full
+            # forward's argmax where the two best logits are within bf16 rounding of each other.
+            margin = pred.max(-1).values - pred.gather(1, chosen[:, None]).squeeze(1)
+            assert float(margin.max()) < 0.1
+            torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, chosen[:, None]).squeeze(1),
+                                       atol=0.1, rtol=0)
+        assert c.routing.shape == (len(model.moe_layers()), len(seq) - 1, model.cfg.top_k)
+
+
+def test_continuous_batching_gives_the_same_completions_as_one_big_batch():
+    model = _model("cpu")
+    reqs = [Request(r.prompt_tokens, _greedy(max_tokens=4 + 3 * i), tag=i) for i, r in enumerate(_requests(_greedy()))]
+    one_batch = Engine(model, TOK, max_batch=8, max_seq_len=64).generate(reqs)
+    finished = []
+    trickle = Engine(model, TOK, max_batch=2, max_seq_len=64).generate(reqs, on_complete=finished.append)
+    assert [c.tokens for c in trickle] == [c.tokens for c in one_batch]
+    assert [c.tag for c in trickle] == list(range(len(reqs)))
+    assert [len(c.tokens) for c in trickle] == [4 + 3 * i for i in range(len(reqs))]
+    # With two slots, the short early requests finish before the later ones have even started.
+    assert [c.tag for c in finished][:2] == [0, 1]
+    for a, b in zip(trickle, one_batch):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+        assert torch.equal(a.routing.sort(-1).values, b.routing.sort(-1).values)
+
+
+def test_stop_strings_end_the_completion_after_the_stop_text():
+    model = _model("cpu")
+    engine = Engine(model, TOK, max_batch=4, max_seq_len=64)
+    free = engine.generate(_requests(_greedy(max_tokens=20)))
+    # Stop on a character the free-running completion produces, and check the cut happens right after it.
+    target = next(c for c in free if len(set(c.text)) > 2)
+    stop_char = target.text[len(target.text) // 2]
+    cut = target.text.index(stop_char) + 1
+    stopped = engine.generate([Request(target.prompt_tokens, _greedy(max_tokens=20, stop=(stop_char,)))])[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == target.text[:cut]
+    assert stopped.routing.shape[1] == len(stopped.prompt_tokens) + len(stopped.tokens) - 1
+
+
+def test_eos_ends_the_completion_and_is_kept_as_its_last_token():
+    model = _model("cpu")
+    free = Engine(model, TOK, max_batch=2, max_seq_len=64).generate(_requests(_greedy(), PROMPTS[:1]))[0]
+    # Declare the third token the free-running completion produces to be EOS: generation must stop at its first use.
+    eos = free.tokens[2]
+    first = free.tokens.index(eos)
+    tok = dataclasses.replace(TOK, eos_id=eos)
+    c = Engine(model, tok, max_batch=2, max_seq_len=64).generate(
+        [Request(free.prompt_tokens, SamplingParams(temperature=0.0, max_tokens=12))])[0]
+    assert c.finish_reason == "eos" and c.tokens == free.tokens[:first + 1]
+    assert c.routing.shape[1] == len(c.prompt_tokens) + first  # the EOS token is never fed back
+
+
+def test_max_tokens_is_a_hard_limit():
+    c = Engine(_model("cpu"), TOK, max_batch=2, max_seq_len=32).generate(
+        [Request(TOK.encode("abc"), SamplingParams(temperature=1.0, max_tokens=5, stop_at_eos=False))])[0]
+    assert c.finish_reason == "length" and len(c.tokens) == len(c.logprobs) == 5
+
+
+def test_prompt_that_cannot_fit_the_cache_is_rejected_with_the_fix():
+    engine = Engine(_model("cpu"), TOK, max_batch=2, max_seq_len=16)
+    with pytest.raises(EngineError, match="rl.max_seq_len"):
+        engine.generate([Request(TOK.encode("0123456789"), SamplingParams(max_tokens=8))])
+
+
+def test_sampling_is_reproducible_from_the_seed_and_varies_across_seeds():
+    model = _model("cpu")
+    params = SamplingParams(temperature=1.0, max_tokens=10, stop_at_eos=False)
+    runs = [[c.tokens for c in Engine(model, TOK, max_batch=4, max_seq_len=64, seed=s).generate(_requests(params))]
+            for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_sampled_logprobs_are_under_the_temperature_scaled_distribution():
+    model = _model("cpu")
+    c = Engine(model, TOK, max_batch=2, max_seq_len=64, seed=5).generate(
+        [Request(TOK.encode("Hello"), SamplingParams(temperature=0.7, max_tokens=6, stop_at_eos=False))])[0]
+    logits, _ = full_forward(model, c.prompt_tokens + c.tokens[:-1])
+    lp = torch.log_softmax(logits[len(c.prompt_tokens) - 1:] / 0.7, dim=-1)
+    torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, torch.tensor(c.tokens)[:, None]).squeeze(1),
+                               atol=1e-4, rtol=0)
+
+
+def test_top_k_and_top_p_only_draw_from_the_kept_tokens():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[3.0, 2.9, 2.8, -5.0, -6.0]]).repeat(400, 1)
+    k2, _ = sample(logits, [SamplingParams(top_k=2)] * 400, gen)
+    assert set(k2.tolist()) == {0, 1}
+    # The three leading tokens hold ~99.9% of the mass: top_p=0.9 keeps exactly them (the third is needed to reach 0.9).
+    p, _ = sample(logits, [SamplingParams(top_p=0.9)] * 400, gen)
+    assert set(p.tolist()) == {0, 1, 2}
+    tiny_p, _ = sample(logits[:50], [SamplingParams(top_p=0.01)] * 50, gen)
+    assert set(tiny_p.tolist()) == {0}
+    mixed, lps = sample(logits[:2], [SamplingParams(temperature=0.0), SamplingParams(top_k=1)], gen)
+    assert mixed.tolist() == [0, 0]
+    torch.testing.assert_close(lps, torch.log_softmax(logits[:2], -1)[:, 0])
+
+
+def test_a_model_without_moe_layers_generates_with_empty_routing():
+    model = tiny_model(seed=8, first_k_dense=3)
+    c = Engine(model, TOK, max_batch=2, max_seq_len=32).generate(_requests(_greedy(max_tokens=5), PROMPTS[:1]))[0]
+    logits, _ = full_forward(model, c.prompt_tokens + c.tokens[:-1])
+    assert c.tokens == logits[len(c.prompt_tokens) - 1:].argmax(-1).tolist()
+    assert c.routing.shape == (0, len(c.prompt_tokens) + len(c.tokens) - 1, 0)

@@ -1,0 +1,58 @@
+"""A rollout worker killed with SIGKILL in the middle of an RL run does not end the run: the launcher restarts it, the
+replacement pulls the trainer's current weights, the trainer keeps getting groups within the staleness bound, and the
+run finishes with every step, a final checkpoint and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import launcher_harness as harness  # noqa: E402
+from test_rl_launcher import forget_stream, records, rl_train  # noqa: E402
+
+from services.checkpointer.store import CheckpointStore  # noqa: E402
+
+STEPS = 8
+
+
+def wait_for(what: str, cond, proc, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before {what}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_worker_killed_mid_run_is_replaced_and_the_run_finishes(tmp_path):
+    run = f"rl-fault-{uuid.uuid4().hex[:8]}"
+    proc, strays_file = rl_train(tmp_path, run, STEPS, "run.max_restarts=2", wait=False)
+    try:
+        wait_for("step 2", lambda: len(records(tmp_path)) >= 2, proc)
+        state = json.loads((tmp_path / "run" / "launcher.json").read_text())
+        victim = state["children"]["rollout0"]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = len(records(tmp_path))
+        result = harness.finish(proc, strays_file, timeout=120)
+    finally:
+        forget_stream(run)
+    assert killed_at < STEPS, "the run finished before the worker was killed; the test proves nothing"
+    assert result.rc == 0, result.stderr[-3000:]
+    assert result.strays == []
+    assert "rollout0 was killed by SIGKILL; restarting it" in result.stderr
+    logged = records(tmp_path)
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    assert all(r["staleness_max"] <= 1 for r in logged)
+    # The replacement started from the trainer's weights of that moment, not from version 0.
+    log = (tmp_path / "run" / "logs" / "rollout0.log").read_text().split("--- foldmoe: restart 1")[-1]
+    assert "loaded weights version" in log and "loaded weights version 0 " not in log
+    assert CheckpointStore(tmp_path / "ckpt", keep_last=0).latest_step() == STEPS
