@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import Config, ConfigError, load_config, validate
+from services.common.metrics import TrainerMetrics
 from services.common.registry import Registry, RegistryError, redis_url
 from services.trainer import checkpointing
 from services.trainer.metrics import (MetricsLog, datasheet_peak, flops_per_token, measure_peak_tflops)
+from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, lr_at, set_lr
 from services.trainer.parallel import checkpoint_shards
@@ -70,6 +72,7 @@ def train(cfg: Config) -> int:
     model.init_weights(cfg.run.seed)  # full weights on every rank: parallelize keeps each rank's slice
     if parallel:
         parallelize(model, cfg, groups)
+    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload)  # after parallelize: it wraps the swapped cores
     model.to(rt.device)
     optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
 
@@ -81,6 +84,10 @@ def train(cfg: Config) -> int:
         start_step = restore_parallel(cfg, model, optimizer, data, groups)
     else:
         start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank)
+        checkpointing.attach(saver, model, optimizer, rt.rank)  # host buffers allocated now, copies fenced per step
+    exporter = TrainerMetrics().serve()
+    beat = registry.register("trainer", {"metrics": exporter.endpoint, "rank": rt.rank},
+                             instance=f"rank{rt.rank}-{os.getpid()}")
 
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * groups.dp.size
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -102,6 +109,7 @@ def train(cfg: Config) -> int:
                 optimizer.zero_grad()
                 loss_sum, step_tokens = forward_backward_parallel(model, micro_batches, groups, cfg, rt.device,
                                                                   rt.autocast_dtype, optimizer)
+                saver.fence()  # the latest snapshot's device-to-host copies end before the step overwrites the state
                 grad_norm = optimizer.step(lr)
                 sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
             else:
@@ -136,10 +144,13 @@ def train(cfg: Config) -> int:
             if rt.device.type == "cuda":
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
             log.write(record)
+            exporter.observe(record)
             printer.step(record)
             registry.set_state("step", step + 1) if rt.rank == 0 else None
         saver.wait()
     finally:
+        beat.stop()
+        exporter.close()
         saver.close()
         log.close()
     printer.done()
