@@ -82,6 +82,7 @@ def train(cfg: Config) -> int:
     saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
     if parallel:
         start_step = restore_parallel(cfg, model, optimizer, data, groups)
+        saver.prepare(parallel_shards(model, optimizer, groups))  # host buffers allocated in the background now
     else:
         start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank)
         checkpointing.attach(saver, model, optimizer, rt.rank)  # host buffers allocated now, copies fenced per step
@@ -180,12 +181,19 @@ def update_router_bias(model: MoETransformer, cfg: Config, data_parallel: int = 
     }
 
 
-def save_parallel(saver, cfg: Config, model, optimizer, data, groups: ParallelGroups, step: int) -> float:
-    """`checkpointing.save` for a folded layout: every rank hands its boxes (see `parallel/checkpoint_shards.py`)."""
-    t0 = time.perf_counter()
+def parallel_shards(model, optimizer, groups: ParallelGroups) -> dict:
+    """What a rank of a folded layout saves: its boxes (see `parallel/checkpoint_shards.py`) and its RNG state."""
     shards = {**checkpoint_shards.model_shards(model, groups), **checkpoint_shards.optimizer_shards(optimizer, groups)}
     shards[f"rng/torch_cpu/rank{groups.global_rank}"] = torch.get_rng_state()
-    saver.save(step, shards, {"step": step, "data": data.state(), "config": cfg.to_dict()})
+    return shards
+
+
+def save_parallel(saver, cfg: Config, model, optimizer, data, groups: ParallelGroups, step: int) -> float:
+    """`checkpointing.save` for a folded layout: every rank hands its boxes; the copies are fenced before the next
+    optimizer step (in the training loop)."""
+    t0 = time.perf_counter()
+    saver.save(step, parallel_shards(model, optimizer, groups), {"step": step, "data": data.state(),
+                                                                  "config": cfg.to_dict()})
     return time.perf_counter() - t0
 
 
