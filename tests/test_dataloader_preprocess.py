@@ -14,7 +14,7 @@ from services.common.config import load_config
 from services.dataloader.dataset import INDEX_FILE, META_FILE, TOKENS_FILE, IndexedDataset
 from services.dataloader.errors import DataError
 from services.dataloader.preprocess import SPLIT_PARAGRAPHS_OVER, ensure_dataset, preprocess
-from services.dataloader.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer().eos_id
 

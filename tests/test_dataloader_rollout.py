@@ -23,7 +23,7 @@ from services.dataloader.errors import DataError
 from services.dataloader.rollout_source import (RolloutStepStream, TrajectoryLog, build_rl_micro_batch,
                                                 group_samples)
 from services.dataloader.server import DataLoaderServer
-from services.dataloader.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 from tests.test_dataloader_service import REDIS_URL, registry, same  # noqa: F401
 
 LAYERS, TOP_K = 2, 2  # model.num_layers=2, first_k_dense=0, top_k=2 below

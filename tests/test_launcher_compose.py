@@ -50,6 +50,18 @@ def test_service_commands_are_the_launchers(env):
         assert compose[spec.name]["command"] == spec.argv, spec.name
 
 
+@pytest.mark.parametrize("env", [{}, {"FOLDMOE_CONFIG": "configs/rl_tiny.yaml", "FOLDMOE_NPROC": "2"}],
+                         ids=["defaults", "overridden"])
+def test_rl_profile_runs_the_launchers_rl_commands(env):
+    config = env.get("FOLDMOE_CONFIG", "configs/rl_tiny.yaml")
+    cfg = load_config(ROOT / config, [f"run.nproc={env.get('FOLDMOE_NPROC', '1')}"])
+    compose = services(env)
+    specs = {spec.name: spec.argv for spec in child_specs(Path(config), cfg, python="python")}
+    assert cfg.rl.enabled and "rollout0" in specs  # one compose service, scaled, for the launcher's rollout<i>
+    assert compose["rollout"]["command"] == specs["rollout0"]
+    assert compose["rl_trainer"]["command"] == specs["trainer"]
+
+
 def test_trainer_reserves_gpus_and_runs_under_torchrun():
     trainer = services()["trainer"]
     assert trainer["command"][:3] == ["python", "-m", "torch.distributed.run"]
@@ -70,8 +82,8 @@ def test_services_have_grpc_health_checks_and_redis_a_ping():
 
 def test_rollout_workers_only_run_with_the_rl_profile():
     compose = services()
-    assert compose["rollout"]["profiles"] == ["rl"]
-    assert all("profiles" not in s for name, s in compose.items() if name != "rollout")
+    assert compose["rollout"]["profiles"] == compose["rl_trainer"]["profiles"] == ["rl"]
+    assert all("profiles" not in s for name, s in compose.items() if name not in ("rollout", "rl_trainer"))
 
 
 def test_runs_live_in_a_named_volume():

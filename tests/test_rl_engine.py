@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from services.dataloader.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Engine, EngineError, Request
 from services.rl_rollout.sampling import SamplingParams, sample
 from tests.rl_helpers import full_forward, tiny_model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.common.config import RLConfig
-from services.dataloader.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Engine, Request
 from services.rl_rollout.publish import encode_group
 from services.rl_rollout.sampling import SamplingParams

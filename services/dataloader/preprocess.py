@@ -29,7 +29,7 @@ import numpy as np
 from services.dataloader.dataset import (FORMAT_VERSION, INDEX_FILE, META_FILE, TOKENS_FILE, IndexedDataset, read_meta,
                                          token_dtype)
 from services.dataloader.errors import DataError
-from services.dataloader.tokenizer import load_tokenizer
+from services.common.tokenizer import TokenizerError, load_tokenizer
 
 # Plain-text files longer than this become one document per paragraph: a license or a source file is hundreds of
 # short, self-contained paragraphs, and packing needs a spread of lengths rather than a few giant documents.
@@ -164,9 +164,17 @@ def _parquet_documents(path: str) -> Iterator[str]:
 # ---------------------------------------------------------------- tokenizing one file (runs in a worker)
 
 
+def open_tokenizer(spec: str):
+    """`load_tokenizer` with its error as the data pipeline's `DataError`."""
+    try:
+        return load_tokenizer(spec)
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
+
+
 @lru_cache(maxsize=4)
 def _worker_tokenizer(spec: str):
-    return load_tokenizer(spec)
+    return open_tokenizer(spec)
 
 
 def tokenize_file(path: str, tokenizer_spec: str) -> dict[str, Any]:
@@ -227,7 +235,7 @@ def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, w
                progress: bool = True) -> Path:
     """Tokenize `corpus` into `out_dir` unless it already holds exactly that; returns `out_dir`."""
     out_dir = Path(out_dir)
-    tok = load_tokenizer(tokenizer_spec)
+    tok = open_tokenizer(tokenizer_spec)
     sources = discover(corpus)
     if not force and is_up_to_date(out_dir, sources, tok.identity()):
         return out_dir

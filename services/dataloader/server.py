@@ -34,8 +34,7 @@ from services.dataloader.engine import Engine
 from services.dataloader.errors import DataError
 from services.dataloader.grpc_server import GrpcServer
 from services.dataloader.metrics import MetricsServer
-from services.dataloader.preprocess import dataset_paths, ensure_dataset
-from services.dataloader.tokenizer import load_tokenizer
+from services.dataloader.preprocess import dataset_paths, ensure_dataset, open_tokenizer
 
 log = logging.getLogger("dataloader")
 SERVICE_NAME = "foldmoe.v1.DataLoader"
@@ -73,7 +72,7 @@ class DataLoaderServer:
 
     def __init__(self, cfg, registry: Registry | None = None, host: str = "127.0.0.1"):
         self.cfg, self.registry, self.host = cfg, registry, host
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = open_tokenizer(cfg.data.tokenizer)
         cp_sizes = allowed_cp_sizes(cfg.parallel)
         if cfg.data.source == "rollout":
             self.datasets = []

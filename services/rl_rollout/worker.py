@@ -28,7 +28,7 @@ import torch
 
 from services.common.config import Config, ConfigError, load_config
 from services.common.registry import Registry, RegistryError, redis_url
-from services.dataloader.tokenizer import load_tokenizer
+from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Completion, Engine, Request
 from services.rl_rollout.publish import TrajectoryStream, encode_group
 from services.rl_rollout.rewards import get_task

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.dataloader.errors import DataError
-from services.dataloader.tokenizer import BYTE_EOS, BYTE_PAD, BYTE_VOCAB, ByteTokenizer, load_tokenizer
+from services.common.tokenizer import BYTE_EOS, BYTE_PAD, BYTE_VOCAB, ByteTokenizer, TokenizerError, load_tokenizer
 
 TEXT = "Grüße, 世界! tabs\tand\nnewlines — and an emoji 🦀."
 
@@ -61,14 +60,14 @@ def test_hf_tokenizer_without_pad_token_pads_with_eos(tmp_path):
 
 def test_hf_tokenizer_without_end_of_document_token_is_rejected(tmp_path):
     path = _write_hf_tokenizer(tmp_path / "t.json", specials=("<unk>",))
-    with pytest.raises(DataError, match="end-of-document"):
+    with pytest.raises(TokenizerError, match="end-of-document"):
         load_tokenizer(str(path))
 
 
 def test_missing_or_malformed_tokenizer_file_names_the_path(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(TokenizerError, match="does not exist"):
         load_tokenizer(str(tmp_path / "nope.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(DataError, match="not a valid tokenizer.json"):
+    with pytest.raises(TokenizerError, match="not a valid tokenizer.json"):
         load_tokenizer(str(bad))

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.dataloader.errors import DataError
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or used; the message names the file and the fix."""
+
 
 BYTE_EOS = 256
 BYTE_PAD = 257
@@ -68,19 +71,19 @@ class HFTokenizer:
     def load(cls, path: str | Path) -> "HFTokenizer":
         path = Path(path)
         if not path.is_file():
-            raise DataError(f"tokenizer file {path} does not exist; set `data.tokenizer` to a tokenizer.json path or \"byte\"")
+            raise TokenizerError(f"tokenizer file {path} does not exist; set `data.tokenizer` to a tokenizer.json path or \"byte\"")
         try:
             import tokenizers
         except ImportError:
-            raise DataError(f"`data.tokenizer={path}` needs the `tokenizers` package: "
+            raise TokenizerError(f"`data.tokenizer={path}` needs the `tokenizers` package: "
                             "`.venv/bin/pip install tokenizers` (or use data.tokenizer=byte)") from None
         try:
             tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception for malformed files
-            raise DataError(f"tokenizer file {path} is not a valid tokenizer.json: {e}") from None
+            raise TokenizerError(f"tokenizer file {path} is not a valid tokenizer.json: {e}") from None
         eos = _first_present(tok, _EOS_NAMES)
         if eos is None:
-            raise DataError(f"tokenizer {path} has none of the end-of-document tokens {list(_EOS_NAMES)}; "
+            raise TokenizerError(f"tokenizer {path} has none of the end-of-document tokens {list(_EOS_NAMES)}; "
                             "add one as a special token to the tokenizer.json")
         pad = _first_present(tok, _PAD_NAMES)
         # Without a pad token the EOS id pads: padded positions carry label -100 and their own segment, so the
