@@ -6,15 +6,20 @@ match within 1e-5 relative L2 (fp32). The learning rate is 2e-3: Adam's first st
 rounding differences of near-zero gradients by up to lr/eps, and at 1e-2 later steps sit at the tolerance.
 The MoE layer under sequence parallelism routes its rank's token shard; the aux loss is off because it is a statistic
 over the tokens one rank sees (test_parallel_pp covers aux-loss parity).
+With `model.qk_norm` the per-head q/k RMSNorm scales stay whole on every rank while each rank applies them to its own
+heads, so their gradients must be summed over TP with and without sequence parallelism; the dense run without sequence
+parallelism has QK-norm on (it is where no other norm needs that sum).
 """
 
 from __future__ import annotations
 
+import pytest
 from parallel_harness import assert_parity, make_batches, run_parallel, run_reference, tiny_config
 
 
-def tp_config(**parallel):
+def tp_config(qk_norm: bool = False, **parallel):
     cfg = tiny_config(**parallel)
+    cfg.model.qk_norm = qk_norm
     cfg.optimizer.lr = 2e-3
     cfg.model.first_k_dense = 1  # one dense SwiGLU layer, then MoE with a shared expert: every TP region kind
     cfg.model.shared_expert_ffn_hidden_size = 16
@@ -22,14 +27,15 @@ def tp_config(**parallel):
     return cfg
 
 
-def test_tp2_with_sequence_parallel_matches_single_process(tmp_path):
-    cfg = tp_config(tp=2)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_tp2_with_sequence_parallel_matches_single_process(tmp_path, qk_norm):
+    cfg = tp_config(qk_norm, tp=2)
     batches = make_batches(cfg.model, steps=3, micro=2, tokens=32)
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
 
 
 def test_tp2_without_sequence_parallel_matches_single_process_on_a_dense_model(tmp_path):
-    cfg = tp_config(tp=2, sequence_parallel=False)
+    cfg = tp_config(True, tp=2, sequence_parallel=False)
     cfg.model.first_k_dense = cfg.model.num_layers  # MoE layers need sequence parallelism under TP; dense ones do not
     batches = make_batches(cfg.model, steps=3, micro=2, tokens=32, seed=1)
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))

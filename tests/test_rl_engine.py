@@ -26,14 +26,15 @@ def _requests(params: SamplingParams, prompts=PROMPTS) -> list[Request]:
     return [Request(TOK.encode(p), params, tag=i) for i, p in enumerate(prompts)]
 
 
-def _model(device):
+def _model(device, **overrides):
     # bf16 on CUDA is the rollout dtype there; fp32 on CPU lets the comparison be exact.
-    return tiny_model(seed=3, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    return tiny_model(seed=3, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32, **overrides)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_cached_decoding_matches_full_forward_token_by_token(device):
-    model = _model(device)
+def test_greedy_cached_decoding_matches_full_forward_token_by_token(device, qk_norm):
+    model = _model(device, qk_norm=qk_norm)
     engine = Engine(model, TOK, max_batch=3, max_seq_len=64)
     for c in engine.generate(_requests(_greedy())):
         seq = c.prompt_tokens + c.tokens

@@ -45,6 +45,7 @@ class ModelConfig:
     capacity_factor: float = 0.0  # 0: dropless; else each expert keeps at most ceil(cf * T * k / E) tokens
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
     init_std: float = 0.02
     # Triton kernels on the MoE data path on CUDA (the CPU path is always the torch reference): "permutation" (permute +
     # unpermute), "activation" (SwiGLU with the router weight folded in), "router" (fused top-k; its backward is slower
@@ -120,6 +121,8 @@ class CheckpointConfig:
     on_busy: Literal["wait", "skip"] = "wait"  # a save requested while the previous one is still being written
     host_buffers: int = 1  # pinned snapshot buffers per rank (each = the rank's state); 2: a save may start while
     #                        the previous one is still being written, at twice the host memory
+    init_from: str = ""  # a foldmoe checkpoint (a step_NNNNNNNN dir, or a checkpoint dir: its newest valid one) whose
+    #                    model weights only start a run that has nothing to resume in `dir` (fresh optimizer, step 0)
 
 
 @dataclass

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from services.trainer.model.attention import packed_causal_attention
-from services.trainer.model.rope import apply_rope
 from services.trainer.model.transformer import MoETransformer
 
 
@@ -59,13 +58,6 @@ class CachedDecoder:
     def _ffn(self, block, x: torch.Tensor) -> torch.Tensor:
         return x + block.mlp(block.mlp_norm(x))
 
-    def _qkv(self, attn, h: torch.Tensor, positions: torch.Tensor):
-        T = h.shape[0]
-        q = attn.q_proj(h).view(T, -1, attn.head_dim)
-        k = attn.k_proj(h).view(T, -1, attn.head_dim)
-        v = attn.v_proj(h).view(T, -1, attn.head_dim)
-        return apply_rope(q, positions, attn.inv_freq), apply_rope(k, positions, attn.inv_freq), v
-
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run whole prompts (packed, document-masked) and fill their slots.
@@ -84,7 +76,7 @@ class CachedDecoder:
         x = self.model.embed(tokens)
         for li, block in enumerate(self.model.layers.values()):
             attn = block.attn
-            q, k, v = self._qkv(attn, block.attn_norm(x), positions)
+            q, k, v = attn.qkv(block.attn_norm(x), positions)
             self.k[li][slot_of_token, :, positions] = k
             self.v[li][slot_of_token, :, positions] = v
             out = packed_causal_attention(q, k, v, cu, max(lens))
@@ -109,7 +101,7 @@ class CachedDecoder:
         x = self.model.embed(tok)
         for li, block in enumerate(self.model.layers.values()):
             attn = block.attn
-            q, k, v = self._qkv(attn, block.attn_norm(x), pos)
+            q, k, v = attn.qkv(block.attn_norm(x), pos)
             self.k[li][slot, :, pos] = k
             self.v[li][slot, :, pos] = v
             keys, values = self.k[li][slot, :, :span], self.v[li][slot, :, :span]  # [B, Hkv, span, d]

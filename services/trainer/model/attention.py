@@ -64,17 +64,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3's QK-norm: RMSNorm of every query and key head over head_dim (one scale shared by all heads), before RoPE.
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.register_buffer("inv_freq", rope_frequencies(self.head_dim, cfg.rope_theta), persistent=False)
         # The core over rotated q, k, v; context parallelism swaps in one with the same signature that exchanges K/V.
         self.core = packed_causal_attention
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int | None = None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q [T, Hq, d], k and v [T, Hkv, d]: projected, QK-normed (if on) and rotated."""
         T = x.shape[0]
         # Head counts are read from the projections so that a tensor-parallel shard (fewer local heads) runs unchanged.
         q = self.q_proj(x).view(T, -1, self.head_dim)
         k = self.k_proj(x).view(T, -1, self.head_dim)
         v = self.v_proj(x).view(T, -1, self.head_dim)
-        q, k = apply_rope(q, position_ids, self.inv_freq), apply_rope(k, position_ids, self.inv_freq)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, position_ids, self.inv_freq), apply_rope(k, position_ids, self.inv_freq), v
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int | None = None) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x, position_ids)
         out = self.core(q, k, v, cu_seqlens, max_seqlen)
         return self.o_proj(out.reshape(T, -1))

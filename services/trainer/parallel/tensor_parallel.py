@@ -6,7 +6,9 @@ keeps the matching slice of its input features, so a region needs one collective
 With sequence parallelism the residual stream between regions is sharded along tokens over TP: the region entry
 all-gathers tokens, the exit reduce-scatters them. Norms, the router and the routed experts then run on the rank's
 token shard, which is why their parameter gradients are partial over TP (the norm scales and the router weight get a
-backward hook that all-reduces them over TP; the routed experts are reduced over EDP by the expert grouping).
+backward hook that all-reduces them over TP; the routed experts are reduced over EDP by the expert grouping). The
+optional QK-norm scales live inside the attention region, whole on every rank but applied to the rank's heads only, so
+they get the same hook, with or without sequence parallelism.
 
 The embedding and output layer are split over the vocabulary; the loss is a vocab-parallel cross-entropy in fp32, so
 no rank ever materialises full-vocabulary logits.
@@ -95,6 +97,11 @@ def parallelize_attention(attn: Attention, group: ProcessGroup, sequence_paralle
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
         _shard_linear(proj, 0, group)
     _shard_linear(attn.o_proj, 1, group)
+    # QK-norm scales (one [head_dim] vector shared by all heads) stay whole on every rank, but each rank applies them to
+    # its own heads only: their gradient is partial over TP with or without sequence parallelism.
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None:
+            mark_sequence_parallel(norm.weight, group)
     _make_region(attn, group, sequence_parallel)
 
 
@@ -214,7 +221,8 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
         elif isinstance(module, MoELayer) and sequence_parallel:
             module.register_forward_pre_hook(partial(_moe_on_token_shard, group))
             mark_sequence_parallel(module.router.weight, group)
-        elif isinstance(module, nn.RMSNorm) and sequence_parallel and module.weight is not None:
+        elif (isinstance(module, nn.RMSNorm) and sequence_parallel and module.weight is not None
+              and not getattr(module.weight, "sequence_parallel", False)):  # QK-norms: already hooked by attention
             mark_sequence_parallel(module.weight, group)
     if getattr(model, "embed", None) is not None:
         model.embed = VocabParallelEmbedding(model.embed, group, sequence_parallel)
