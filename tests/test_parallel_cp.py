@@ -75,7 +75,7 @@ def cp_config(**parallel):
     cfg = tiny_config(**parallel)
     cfg.optimizer.lr = 2e-3  # see test_parallel_tp: keeps Adam's amplification of rounding well under the tolerance
     cfg.model.first_k_dense, cfg.model.shared_expert_ffn_hidden_size = 1, 16
-    cfg.model.aux_loss_coeff = 0.0  # a statistic over the tokens one rank sees
+    cfg.model.aux_loss_coeff, cfg.model.z_loss_coeff = 1e-2, 1e-2  # whole-micro-batch statistics over the CP group
     return cfg
 
 

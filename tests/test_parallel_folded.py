@@ -13,7 +13,7 @@ def folded_config(**parallel):
     cfg = tiny_config(**parallel)
     cfg.optimizer.lr = 2e-3
     cfg.model.first_k_dense, cfg.model.shared_expert_ffn_hidden_size = 1, 16
-    cfg.model.aux_loss_coeff = 0.0  # a per-rank token statistic under SP/CP (see test_parallel_tp)
+    cfg.model.aux_loss_coeff, cfg.model.z_loss_coeff = 1e-2, 1e-2  # over the SP and CP groups of each micro-batch
     return cfg
 
 

@@ -2,9 +2,8 @@
 DP), and every folded layout reproduces one process over all micro-batches: step losses, every gradient, the global
 grad norm and the parameters after the steps agree within 1e-5 relative L2 (fp32).
 
-With TP (sequence parallel) or CP a rank's router sees a token shard, and the aux load-balancing loss is a statistic of
-the tokens it sees (as in Megatron-Core without a global aux loss), so those layouts run with the aux loss off; the
-DP/EP/ETP/PP layouts keep it on.
+The aux load-balancing loss is on in every layout: under TP (sequence parallel) or CP a rank's router sees a token
+shard, and its statistics are summed over the ranks holding the micro-batch (see services/trainer/model/moe/router.py).
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ LAYOUTS = [
     pytest.param(2, dict(etp=2), True, id="etp2"),
     pytest.param(4, dict(ep=2, etp=2), True, id="ep2xetp2-alltoall"),
     pytest.param(4, dict(ep=2, etp=2, dispatcher="allgather"), True, id="ep2xetp2-allgather"),
-    pytest.param(4, dict(tp=2, ep=4), False, id="ep4-folded-over-dp2xtp2"),
-    pytest.param(4, dict(cp=2, ep=2, etp=2), False, id="cp2-with-ep2xetp2"),
+    pytest.param(4, dict(tp=2, ep=4), True, id="ep4-folded-over-dp2xtp2"),
+    pytest.param(4, dict(cp=2, ep=2, etp=2), True, id="cp2-with-ep2xetp2"),
     pytest.param(4, dict(pp=2, ep=2), True, id="pp2-with-ep2"),
 ]
 
@@ -26,6 +25,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("world,parallel,aux", LAYOUTS)
 def test_folded_layout_matches_single_process(tmp_path, world, parallel, aux):
     cfg = tiny_config(**parallel)
+    cfg.optimizer.lr = 2e-3  # see test_parallel_tp: keeps Adam's amplification of rounding well under the tolerance
     if not aux:
         cfg.model.aux_loss_coeff = 0.0
     batches = make_batches(cfg.model, steps=2, micro=4, seed=5)

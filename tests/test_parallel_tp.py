@@ -23,7 +23,7 @@ def tp_config(qk_norm: bool = False, **parallel):
     cfg.optimizer.lr = 2e-3
     cfg.model.first_k_dense = 1  # one dense SwiGLU layer, then MoE with a shared expert: every TP region kind
     cfg.model.shared_expert_ffn_hidden_size = 16
-    cfg.model.aux_loss_coeff = 0.0
+    cfg.model.aux_loss_coeff, cfg.model.z_loss_coeff = 1e-2, 1e-2  # whole-micro-batch statistics over the SP group
     return cfg
 
 

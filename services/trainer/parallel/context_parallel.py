@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.trainer.model.attention import Attention, document_ids, packed_causal_attention
+from services.trainer.model.moe.router import Router
 from services.trainer.parallel.differentiable import gather_tokens
 from services.trainer.parallel.groups import ParallelGroups
 
@@ -272,10 +273,12 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
 
 
 def bind_micro_batch(model: nn.Module, mb: dict) -> None:
-    """Point every context-parallel core at this micro-batch's layout (None: unsharded, local attention)."""
+    """Point every context-parallel core (and router) at this micro-batch's layout (None: unsharded, local attention)."""
     layout = mb.get("cp_layout")
     if layout is not None:
         layout = layout.to(mb["tokens"].device)
     for module in model.modules():
         if isinstance(module, ContextParallelAttention):
             module.layout = layout
+        elif isinstance(module, Router):  # aux/z-loss statistics over the whole micro-batch
+            module.cp_group = layout.group if layout is not None and layout.size > 1 else None

@@ -221,6 +221,7 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
         elif isinstance(module, MoELayer) and sequence_parallel:
             module.register_forward_pre_hook(partial(_moe_on_token_shard, group))
             mark_sequence_parallel(module.router.weight, group)
+            module.router.sp_group = group  # aux/z-loss statistics over the whole micro-batch
         elif (isinstance(module, nn.RMSNorm) and sequence_parallel and module.weight is not None
               and not getattr(module.weight, "sequence_parallel", False)):  # QK-norms: already hooked by attention
             mark_sequence_parallel(module.weight, group)

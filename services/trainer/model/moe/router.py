@@ -5,6 +5,13 @@ mechanisms that can be combined: the aux loss (Switch/GShard form E·Σ fᵢ·P�
 (ST-MoE, keeps router logits small), and the aux-loss-free expert bias (DeepSeek-V3), which shifts *selection* only and is
 updated after each optimizer step from the observed load.
 
+When one micro-batch's tokens are spread over several ranks (sequence parallel over TP, context parallel over CP), the
+parallel code lists those groups in `token_groups` (SP: fixed; CP: bound per micro-batch). The micro-batch aux loss and
+the z-loss then use the whole micro-batch's statistics: the per-expert counts and the token count are summed over those
+groups (no gradient flows through them), each rank adds its own tokens' share (Σ over local tokens / all tokens), and
+the shares sum over the ranks to exactly the single-device loss and gradients. The per-sequence aux loss stays a
+statistic of the rank's token shard.
+
 Nothing here makes the host wait for the device (counts are scatter-adds, the per-sequence statistics are sized by an
 upper bound instead of the number of sequences). With `fused` (config `model.moe_kernels: [router]`) the plain case —
 no group limit, no capacity, no replay, micro-batch aux loss — runs the Triton router (`kernels/router.py`), which
@@ -16,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -48,6 +56,9 @@ class Router(nn.Module):
         # Set by a replay context (RL routing replay): a [T, k] tensor of expert ids to use instead of top-k.
         self.replay_ids: torch.Tensor | None = None
         self.fused = "router" in cfg.moe_kernels  # the Triton router where it applies (see the module docstring)
+        # Process groups over which one micro-batch's tokens are spread (see the module docstring); empty: all here.
+        self.sp_group: dist.ProcessGroup | None = None
+        self.cp_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> Routing:
         cfg = self.cfg
@@ -65,9 +76,24 @@ class Router(nn.Module):
         aux = logits.new_zeros(())
         if cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training:
             probs = scores if cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
-            seg = segment_ids if cfg.aux_loss_type == "sequence" and segment_ids is not None else None
-            aux = aux + cfg.aux_loss_coeff * load_balancing_loss(probs, expert_ids, self.num_experts, seg)
+            if cfg.aux_loss_type == "sequence" and segment_ids is not None:
+                aux = aux + cfg.aux_loss_coeff * load_balancing_loss(probs, expert_ids, self.num_experts, segment_ids)
+            else:
+                counts, tokens = self._micro_batch_stats(expert_counts(expert_ids, self.num_experts), logits)
+                f = counts / (tokens * self.top_k)
+                aux = aux + cfg.aux_loss_coeff * self.num_experts * (f * probs.sum(0) / tokens).sum()
         return Routing(expert_ids, weights, kept, self._with_z_loss(aux, logits))
+
+    def _token_groups(self) -> list:
+        return [g for g in (self.sp_group, self.cp_group) if g is not None]
+
+    def _micro_batch_stats(self, counts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-expert routed slots, tokens) of the whole micro-batch, fp32, without gradient: summed over the token
+        groups when the micro-batch is spread over ranks."""
+        stats = torch.cat([counts.detach().float(), logits.new_full((1,), float(logits.shape[0]))])
+        for group in self._token_groups():
+            dist.all_reduce(stats, group=group)
+        return stats[:-1], stats[-1]
 
     def _fused_applies(self, logits: torch.Tensor) -> bool:
         cfg = self.cfg
@@ -84,13 +110,21 @@ class Router(nn.Module):
         aux = logits.new_zeros(())
         if cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training:
             # The micro-batch aux loss from the kernel's statistics: f = counts / (T·k), P = mean probabilities.
-            f = out.tokens_per_expert.float() / (logits.shape[0] * self.top_k)
-            aux = aux + cfg.aux_loss_coeff * self.num_experts * (f * out.mean_probs).sum()
+            counts, tokens = self._micro_batch_stats(out.tokens_per_expert, logits)
+            f = counts / (tokens * self.top_k)
+            local_share = out.mean_probs * (logits.shape[0] / tokens)
+            aux = aux + cfg.aux_loss_coeff * self.num_experts * (f * local_share).sum()
         return Routing(out.indices, out.weights, None, self._with_z_loss(aux, logits))
 
     def _with_z_loss(self, aux: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.cfg.z_loss_coeff > 0 and self.training:
-            return aux + self.cfg.z_loss_coeff * z_loss(logits)
+            z = z_loss(logits)  # mean over this rank's tokens; scaled to its share of the micro-batch's tokens
+            if self._token_groups():
+                tokens = logits.new_full((1,), float(logits.shape[0]))
+                for group in self._token_groups():
+                    dist.all_reduce(tokens, group=group)
+                z = z * (logits.shape[0] / tokens[0])
+            return aux + self.cfg.z_loss_coeff * z
         return aux
 
     @torch.no_grad()
