@@ -9,17 +9,27 @@ the tensor.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 import zmq
 
 from proto import checkpointer_pb2 as pb
+from services.checkpointer.load import load_checkpoint
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import SaveError, Snapshotter, pick_writer
+from services.checkpointer.store import CheckpointStore
 from services.common import wire
+from services.common.registry import Registry
 
 
 @pytest.fixture
@@ -166,3 +176,121 @@ def test_pick_writer_prefers_this_hosts_replicas_and_spreads_ranks_over_them():
     assert [pick_writer(records, "h2", r)["zmq"] for r in range(4)] == ["B", "C", "B", "C"]
     assert pick_writer(records, "h1", 3)["zmq"] == "A"
     assert pick_writer(records, "elsewhere", 1)["zmq"] == "B"  # no local replica: any one, spread by rank
+
+
+# ---------------------------------------------------------------- a real writer that dies and is replaced
+
+ROOT = Path(__file__).resolve().parent.parent
+REDIS = "redis://127.0.0.1:6379"
+
+
+def start_writer(ckpt: Path, run: str, shm: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.checkpointer.writer", f"checkpoint.dir={ckpt}",
+                             f"run.name={run}"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "REDIS_URL": REDIS, "FOLDMOE_SHM_DIR": str(shm)})
+
+
+def stop_writer(writer: subprocess.Popen) -> str:
+    if writer.poll() is None:
+        writer.send_signal(signal.SIGTERM)
+    return writer.communicate(timeout=20)[1]
+
+
+def wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def halves(step: int, rank: int) -> dict[str, Shard]:
+    full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) + step
+    return {"w": Shard(full[32 * rank:32 * (rank + 1)], (64, 32), (32 * rank, 0)),
+            "step": Shard(torch.tensor(step), replicated=True, writer=rank == 0)}
+
+
+def assert_committed(ckpt: Path, steps: list[int]) -> None:
+    saved = CheckpointStore(ckpt, keep_last=0).list(checksums=True)
+    assert [s.step for s in saved] == steps
+    assert all(s.valid for s in saved), [s.problem for s in saved if not s.valid]
+    for step in steps:
+        with load_checkpoint(ckpt / f"step_{step:08d}") as c:
+            assert torch.equal(c.read("w"), torch.cat([halves(step, r)["w"].tensor for r in range(2)]))
+            assert c.read("step").item() == step and [e["step"] for e in c.extras] == [step, step]
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setenv("FOLDMOE_SHM_DIR", str(d))  # the snapshotters' arenas and the writers' probes
+    return d
+
+
+@pytest.mark.parametrize("record", ["removed", "expires"])
+def test_a_save_in_flight_when_the_writer_is_killed_is_resent_to_its_replacement(tmp_path, shm, caplog, record):
+    """The writer dies (SIGKILL) with rank 0's half of step 2 staged; rank 1 saves step 2 while no writer is registered
+    (`removed`: the launcher deleted the dead record) or while the dead one's record lingers until its heartbeat TTL
+    (`expires`). A replacement starts: both ranks send the whole step to it from their host buffers, and it commits."""
+    caplog.set_level(logging.WARNING, logger="foldmoe.checkpointer")
+    run, ckpt = f"test-ckpt-{uuid.uuid4().hex[:8]}", tmp_path / "ckpt"
+    registry = Registry(REDIS, run)
+    writer = start_writer(ckpt, run, shm)
+    try:
+        (dead,) = registry.wait_for("checkpointer", timeout=30)
+        snaps = [Snapshotter(registry=registry, rank=r, world_size=2, session="s", timeout_s=60) for r in range(2)]
+        for r, snap in enumerate(snaps):
+            snap.save(1, halves(1, r), {"step": 1})
+        assert [s.wait(30) for s in snaps] == [str(ckpt / "step_00000001")] * 2
+
+        snaps[0].save(2, halves(2, 0), {"step": 2})
+        wait_until(lambda: (ckpt / "step_00000002.tmp" / "rank00000.json").exists())  # in flight: staged, unanswered
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(10)
+        if record == "removed":  # as the launcher does when it restarts a crashed service
+            registry.client.delete(registry._key("svc", "checkpointer", dead["instance"]))
+            snaps[1].save(2, halves(2, 1), {"step": 2})  # sent while no writer is registered: it waits for one
+            time.sleep(1.5)
+        writer = start_writer(ckpt, run, shm)
+        wait_until(lambda: any(r["pid"] != dead["pid"] for r in registry.lookup("checkpointer")))
+        if record == "expires":
+            snaps[1].save(2, halves(2, 1), {"step": 2})  # may go to the dead writer's lingering record first
+        assert [s.wait(60) for s in snaps] == [str(ckpt / "step_00000002")] * 2
+        for snap in snaps:
+            snap.close()
+        assert_committed(ckpt, [1, 2])
+    finally:
+        log = stop_writer(writer)
+    assert "save of step 2 started" in log  # the replacement assembled step 2 from the re-sent parts
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("vanished from the registry before answering for step 2" in w and "waiting up to 60s" in w
+               for w in warnings), warnings
+    assert any("re-sending the whole checkpoint of step 2" in w for w in warnings), warnings
+
+
+def test_a_live_writer_whose_record_lapses_is_not_sent_the_save_twice(tmp_path, shm, caplog):
+    """The writer's registration disappears (e.g. Redis lost the key) while it holds rank 0's half of a save, and its
+    heartbeat registers it again: the same process is not sent the parts again and commits the save once."""
+    caplog.set_level(logging.WARNING, logger="foldmoe.checkpointer")
+    run, ckpt = f"test-ckpt-{uuid.uuid4().hex[:8]}", tmp_path / "ckpt"
+    registry = Registry(REDIS, run)
+    writer = start_writer(ckpt, run, shm)
+    try:
+        (alive,) = registry.wait_for("checkpointer", timeout=30)
+        snaps = [Snapshotter(registry=registry, rank=r, world_size=2, session="s", timeout_s=60) for r in range(2)]
+        snaps[0].save(1, halves(1, 0), {"step": 1})
+        wait_until(lambda: (ckpt / "step_00000001.tmp" / "rank00000.json").exists())
+        registry.client.delete(registry._key("svc", "checkpointer", alive["instance"]))
+        wait_until(lambda: any("vanished from the registry" in r.getMessage() for r in caplog.records))
+        # Its heartbeat re-registers it; the snapshotter finds the same process and goes on waiting for its answer.
+        wait_until(lambda: any("is registered again; still waiting for its answer for step 1" in r.getMessage()
+                               for r in caplog.records))
+        snaps[1].save(1, halves(1, 1), {"step": 1})
+        assert [s.wait(30) for s in snaps] == [str(ckpt / "step_00000001")] * 2
+        for snap in snaps:
+            snap.close()
+        assert_committed(ckpt, [1])
+    finally:
+        log = stop_writer(writer)
+    assert log.count("save of step 1 started") == 1 and log.count("committed step 1") == 1, log
+    assert not any("re-sending the whole checkpoint" in r.getMessage() for r in caplog.records)

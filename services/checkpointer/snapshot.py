@@ -16,6 +16,15 @@ Handoff: a writer on the same host that proves it sees our shared-memory directo
 snapshot file directly (the ZMQ message carries only the header); any other writer receives the bytes as ZMQ frames.
 With `host_buffers=N`, up to N saves can be in flight; a save requested while all N are still being written either
 waits (`on_busy="wait"`) or is skipped (`"skip"`). A failed save is reported by the next `save` or `wait`, never lost.
+
+Writer restarts: a save's host buffer is held until the save is committed or has finally failed. While the sender waits
+for the answer it checks the registry every `RECHECK_S`; when its writer's record is gone (the launcher removes a
+crashed service's record, or its heartbeat lapses) or names another pid/endpoint, it waits for a writer to be
+registered again (at most `timeout_s`, logging the step and the wait) and sends the whole save again. Every rank does
+the same, with the same session, step and part numbering, so the new writer (which starts with no half-received
+saves) assembles and commits the step. A save issued while no writer is registered waits the same way. The same
+writer process (same instance, pid and endpoint) is never sent a save twice; a writer that answers with an error fails
+the save as before.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import redis
 import torch
 import zmq
 
@@ -45,6 +55,8 @@ log = logging.getLogger("foldmoe.checkpointer")
 
 SERVICE = "checkpointer"
 PART_BYTES = 256 << 20  # bytes per part: one file on disk, one ZMQ message, one writer task (the unit of parallelism)
+RECHECK_S = 1.0  # while a save awaits its answer, how often the registry is asked whether its writer still runs
+RESOLVE_POLL_S = 0.2  # while no writer is registered, how often the registry is asked again
 
 
 class SaveError(RuntimeError):
@@ -131,6 +143,9 @@ class Snapshotter:
         self._error: SaveError | None = None
         self._last_path = ""
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._sock: zmq.Socket | None = None  # the sender thread's DEALER, connected to `_connected`
+        self._connected = ""
+        self._redis_warned = -1e9  # when a failed registry lookup was last logged
         self._thread = threading.Thread(target=self._sender, name=f"snapshot-rank{rank}", daemon=True)
         self._thread.start()
         # Telemetry.
@@ -327,18 +342,84 @@ class Snapshotter:
 
     # ------------------------------------------------------------ sender thread
 
-    def _resolve(self) -> dict[str, Any]:
+    def _lookup(self) -> list[dict[str, Any]] | None:
+        """The registered writers; None when Redis cannot be asked right now (it may be restarting)."""
+        try:
+            return self.registry.lookup(SERVICE)
+        except redis.RedisError as e:
+            if time.monotonic() - self._redis_warned > 10.0:
+                self._redis_warned = time.monotonic()
+                log.warning("rank %d: cannot look up the checkpointer in Redis (%s); retrying", self.rank, e)
+            return None
+
+    def _resolve(self, job: _Job, why: str = "", sock: zmq.Socket | None = None) -> dict[str, Any] | str:
+        """The writer to send `job` to. While none is registered, wait for one (at most `timeout_s`, with a warning
+        naming the step); meanwhile `sock` (the socket of a writer that vanished from the registry) is still polled:
+        returns the committed path instead if that writer answers after all."""
         if self.registry is None:
             return {"zmq": self.endpoint}
-        records = self.registry.lookup(SERVICE)
-        if not records:
-            raise SaveError(f"no checkpointer is registered for run {self.registry.run!r} at {self.registry.url}; "
-                            "start `python -m services.checkpointer.writer --config FILE`")
-        return pick_writer(records, self.host, self.rank)
+        deadline = time.monotonic() + self.timeout_s
+        warned = False
+        while True:
+            records = self._lookup()
+            if records:
+                record = pick_writer(records, self.host, self.rank)
+                if warned:
+                    log.warning("rank %d: checkpointer %s is registered; sending the checkpoint of step %d to it",
+                                self.rank, _describe(record), job.step)
+                return record
+            if not warned:
+                if not why:  # (after a writer vanished, `_deliver` has said so already)
+                    log.warning("rank %d: no checkpointer is registered for run %r; the checkpoint of step %d waits "
+                                "up to %.0fs for one to register (the launcher restarts a crashed one)", self.rank,
+                                self.registry.run, job.step, self.timeout_s)
+                warned = True
+            if time.monotonic() >= deadline:
+                raise SaveError(f"rank {self.rank}: {why}no checkpointer registered for run {self.registry.run!r} at "
+                                f"{self.registry.url} within {self.timeout_s:.0f}s, so the checkpoint of step "
+                                f"{job.step} was not saved; start `python -m services.checkpointer.writer --config "
+                                "FILE`")
+            if sock is None:
+                time.sleep(RESOLVE_POLL_S)
+            elif (path := self._answer(sock, job, RESOLVE_POLL_S)) is not None:
+                return path
+
+    def _writer_gone(self, record: dict[str, Any]) -> bool | None:
+        """True when `record`'s writer is no longer registered (its record expired or was removed by the launcher) or
+        its registration now names another process/endpoint; None when Redis cannot tell."""
+        records = self._lookup()
+        if records is None:
+            return None
+        now = next((r for r in records if r.get("instance") == record.get("instance")), None)
+        return now is None or _identity(now) != _identity(record)
+
+    def _committed_meanwhile(self, job: _Job, baseline: Any) -> str | None:
+        """The path of `job`'s step when a writer committed it and published it as the latest checkpoint after the
+        job was first sent: a writer that committed and answered some ranks but died before answering this one."""
+        try:
+            latest = self.registry.get_state("checkpoint/latest")
+        except redis.RedisError:
+            return None
+        if isinstance(latest, dict) and latest.get("step") == job.step and latest != baseline:
+            return str(latest.get("path", ""))
+        return None
+
+    def _connect(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+        if self._sock is None or endpoint != self._connected:
+            self._disconnect()
+            self._sock = ctx.socket(zmq.DEALER)
+            self._sock.connect(endpoint)
+            self._connected = endpoint
+        return self._sock
+
+    def _disconnect(self) -> None:
+        """Drop queued parts and any late answer: the next send starts clean."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._sock, self._connected = None, ""
 
     def _sender(self) -> None:
         ctx = zmq.Context.instance()
-        sock, connected = None, ""
         while (job := self._jobs.get()) is not None:
             reusable = False
             try:
@@ -346,16 +427,7 @@ class Snapshotter:
                     start, done = job.copied
                     done.synchronize()  # the writer may read the buffers only once the copy has landed
                     self.last_copy_s = start.elapsed_time(done) / 1e3
-                record = self._resolve()
-                endpoint = record["zmq"]
-                if sock is None or endpoint != connected:
-                    if sock is not None:
-                        sock.close(linger=0)
-                    sock = ctx.socket(zmq.DEALER)
-                    sock.connect(endpoint)
-                    connected = endpoint
-                shared = job.arena.shared and shares_memory_with(record)
-                self._last_path = self._send(sock, job, endpoint, shared)
+                self._last_path = self._deliver(ctx, job)
                 reusable = True
             except SaveError as e:
                 self._error = e
@@ -363,14 +435,67 @@ class Snapshotter:
             except Exception as e:
                 self._error = SaveError(f"rank {self.rank}: checkpoint of step {job.step} failed: {e}")
             finally:
-                if not reusable and sock is not None:  # drop queued parts and any late answer: the next save starts clean
-                    sock.close(linger=0)
-                    sock, connected = None, ""
-                self._release(job.arena, reusable)
-        if sock is not None:
-            sock.close(linger=0)
+                if not reusable:
+                    self._disconnect()
+                self._release(job.arena, reusable)  # only now: a re-send reads the buffers until the save is decided
+        self._disconnect()
 
-    def _send(self, sock: zmq.Socket, job: _Job, endpoint: str, shared: bool) -> str:
+    def _deliver(self, ctx: zmq.Context, job: _Job) -> str:
+        """Send `job` and return the committed path. When its writer disappears before answering (killed and
+        restarted: its registration is gone, or names another process or endpoint) the whole job is sent again, from
+        the same host buffers, to the writer registered next: the new writer assembles the step from every rank's
+        re-sent parts (same session, step and part numbering; a restarted writer starts with no half-received save
+        and clears the old staging directory). The same, still-alive writer is never sent a job twice. A writer that
+        answers with an error fails the save; so does a wait beyond `timeout_s` (for a writer, or for an answer)."""
+        baseline = None
+        if self.registry is not None:
+            try:
+                baseline = self.registry.get_state("checkpoint/latest")
+            except redis.RedisError:
+                pass
+        record = self._resolve(job)
+        assert isinstance(record, dict)
+        send, sends, deadline = True, 0, 0.0
+        while True:
+            endpoint = record["zmq"]
+            if send:
+                sock = self._connect(ctx, endpoint)
+                shared = job.arena.shared and shares_memory_with(record)
+                if sends:
+                    log.warning("rank %d: re-sending the whole checkpoint of step %d to checkpointer %s (send %d)",
+                                self.rank, job.step, _describe(record), sends + 1)
+                self._send(sock, job, shared)
+                sends += 1
+                deadline = time.monotonic() + self.timeout_s
+            path = self._await(sock, job, endpoint, record, deadline, baseline if sends > 1 else _NO_BASELINE)
+            if path is not None:
+                return path
+            # The writer left the registry without answering: wait for a writer to be registered again (still
+            # listening to this socket, in case the writer was alive after all and answers).
+            gone = f"checkpointer {_describe(record)} vanished from the registry before answering for step {job.step}"
+            log.warning("rank %d: %s; waiting up to %.0fs for a checkpointer to register, then re-sending the save",
+                        self.rank, gone, self.timeout_s)
+            try:
+                found = self._resolve(job, why=gone + "; ", sock=sock)
+            except SaveError as e:  # worded "no answer": the vanished writer may still be reading our buffers
+                raise SaveError(f"rank {self.rank}: no answer from the checkpoint writer at {endpoint} for step "
+                                f"{job.step}, and {str(e).removeprefix(f'rank {self.rank}: ')}") from None
+            if isinstance(found, str):
+                return found
+            if (path := self._committed_meanwhile(job, baseline)) is not None:
+                log.warning("rank %d: step %d was committed (%s) before its writer died; not re-sending it",
+                            self.rank, job.step, path)
+                return path
+            if _identity(found) == _identity(record):
+                # The same process registered again (its record had lapsed): it has the parts; keep waiting for it.
+                log.warning("rank %d: checkpointer %s is registered again; still waiting for its answer for step %d",
+                            self.rank, _describe(record), job.step)
+                send = False
+                continue
+            self._disconnect()  # parts still queued for the dead writer are dropped; the new one gets the whole job
+            record, send = found, True
+
+    def _send(self, sock: zmq.Socket, job: _Job, shared: bool) -> None:
         self.last_shared = shared
         for i, records in enumerate(job.parts):
             header = pb.ShardHeader(run=self.run, step=job.step, rank=self.rank, world_size=self.world_size, part=i,
@@ -382,18 +507,47 @@ class Snapshotter:
             tensors = {} if shared else {r.name: job.arena.views[r.name].reshape(-1) if not r.shape
                                          else job.arena.views[r.name] for r in records}
             wire.send(sock, "ckpt.shard", header, tensors)
-        deadline = time.monotonic() + self.timeout_s
+
+    def _answer(self, sock: zmq.Socket, job: _Job, wait_s: float) -> str | None:
+        """The committed path if the writer's answer for `job` arrives within `wait_s`; SaveError if it failed it."""
+        deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(int(min(left, 1.0) * 1000)):
-                continue
+            if not sock.poll(max(1, int(left * 1000))):
+                return None
             kind, result, _ = wire.recv(sock, pb.SaveResult)
             if result.step != job.step:
                 continue  # a late answer to a save we already gave up on
             if kind == "ckpt.committed":
                 return result.path
             raise SaveError(f"rank {self.rank}: {result.error or kind}")
+        return None
+
+    def _await(self, sock: zmq.Socket, job: _Job, endpoint: str, record: dict[str, Any], deadline: float,
+               baseline: Any) -> str | None:
+        """The committed path; None when the writer left the registry before answering (see `_writer_gone`)."""
+        while (left := deadline - time.monotonic()) > 0:
+            if (path := self._answer(sock, job, min(left, RECHECK_S))) is not None:
+                return path
+            if self.registry is None or time.monotonic() >= deadline:
+                continue
+            if self._writer_gone(record):
+                return None
+            if baseline is not _NO_BASELINE and (path := self._committed_meanwhile(job, baseline)) is not None:
+                return path
         raise SaveError(f"rank {self.rank}: no answer from the checkpoint writer at {endpoint} within "
                         f"{self.timeout_s:.0f}s for step {job.step}; is it running (and is the disk responsive)?")
+
+
+_NO_BASELINE = object()
+
+
+def _identity(record: dict[str, Any]) -> tuple:
+    """What tells one writer process from its replacement: a restart registers another pid and endpoint."""
+    return record.get("instance"), record.get("pid"), record.get("zmq")
+
+
+def _describe(record: dict[str, Any]) -> str:
+    return f"{record.get('instance', '?')} (pid {record.get('pid', '?')}, {record.get('zmq')})"
 
 
 def new_session() -> str:

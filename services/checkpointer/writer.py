@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
 import zmq
 
 from proto import checkpointer_pb2 as pb
 from services.checkpointer.arena import process_alive, shm_dir
 from services.checkpointer.barrier import Barrier
 from services.checkpointer.control import serve_grpc
-from services.checkpointer.layout import DTYPE_NAMES, Blob
+from services.checkpointer.layout import DTYPE_NAMES, TMP_SUFFIX, Blob, parse_step
 from services.checkpointer.store import CheckpointStore
 from services.common import wire
 from services.common.config import Config, load_config
@@ -426,11 +427,32 @@ def host_name() -> str:
     return os.environ.get("FOLDMOE_HOST") or socket.gethostname()
 
 
+def forget_stale_arrivals(registry: Registry, removed: list[Path]) -> None:
+    """Drop the commit barrier's record of ranks whose staged files `clean_stale` just removed.
+
+    A writer killed mid-save leaves in Redis the ranks it had recorded (Barrier.arrive) for that step and session; the
+    trainer then re-sends the whole save to this replacement (snapshot.Snapshotter), under the same step and session.
+    Were the old entries kept, the first re-sent rank would complete the count and this writer would commit with the
+    other ranks' records missing. Runs before this writer registers, so before any re-sent part can arrive."""
+    barrier = Barrier(registry, "")
+    for p in removed:
+        if not p.name.endswith(TMP_SUFFIX) or (step := parse_step(p.name.removesuffix(TMP_SUFFIX))) is None:
+            continue
+        try:
+            for what in ("ranks", "claim"):  # the session is a glob here: every incarnation's keys for this step
+                for key in registry.client.scan_iter(match=barrier._key(registry.run, step, "*", what)):
+                    registry.client.delete(key)
+        except redis.RedisError as e:
+            log.warning("could not clear the commit barrier of the interrupted save of step %d (%s)", step, e)
+
+
 def run(cfg: Config, stop: threading.Event) -> None:
     store = CheckpointStore(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
     registry = Registry(redis_url(), cfg.run.name)
-    for p in store.clean_stale():
+    stale = store.clean_stale()
+    for p in stale:
         log.warning("removed %s left by an interrupted save or delete", p)
+    forget_stale_arrivals(registry, stale)
     writer = Writer(store, registry)
     grpc_server, grpc_addr = serve_grpc(store, writer)
     probe, token = make_shm_probe()
