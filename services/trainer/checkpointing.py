@@ -12,6 +12,9 @@ Per save the trainer is held only while the device-to-host copies are *enqueued*
 Which piece of which global tensor this rank saves is decided by `state_shards`, the one entry point: one rank (or plain
 data parallel) saves every tensor whole, written by rank 0; a folded layout (`groups` given) takes each parameter's box
 and the ZeRO-1 moments from services/trainer/parallel/checkpoint_shards.py, so each set of replicas is written once.
+
+`init_from` starts a run from another run's model weights (`checkpoint.init_from`, e.g. RL from a pre-trained model):
+whole tensors, read before a parallel layout slices the model, with nothing else of that run.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.checkpointer.arena import TensorSpec
+from services.checkpointer.layout import MANIFEST, parse_step, verify
 from services.checkpointer.load import CheckpointError, find_latest_valid, load_checkpoint
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import Snapshotter, specs_of
@@ -233,3 +238,89 @@ def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, dat
     if rank == 0:
         print(f"trainer: resumed from {path} at step {step}", file=sys.stderr)
     return step
+
+
+# ---------------------------------------------------------------- initialising from another run's weights
+
+
+def resolve_init_from(spec: str) -> Path:
+    """`checkpoint.init_from` -> the committed checkpoint to read: the directory itself when it is one (it must
+    verify), else the newest checkpoint under it that verifies."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CheckpointLoadError(f"checkpoint.init_from={spec}: no such file or directory")
+    if not path.is_dir():
+        raise CheckpointLoadError(f"checkpoint.init_from={spec} is a file; name a checkpoint directory "
+                                  "(step_NNNNNNNN) or a checkpoint.dir that holds some")
+    if (path / MANIFEST).is_file() or parse_step(path.name) is not None:
+        try:
+            verify(path)
+        except CheckpointError as e:
+            raise CheckpointLoadError(f"checkpoint.init_from={spec} is not a usable checkpoint: {e}") from None
+        return path
+    latest = find_latest_valid(path)
+    if latest is None:
+        raise CheckpointLoadError(f"checkpoint.init_from={spec} holds no committed checkpoint that verifies "
+                                  "(expected a step_NNNNNNNN directory with a manifest.json, or a directory of them)")
+    return latest
+
+
+def _fits(saved: tuple[int, ...], like: tuple[int, ...]) -> bool:
+    """Same shape, or the same bytes in the other w13 layout ([E, h, 2, f] saved by ETP vs [E, h, 2f])."""
+    if saved == like:
+        return True
+    return len(saved) == 4 and len(like) == 3 and saved[:2] == like[:2] and saved[2] * saved[3] == like[2]
+
+
+def _model_config_diff(ckpt, cfg: Config) -> str:
+    """The model fields in which the run that wrote `ckpt` differs from `cfg` (a hint for shape errors)."""
+    saved = (ckpt.extra.get("config") or {}).get("model") or {}
+    mine = cfg.to_dict()["model"]
+    diff = [f"model.{k}={saved[k]!r} there, {mine[k]!r} here" for k in mine if k in saved and saved[k] != mine[k]]
+    return f"; the checkpoint's run had {', '.join(diff)}" if diff else ""
+
+
+def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False) -> Path | None:
+    """Loads the *model weights only* of `checkpoint.init_from` into `model` (whole tensors, before any parallel
+    layout slices them), when set and the run has nothing to resume in `checkpoint.dir`; the optimizer, the step and
+    the data position stay fresh. `force`: load even when a resume will follow and overwrite them (the RL reference
+    policy is the initial one). Returns the checkpoint loaded, or None."""
+    spec = cfg.checkpoint.init_from
+    if not spec:
+        return None
+    if not force and cfg.checkpoint.resume:
+        resumable = find_latest_valid(cfg.checkpoint.dir)
+        if resumable is not None:
+            if rank == 0:
+                print(f"trainer: checkpoint.init_from={spec} ignored: resuming from {resumable}", file=sys.stderr)
+            return None
+    path = resolve_init_from(spec)
+    ckpt = load_checkpoint(path, checksums=False)  # resolve_init_from verified it
+    saved = {n.removeprefix("model/") for n in ckpt.names() if n.startswith("model/")}
+    state = model.state_dict()
+    hint = _model_config_diff(ckpt, cfg)
+    missing = sorted(set(state) - saved)
+    if missing:
+        raise CheckpointLoadError(f"checkpoint.init_from: {path} has no {missing[0]!r}"
+                                  f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}: it holds another "
+                                  f"model{hint}")
+    extra = sorted(saved - set(state))
+    if extra:
+        raise CheckpointLoadError(f"checkpoint.init_from: {path} holds {extra[0]!r}"
+                                  f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which this model does "
+                                  f"not have: it holds another model{hint}")
+    loaded = {}
+    for name, like in state.items():
+        shape = tuple(ckpt.global_shape(f"model/{name}"))
+        if not _fits(shape, tuple(like.shape)):
+            raise CheckpointLoadError(f"checkpoint.init_from: parameter {name!r} is {list(shape)} in {path} but "
+                                      f"{list(like.shape)} in this model{hint}")
+        try:
+            loaded[name] = ckpt.read(f"model/{name}").reshape(like.shape).to(like.dtype)
+        except CheckpointError as e:
+            raise CheckpointLoadError(f"checkpoint.init_from: {e}") from None
+    model.load_state_dict(loaded)
+    if rank == 0:
+        print(f"trainer: initialised the model weights from {path} (step {ckpt.step}); optimizer, step and data "
+              "start fresh", file=sys.stderr)
+    return path

@@ -70,6 +70,7 @@ def train(cfg: Config) -> int:
     parallel = rt.world_size > 1  # one rank keeps torch's AdamW and the plain step; several run the folded layout
     model = MoETransformer(cfg.model)
     model.init_weights(cfg.run.seed)  # full weights on every rank: parallelize keeps each rank's slice
+    checkpointing.init_from(cfg, model, rt.rank)  # checkpoint.init_from's weights, unless there is a run to resume
     if parallel:
         parallelize(model, cfg, groups)
     apply_memory_policy(model, cfg.model.recompute, cfg.model.offload)  # after parallelize: it wraps the swapped cores

@@ -77,8 +77,9 @@ class RLStepPrinter(StepPrinter):
 
 
 def reference_model(model: MoETransformer, cfg: Config) -> MoETransformer | None:
-    """A frozen copy of the initial policy for the KL term (only with `rl.kl_coef > 0`). Taken before a resume
-    restores later weights: the reference is the starting policy, whichever step the run resumes at."""
+    """A frozen copy of the initial policy for the KL term (only with `rl.kl_coef > 0`): `checkpoint.init_from`'s
+    weights when set, else the seeded random init. Taken before a resume restores later weights: the reference is the
+    starting policy, whichever step the run resumes at."""
     if cfg.rl.kl_coef <= 0:
         return None
     ref = copy.deepcopy(model).eval()
@@ -94,6 +95,9 @@ def train_rl(cfg: Config) -> int:
     registry = Registry(redis_url(), cfg.run.name)
     model = MoETransformer(cfg.model)
     model.init_weights(cfg.run.seed)
+    # checkpoint.init_from's weights (e.g. a pre-trained model); with a KL term even when resuming, since the reference
+    # is the starting policy (a resume then overwrites the policy's weights)
+    checkpointing.init_from(cfg, model, rt.rank, force=cfg.rl.kl_coef > 0)
     model.to(rt.device)
     optimizer = build_adamw(model, cfg.optimizer)
     ref = reference_model(model, cfg)
