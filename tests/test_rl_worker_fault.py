@@ -37,7 +37,7 @@ def test_a_worker_killed_mid_run_is_replaced_and_the_run_finishes(tmp_path):
     run = f"rl-fault-{uuid.uuid4().hex[:8]}"
     proc, strays_file = rl_train(tmp_path, run, STEPS, "run.max_restarts=2", wait=False)
     try:
-        wait_for("step 2", lambda: len(records(tmp_path)) >= 2, proc)
+        wait_for("step 2", lambda: len(records(tmp_path)) >= 2, proc, timeout=240)  # start-up on a busy 2-core box
         state = json.loads((tmp_path / "run" / "launcher.json").read_text())
         victim = state["children"]["rollout0"]
         os.kill(victim, signal.SIGKILL)

@@ -46,6 +46,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
 
+    if all(p.top_k <= 0 and p.top_p >= 1 for p in params):  # plain sampling: no vocabulary sort needed
+        drawn = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(1)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(V, device=dev)[None, :]
     drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])

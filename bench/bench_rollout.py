@@ -1,0 +1,198 @@
+"""RL rollout costs in one process: generation throughput of one rollout engine, and trainer -> worker weight sync.
+
+    python bench/bench_rollout.py [--config configs/rl_tiny.yaml] [--prompts 256] [--max-new-tokens N] [--syncs 3] \
+        [--keep-stops] [--threads N] [--json PATH] [section.key=value ...]
+    python bench/bench_rollout.py --config configs/qwen3_30b_a3b.yaml model.num_layers=2 --prompts 64
+
+1. Generation: the policy (MoETransformer + init_weights; CUDA bf16 when CUDA is available and run.device is not cpu,
+   else CPU fp32) in an `Engine` built as the worker builds it (rl.max_batch slots of rl.max_seq_len), generating
+   `--prompts` prompts of the configured task (rl.task, rl.difficulty) x rl.group_size samples with the configured
+   temperature / top-p / top-k. Stop strings and EOS are ignored unless --keep-stops, so every completion is exactly
+   `--max-new-tokens` long and runs compare like with like. A short warm-up generate runs first. Prefill and decode
+   (the KV-cache forwards, synchronised) are timed by wrapping the engine's `CachedDecoder`; the rest is sampling and
+   bookkeeping.
+2. Weight sync: the trainer's `WeightPublisher` (from rl: weight_dtype, weight_chunk_mb) on 127.0.0.1 and the worker's
+   `PolicyWeights` over a `WeightReceiver` into a second model instance, in this process. Each of `--syncs` rounds
+   publishes a new version of the policy's state_dict (host copy in the sync dtype) and pulls it (`refresh()`: all
+   chunks over ZMQ + load_state_dict); the pulled weights are checked bit-equal (in the sync dtype) to the published.
+   The second model is zeroed before each pull (untimed) so the check cannot pass by accident. Note: the published
+   model is the rollout model (bf16 on CUDA), while the trainer publishes its fp32 master weights.
+
+Memory: two model instances on the device, plus up to three host copies in the sync dtype (the publisher keeps 2
+versions; the receiver reassembles one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.common.config import load_config  # noqa: E402
+from services.common.tokenizer import load_tokenizer  # noqa: E402
+from services.rl_rollout.engine import Engine, Request  # noqa: E402
+from services.rl_rollout.rewards import get_task  # noqa: E402
+from services.rl_rollout.sampling import SamplingParams  # noqa: E402
+from services.rl_rollout.weights import PolicyWeights, WeightReceiver  # noqa: E402
+from services.trainer.model.transformer import MoETransformer  # noqa: E402
+from services.trainer.rl.weight_publisher import WeightPublisher  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, acc: list[float]):
+    """`fn` wrapped so that its synchronised wall time is added to acc[0]."""
+    def wrapper(*args, **kwargs):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync(device)
+        acc[0] += time.perf_counter() - t0
+        return out
+    return wrapper
+
+
+def bench_generation(cfg, model, device, args) -> dict:
+    rl = cfg.rl
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    task, rng = get_task(rl.task), random.Random(cfg.run.seed)
+    params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k, max_tokens=args.max_new_tokens,
+                            stop=tuple(rl.stop) if args.keep_stops else (), stop_at_eos=args.keep_stops)
+    prompts = [tokenizer.encode(task.make_prompt(rng, rl.difficulty)[0]) for _ in range(args.prompts)]
+    requests = [Request(p, params, tag=(g, i)) for g, p in enumerate(prompts) for i in range(rl.group_size)]
+    engine = Engine(model, tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed)
+    warm = SamplingParams(temperature=rl.temperature, max_tokens=2, stop_at_eos=False)
+    engine.generate([Request(p, warm) for p in prompts[:rl.max_batch]])
+    prefill, decode = [0.0], [0.0]
+    engine.cache.prefill = timed(engine.cache.prefill, device, prefill)
+    engine.cache.decode = timed(engine.cache.decode, device, decode)
+    sync(device)
+    t0 = time.perf_counter()
+    completions = engine.generate(requests)
+    sync(device)
+    wall = time.perf_counter() - t0
+    engine.close()
+    tokens = sum(len(c.tokens) for c in completions)
+    return {"gen_requests": len(requests), "gen_prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
+            "gen_tokens": tokens, "gen_wall_s": wall, "gen_tokens_per_s": tokens / wall,
+            "gen_prompts_per_s": len(prompts) / wall, "gen_completion_len_mean": tokens / len(requests),
+            "gen_prefill_s": prefill[0], "gen_decode_s": decode[0], "gen_other_s": wall - prefill[0] - decode[0],
+            "stops_honoured": args.keep_stops}
+
+
+def bench_sync(cfg, model, device, dtype, syncs: int) -> dict:
+    publisher = WeightPublisher.from_config(cfg.rl, host="127.0.0.1").start()
+    with torch.device(device):
+        target = MoETransformer(cfg.model)
+    target.to(dtype=dtype).eval()
+    policy = PolicyWeights(target, WeightReceiver(publisher.endpoint, timeout_s=600.0), cfg.rl.max_staleness)
+    state = model.state_dict()
+    wire_dtype = publisher.dtype
+    nbytes = sum(t.numel() * (wire_dtype.itemsize if t.is_floating_point() else t.element_size())
+                 for t in state.values())
+    n_params = sum(p.numel() for p in model.parameters())
+    pubs, pulls = [], []
+    try:
+        for version in range(1, syncs + 1):
+            with torch.no_grad():
+                for t in target.state_dict().values():
+                    if t.is_floating_point():
+                        t.zero_()
+            sync(device)
+            t0 = time.perf_counter()
+            publisher.publish(version, state)
+            t1 = time.perf_counter()
+            assert policy.refresh(timeout_s=600.0) and policy.version == version, "weights were not pulled"
+            sync(device)
+            t2 = time.perf_counter()
+            pubs.append(t1 - t0)
+            pulls.append(t2 - t1)
+            pulled = target.state_dict()
+            assert pulled.keys() == state.keys()
+            for k, v in state.items():
+                want = v.to("cpu", wire_dtype) if v.is_floating_point() else v.cpu()
+                assert torch.equal(pulled[k].to("cpu", want.dtype), want), f"pulled {k} differs from the published"
+            print(f"sync {version}: publish {t1 - t0:.3f}s pull {t2 - t1:.3f}s (weights verified)", flush=True)
+    finally:
+        policy.close()
+        publisher.stop()
+    totals = [p + q for p, q in zip(pubs, pulls)]
+    total = statistics.median(totals)
+    return {"sync_dtype": str(wire_dtype).removeprefix("torch."), "sync_bytes": nbytes, "sync_params": n_params,
+            "sync_chunk_mb": cfg.rl.weight_chunk_mb, "sync_rounds": syncs,
+            "sync_publish_s": statistics.median(pubs), "sync_pull_s": statistics.median(pulls), "sync_total_s": total,
+            "sync_s_per_billion_params": total / (n_params / 1e9), "sync_gb_per_s": nbytes / 1e9 / total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/rl_tiny.yaml")
+    ap.add_argument("--prompts", type=int, default=256, help="prompts to generate (each x rl.group_size samples)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="completion length (default rl.max_new_tokens)")
+    ap.add_argument("--keep-stops", action="store_true", help="honour rl.stop and EOS (lengths then vary)")
+    ap.add_argument("--syncs", type=int, default=3, help="publish+pull rounds; the median is reported")
+    ap.add_argument("--json", default=None, help="append the results as one JSON line to this file")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a busy CPU "
+                    "machine 1 avoids OpenMP oversubscription, which can slow small models by 50x")
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.overrides)
+    args.max_new_tokens = args.max_new_tokens or cfg.rl.max_new_tokens
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(cfg.run.seed)
+    t0 = time.perf_counter()
+    model = MoETransformer(cfg.model)
+    model.init_weights(cfg.run.seed)
+    model = model.to(device=device, dtype=dtype).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model {n_params / 1e6:,.1f}M params on {device} {str(dtype).removeprefix('torch.')} "
+          f"(built in {time.perf_counter() - t0:.1f}s)", flush=True)
+    result = {"config": args.config, "overrides": args.overrides,
+              "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype).removeprefix("torch."),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "params": n_params,
+              "prompts": args.prompts, "group_size": cfg.rl.group_size, "max_new_tokens": args.max_new_tokens,
+              "max_batch": cfg.rl.max_batch, "max_seq_len": cfg.rl.max_seq_len, "task": cfg.rl.task,
+              "temperature": cfg.rl.temperature, "top_p": cfg.rl.top_p, "top_k": cfg.rl.top_k}
+    result |= bench_generation(cfg, model, device, args)
+    result |= bench_sync(cfg, model, device, dtype, args.syncs)
+    r = result
+    rows = [
+        ("setup", f"{r['device']} {r['dtype']}, {n_params / 1e6:,.1f}M params, torch {r['torch']}, "
+                  f"{r['threads']} CPU threads"),
+        ("requests", f"{args.prompts} prompts x {r['group_size']} = {r['gen_requests']}, max_batch {r['max_batch']}, "
+                     f"prompt {r['gen_prompt_tokens_mean']:.1f} tok, stops {'on' if args.keep_stops else 'off'}"),
+        ("generated tokens/s", f"{r['gen_tokens_per_s']:,.1f} ({r['gen_tokens']:,} tokens in {r['gen_wall_s']:.2f}s)"),
+        ("prompts/s", f"{r['gen_prompts_per_s']:,.2f} ({r['gen_requests'] / r['gen_wall_s']:,.1f} samples/s)"),
+        ("mean completion len", f"{r['gen_completion_len_mean']:.2f} tokens (max {args.max_new_tokens})"),
+        ("prefill / decode / other", f"{r['gen_prefill_s']:.2f}s / {r['gen_decode_s']:.2f}s / {r['gen_other_s']:.2f}s"),
+        ("weight sync", f"{r['sync_bytes'] / 1e6:,.1f} MB in {r['sync_dtype']}, chunks {r['sync_chunk_mb']:g} MiB, "
+                        f"median of {args.syncs}"),
+        ("publish + pull", f"{r['sync_publish_s']:.3f}s + {r['sync_pull_s']:.3f}s = {r['sync_total_s']:.3f}s"),
+        ("s per B params", f"{r['sync_s_per_billion_params']:.3f}"),
+        ("GB/s", f"{r['sync_gb_per_s']:.3f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
