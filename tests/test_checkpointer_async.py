@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -37,12 +39,15 @@ REDIS = "redis://127.0.0.1:6379"
 
 
 @pytest.fixture
-def shm(tmp_path, monkeypatch) -> Path:
-    """A private shared-memory directory for this test (the arena and the writer probe both honour it)."""
-    d = tmp_path / "shm"
-    d.mkdir()
+def shm(tmp_path, monkeypatch):
+    """A private shared-memory directory for this test (the arena and the writer probe both honour it). On tmpfs, like
+    /dev/shm itself: CUDA can page-lock (cudaHostRegister) a shared mapping of a tmpfs file, not of a disk file."""
+    base = Path("/dev/shm")
+    d = Path(tempfile.mkdtemp(prefix="foldmoe-test-", dir=base)) if base.is_dir() else tmp_path / "shm"
+    d.mkdir(exist_ok=True)
     monkeypatch.setenv("FOLDMOE_SHM_DIR", str(d))
-    return d
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -101,21 +101,34 @@ class HostArena:
         self.path: Path | None = None
         self._fd = -1
         self._map = self._map_shared(tag) if shared else None
-        if self._map is None:
-            self._map = mmap.mmap(-1, self.size)
-        base = torch.frombuffer(self._map, dtype=torch.uint8)
         self.views: dict[str, torch.Tensor] = {}
         self._registered: list[int] = []
+        if self._map is not None:
+            try:
+                self._lay_out(pin)
+                return
+            except RuntimeError as e:
+                # CUDA page-locks shared mappings of tmpfs files only (FOLDMOE_SHM_DIR on a disk filesystem fails).
+                log.warning("snapshot buffers in anonymous memory: %s cannot be page-locked (%s); a writer on this "
+                            "host will receive them over ZMQ", self.path, e)
+                self.close()
+        self._map = mmap.mmap(-1, self.size)
+        try:
+            self._lay_out(pin)
+        except Exception:
+            self.close()
+            raise
+
+    def _lay_out(self, pin: bool) -> None:
+        base = torch.frombuffer(self._map, dtype=torch.uint8)
         try:
             for name, spec in self.specs.items():
                 off, nbytes = self.offsets[name], spec.nbytes
                 self.views[name] = base[off:off + nbytes].view(spec.dtype).view(spec.shape)
                 if pin and nbytes:
                     self._register(self.views[name].data_ptr(), nbytes)
-        except Exception:
-            self.close()
-            raise
-        del base
+        finally:
+            del base  # only the views keep the mapping referenced (close() drops them)
 
     def _map_shared(self, tag: str) -> mmap.mmap | None:
         directory = shm_dir()
