@@ -8,6 +8,7 @@ the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,31 +229,43 @@ def shm(tmp_path, monkeypatch) -> Path:
     return d
 
 
+@contextlib.contextmanager
+def two_ranks_and_a_writer(tmp_path: Path, shm, caplog):
+    """A writer process and the Snapshotters of a two-rank job that find it through the registry. `run.writer` may be
+    replaced inside the block; the one there at the end is stopped and its log left in `run.log`."""
+    caplog.set_level(logging.WARNING, logger="foldmoe.checkpointer")
+    name, ckpt = f"test-ckpt-{uuid.uuid4().hex[:8]}", tmp_path / "ckpt"
+    run = SimpleNamespace(name=name, ckpt=ckpt, registry=Registry(REDIS, name), log="")
+    run.writer = start_writer(ckpt, name, shm)
+    try:
+        (run.record,) = run.registry.wait_for("checkpointer", timeout=30)
+        run.snaps = [Snapshotter(registry=run.registry, rank=r, world_size=2, session="s", timeout_s=60)
+                     for r in range(2)]
+        yield run
+    finally:
+        run.log = stop_writer(run.writer)
+
+
 @pytest.mark.parametrize("record", ["removed", "expires"])
 def test_a_save_in_flight_when_the_writer_is_killed_is_resent_to_its_replacement(tmp_path, shm, caplog, record):
     """The writer dies (SIGKILL) with rank 0's half of step 2 staged; rank 1 saves step 2 while no writer is registered
     (`removed`: the launcher deleted the dead record) or while the dead one's record lingers until its heartbeat TTL
     (`expires`). A replacement starts: both ranks send the whole step to it from their host buffers, and it commits."""
-    caplog.set_level(logging.WARNING, logger="foldmoe.checkpointer")
-    run, ckpt = f"test-ckpt-{uuid.uuid4().hex[:8]}", tmp_path / "ckpt"
-    registry = Registry(REDIS, run)
-    writer = start_writer(ckpt, run, shm)
-    try:
-        (dead,) = registry.wait_for("checkpointer", timeout=30)
-        snaps = [Snapshotter(registry=registry, rank=r, world_size=2, session="s", timeout_s=60) for r in range(2)]
+    with two_ranks_and_a_writer(tmp_path, shm, caplog) as run:
+        ckpt, registry, snaps, dead = run.ckpt, run.registry, run.snaps, run.record
         for r, snap in enumerate(snaps):
             snap.save(1, halves(1, r), {"step": 1})
         assert [s.wait(30) for s in snaps] == [str(ckpt / "step_00000001")] * 2
 
         snaps[0].save(2, halves(2, 0), {"step": 2})
         wait_until(lambda: (ckpt / "step_00000002.tmp" / "rank00000.json").exists())  # in flight: staged, unanswered
-        writer.send_signal(signal.SIGKILL)
-        writer.wait(10)
+        run.writer.send_signal(signal.SIGKILL)
+        run.writer.wait(10)
         if record == "removed":  # as the launcher does when it restarts a crashed service
             registry.client.delete(registry._key("svc", "checkpointer", dead["instance"]))
             snaps[1].save(2, halves(2, 1), {"step": 2})  # sent while no writer is registered: it waits for one
             time.sleep(1.5)
-        writer = start_writer(ckpt, run, shm)
+        run.writer = start_writer(ckpt, run.name, shm)
         wait_until(lambda: any(r["pid"] != dead["pid"] for r in registry.lookup("checkpointer")))
         if record == "expires":
             snaps[1].save(2, halves(2, 1), {"step": 2})  # may go to the dead writer's lingering record first
@@ -259,9 +273,7 @@ def test_a_save_in_flight_when_the_writer_is_killed_is_resent_to_its_replacement
         for snap in snaps:
             snap.close()
         assert_committed(ckpt, [1, 2])
-    finally:
-        log = stop_writer(writer)
-    assert "save of step 2 started" in log  # the replacement assembled step 2 from the re-sent parts
+    assert "save of step 2 started" in run.log  # the replacement assembled step 2 from the re-sent parts
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("vanished from the registry before answering for step 2" in w and "waiting up to 60s" in w
                for w in warnings), warnings
@@ -271,13 +283,8 @@ def test_a_save_in_flight_when_the_writer_is_killed_is_resent_to_its_replacement
 def test_a_live_writer_whose_record_lapses_is_not_sent_the_save_twice(tmp_path, shm, caplog):
     """The writer's registration disappears (e.g. Redis lost the key) while it holds rank 0's half of a save, and its
     heartbeat registers it again: the same process is not sent the parts again and commits the save once."""
-    caplog.set_level(logging.WARNING, logger="foldmoe.checkpointer")
-    run, ckpt = f"test-ckpt-{uuid.uuid4().hex[:8]}", tmp_path / "ckpt"
-    registry = Registry(REDIS, run)
-    writer = start_writer(ckpt, run, shm)
-    try:
-        (alive,) = registry.wait_for("checkpointer", timeout=30)
-        snaps = [Snapshotter(registry=registry, rank=r, world_size=2, session="s", timeout_s=60) for r in range(2)]
+    with two_ranks_and_a_writer(tmp_path, shm, caplog) as run:
+        ckpt, registry, snaps, alive = run.ckpt, run.registry, run.snaps, run.record
         snaps[0].save(1, halves(1, 0), {"step": 1})
         wait_until(lambda: (ckpt / "step_00000001.tmp" / "rank00000.json").exists())
         registry.client.delete(registry._key("svc", "checkpointer", alive["instance"]))
@@ -290,7 +297,5 @@ def test_a_live_writer_whose_record_lapses_is_not_sent_the_save_twice(tmp_path, 
         for snap in snaps:
             snap.close()
         assert_committed(ckpt, [1])
-    finally:
-        log = stop_writer(writer)
-    assert log.count("save of step 1 started") == 1 and log.count("committed step 1") == 1, log
+    assert run.log.count("save of step 1 started") == 1 and run.log.count("committed step 1") == 1, run.log
     assert not any("re-sending the whole checkpoint" in r.getMessage() for r in caplog.records)

@@ -37,7 +37,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B] int64, log-probs [B] fp32 of those tokens)."""
     logits = logits.float()
-    B, V = logits.shape
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev)
     top_k = torch.tensor([p.top_k for p in params], device=dev)
@@ -48,16 +47,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
     if all(p.top_k <= 0 and p.top_p >= 1 for p in params):  # plain sampling: no vocabulary sort needed
         drawn = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(1)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
-        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    else:
+        drawn = _draw_top_k_top_p(scaled, top_k, top_p, generator)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
+
+def _draw_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from the temperature-scaled logits, restricted to each row's top-k and top-p nucleus."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(V, device=dev)[None, :]
+    ranks = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
     drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # A token is dropped when the tokens ranked above it already reach top_p; the most likely token always stays.
     drop |= (top_p[:, None] < 1) & ((probs.cumsum(-1) - probs) >= top_p[:, None])
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    drawn = order.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return order.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)

@@ -20,6 +20,7 @@ whole tensors, read before a parallel layout slices the model, with nothing else
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -265,13 +266,6 @@ def resolve_init_from(spec: str) -> Path:
     return latest
 
 
-def _fits(saved: tuple[int, ...], like: tuple[int, ...]) -> bool:
-    """Same shape, or the same bytes in the other w13 layout ([E, h, 2, f] saved by ETP vs [E, h, 2f])."""
-    if saved == like:
-        return True
-    return len(saved) == 4 and len(like) == 3 and saved[:2] == like[:2] and saved[2] * saved[3] == like[2]
-
-
 def _model_config_diff(ckpt, cfg: Config) -> str:
     """The model fields in which the run that wrote `ckpt` differs from `cfg` (a hint for shape errors)."""
     saved = (ckpt.extra.get("config") or {}).get("model") or {}
@@ -311,12 +305,12 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False)
                                   f"not have: it holds another model{hint}")
     loaded = {}
     for name, like in state.items():
-        shape = tuple(ckpt.global_shape(f"model/{name}"))
-        if not _fits(shape, tuple(like.shape)):
+        shape = ckpt.global_shape(f"model/{name}")
+        if math.prod(shape) != like.numel():  # same count: the same tensor in another layout (see `_read_whole`)
             raise CheckpointLoadError(f"checkpoint.init_from: parameter {name!r} is {list(shape)} in {path} but "
                                       f"{list(like.shape)} in this model{hint}")
         try:
-            loaded[name] = ckpt.read(f"model/{name}").reshape(like.shape).to(like.dtype)
+            loaded[name] = _read_whole(ckpt, f"model/{name}", like).to(like.dtype)
         except CheckpointError as e:
             raise CheckpointLoadError(f"checkpoint.init_from: {e}") from None
     model.load_state_dict(loaded)

@@ -83,10 +83,10 @@ def train(cfg: Config) -> int:
     saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
     if parallel:
         start_step = restore_parallel(cfg, model, optimizer, data, groups)
-        saver.prepare(parallel_shards(model, optimizer, groups))  # host buffers allocated in the background now
     else:
         start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank)
-        checkpointing.attach(saver, model, optimizer, rt.rank)  # host buffers allocated now, copies fenced per step
+    shard_groups = groups if parallel else None  # a folded layout saves each parameter's box (see checkpointing)
+    checkpointing.attach(saver, model, optimizer, rt.rank, shard_groups)  # host buffers now; copies fenced per step
     exporter = TrainerMetrics().serve()
     beat = registry.register("trainer", {"metrics": exporter.endpoint, "rank": rt.rank},
                              instance=f"rank{rt.rank}-{os.getpid()}")
@@ -111,7 +111,6 @@ def train(cfg: Config) -> int:
                 optimizer.zero_grad()
                 loss_sum, step_tokens = forward_backward_parallel(model, micro_batches, groups, cfg, rt.device,
                                                                   rt.autocast_dtype, optimizer)
-                saver.fence()  # the latest snapshot's device-to-host copies end before the step overwrites the state
                 grad_norm = optimizer.step(lr)
                 sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
             else:
@@ -128,10 +127,8 @@ def train(cfg: Config) -> int:
             t_compute = time.perf_counter() - t0
 
             stall = 0.0
-            if checkpointing.due(cfg, step + 1) and parallel:
-                stall = save_parallel(saver, cfg, model, optimizer, data, groups, step + 1)
-            elif checkpointing.due(cfg, step + 1):
-                stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1)
+            if checkpointing.due(cfg, step + 1):
+                stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups)
             dt = time.perf_counter() - t0
             tps = tokens_per_step / dt
             record = {
@@ -180,22 +177,6 @@ def update_router_bias(model: MoETransformer, cfg: Config, data_parallel: int = 
         "max_ratio": float((loads.max(-1).values / loads.mean(-1).clamp_min(1e-9)).max()),
         "dropped_frac": float(1 - kept.mean() / routed) if routed else 0.0,
     }
-
-
-def parallel_shards(model, optimizer, groups: ParallelGroups) -> dict:
-    """What a rank of a folded layout saves: its boxes (see `parallel/checkpoint_shards.py`) and its RNG state."""
-    shards = {**checkpoint_shards.model_shards(model, groups), **checkpoint_shards.optimizer_shards(optimizer, groups)}
-    shards[f"rng/torch_cpu/rank{groups.global_rank}"] = torch.get_rng_state()
-    return shards
-
-
-def save_parallel(saver, cfg: Config, model, optimizer, data, groups: ParallelGroups, step: int) -> float:
-    """`checkpointing.save` for a folded layout: every rank hands its boxes; the copies are fenced before the next
-    optimizer step (in the training loop)."""
-    t0 = time.perf_counter()
-    saver.save(step, parallel_shards(model, optimizer, groups), {"step": step, "data": data.state(),
-                                                                  "config": cfg.to_dict()})
-    return time.perf_counter() - t0
 
 
 def restore_parallel(cfg: Config, model, optimizer, data, groups: ParallelGroups) -> int:

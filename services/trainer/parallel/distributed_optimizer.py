@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,15 @@ class DistributedOptimizer:
         self.launch_log: list[int] = []  # bucket indices in launch order this step (tests read it to prove overlap)
         self.buckets = self._build_buckets(model, max(1, int(bucket_mb * 2**20)))
         self._next_launch = 0
+        self._step_pre_hooks: list[Callable] = []
         for b in self.buckets:
             for s in b.slots:
                 s.param.register_post_accumulate_grad_hook(self._make_hook(b, s))
+
+    def register_step_pre_hook(self, hook: Callable) -> None:
+        """`hook(optimizer, args, kwargs)` runs at the start of every `step`, as with torch optimizers (the
+        checkpointer orders its snapshot copies before the step this way)."""
+        self._step_pre_hooks.append(hook)
 
     # ------------------------------------------------------------ layout
 
@@ -211,6 +218,8 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self, lr: float) -> torch.Tensor:
         """Finish the reductions, clip by the global norm, AdamW on the owned ranges, all-gather. Returns the norm."""
+        for hook in self._step_pre_hooks:
+            hook(self, (lr,), {})
         self.finish_grad_sync()
         norm = self.grad_norm()
         clip = self.cfg.clip_grad

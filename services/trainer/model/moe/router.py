@@ -6,10 +6,10 @@ mechanisms that can be combined: the aux loss (Switch/GShard form E·Σ fᵢ·P�
 updated after each optimizer step from the observed load.
 
 When one micro-batch's tokens are spread over several ranks (sequence parallel over TP, context parallel over CP), the
-parallel code lists those groups in `token_groups` (SP: fixed; CP: bound per micro-batch). The micro-batch aux loss and
-the z-loss then use the whole micro-batch's statistics: the per-expert counts and the token count are summed over those
-groups (no gradient flows through them), each rank adds its own tokens' share (Σ over local tokens / all tokens), and
-the shares sum over the ranks to exactly the single-device loss and gradients. The per-sequence aux loss stays a
+parallel code sets `sp_group` (fixed) and `cp_group` (bound per micro-batch). The micro-batch aux loss and the z-loss
+then use the whole micro-batch's statistics: the per-expert counts and the token count are summed over those groups in
+one all-reduce (no gradient flows through them), each rank adds its own tokens' share (Σ over local tokens / all
+tokens), and the shares sum over the ranks to exactly the single-device loss and gradients. The per-sequence aux loss stays a
 statistic of the rank's token shard.
 
 Nothing here makes the host wait for the device (counts are scatter-adds, the per-sequence statistics are sized by an
@@ -72,28 +72,33 @@ class Router(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         weights = weights * cfg.routed_scaling_factor
         kept = capacity_mask(scores.detach(), expert_ids, cfg.capacity_factor)
-        self._count_load(expert_counts(expert_ids, self.num_experts, kept))
-        aux = logits.new_zeros(())
+        routed = expert_counts(expert_ids, self.num_experts)  # slots that chose each expert, dropped ones included
+        self._count_load(routed if kept is None else expert_counts(expert_ids, self.num_experts, kept))
+        aux, tokens = logits.new_zeros(()), None  # tokens: the micro-batch's token count, once a loss needs it
         if cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training:
             probs = scores if cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
             if cfg.aux_loss_type == "sequence" and segment_ids is not None:
                 aux = aux + cfg.aux_loss_coeff * load_balancing_loss(probs, expert_ids, self.num_experts, segment_ids)
             else:
-                counts, tokens = self._micro_batch_stats(expert_counts(expert_ids, self.num_experts), logits)
+                counts, tokens = self._micro_batch_stats(routed, logits)
                 f = counts / (tokens * self.top_k)
                 aux = aux + cfg.aux_loss_coeff * self.num_experts * (f * probs.sum(0) / tokens).sum()
-        return Routing(expert_ids, weights, kept, self._with_z_loss(aux, logits))
+        return Routing(expert_ids, weights, kept, self._with_z_loss(aux, logits, tokens))
 
     def _token_groups(self) -> list:
         return [g for g in (self.sp_group, self.cp_group) if g is not None]
 
-    def _micro_batch_stats(self, counts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-expert routed slots, tokens) of the whole micro-batch, fp32, without gradient: summed over the token
-        groups when the micro-batch is spread over ranks."""
-        stats = torch.cat([counts.detach().float(), logits.new_full((1,), float(logits.shape[0]))])
-        for group in self._token_groups():
+    def _micro_batch_stats(self, counts: torch.Tensor | None, logits: torch.Tensor):
+        """(per-expert routed slots, tokens) of the whole micro-batch, without gradient. On one rank: the local counts
+        and token count (a Python number: nothing to allocate); spread over ranks: both summed in one all-reduce."""
+        groups = self._token_groups()
+        if not groups:
+            return (None if counts is None else counts.float()), float(logits.shape[0])
+        local = logits.new_full((1,), float(logits.shape[0]))
+        stats = local if counts is None else torch.cat([counts.detach().float(), local])
+        for group in groups:
             dist.all_reduce(stats, group=group)
-        return stats[:-1], stats[-1]
+        return (None if counts is None else stats[:-1]), stats[-1]
 
     def _fused_applies(self, logits: torch.Tensor) -> bool:
         cfg = self.cfg
@@ -107,24 +112,22 @@ class Router(nn.Module):
         out = fused_router(logits, self.top_k, cfg.score_func, self.expert_bias, cfg.norm_topk_prob,
                            cfg.routed_scaling_factor)
         self._count_load(out.tokens_per_expert)
-        aux = logits.new_zeros(())
+        aux, tokens = logits.new_zeros(()), None
         if cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training:
             # The micro-batch aux loss from the kernel's statistics: f = counts / (T·k), P = mean probabilities.
             counts, tokens = self._micro_batch_stats(out.tokens_per_expert, logits)
             f = counts / (tokens * self.top_k)
             local_share = out.mean_probs * (logits.shape[0] / tokens)
             aux = aux + cfg.aux_loss_coeff * self.num_experts * (f * local_share).sum()
-        return Routing(out.indices, out.weights, None, self._with_z_loss(aux, logits))
+        return Routing(out.indices, out.weights, None, self._with_z_loss(aux, logits, tokens))
 
-    def _with_z_loss(self, aux: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _with_z_loss(self, aux: torch.Tensor, logits: torch.Tensor, tokens) -> torch.Tensor:
+        """`tokens`: the micro-batch's token count over the ranks holding it, if the aux loss already summed it (else
+        None); this rank adds its tokens' share of the z-loss."""
         if self.cfg.z_loss_coeff > 0 and self.training:
-            z = z_loss(logits)  # mean over this rank's tokens; scaled to its share of the micro-batch's tokens
-            if self._token_groups():
-                tokens = logits.new_full((1,), float(logits.shape[0]))
-                for group in self._token_groups():
-                    dist.all_reduce(tokens, group=group)
-                z = z * (logits.shape[0] / tokens[0])
-            return aux + self.cfg.z_loss_coeff * z
+            if tokens is None:
+                tokens = self._micro_batch_stats(None, logits)[1]
+            return aux + self.cfg.z_loss_coeff * z_loss(logits) * (logits.shape[0] / tokens)
         return aux
 
     @torch.no_grad()
