@@ -16,7 +16,8 @@ from services.rl_rollout.rewards import (Task, countdown_reward, extract_express
 @pytest.mark.parametrize("text, expected", [
     ("42", 42), ("  42  ", 42), ("42.\nThen I went home", 42), ("Answer: 1,234", 1234), ("answer:-7 ok", -7),
     ("The answer is 12 345", 12), ("I think 3 then... answer = 99", 99), ("#### 1,000,000", 1000000),
-    ("ANSWER:   56 apples", 56), ("2.5", Fraction(5, 2)), ("12+3= 15", 15),
+    ("ANSWER:   56 apples", 56), ("2.5", Fraction(5, 2)), ("12+3= 15", 15), ("- 7", -7),
+    ("-\x0c0\n", 0), ("-\t3", -3),  # whatever whitespace a sampled completion puts after the sign
 ])
 def test_numbers_are_extracted_from_loosely_formatted_answers(text, expected):
     assert extract_number(text) == expected

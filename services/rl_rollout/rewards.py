@@ -84,7 +84,8 @@ def extract_number(completion: str) -> Fraction | None:
     m = _NUMBER.search(_answer_region(completion))
     if m is None:
         return None
-    text = m.group().replace(",", "").replace(" ", "").replace("−", "-")
+    # any whitespace the pattern allows between sign and digits (a model can emit "-\x0c7"), not only a space
+    text = re.sub(r"[\s,]", "", m.group()).replace("−", "-")
     return Fraction(text)
 
 
