@@ -30,6 +30,7 @@ def _jit_function(kernel) -> JITFunction:
 def _variants():
     """(kernel, pointer/scalar signature, constexprs, num_warps) at the Qwen3-30B-A3B shapes, bf16 and fp32."""
     rows = importlib.import_module("kernels._rows")
+    ce = importlib.import_module("kernels.cross_entropy")
     permute = importlib.import_module("kernels.permute")
     router = importlib.import_module("kernels.router")
     swiglu = importlib.import_module("kernels.swiglu")
@@ -48,6 +49,9 @@ def _variants():
                {"x_ptr": f"*{dt}", "prob_ptr": "*fp32", "grad_out_ptr": f"*{dt}", "grad_x_ptr": f"*{dt}",
                 "grad_prob_ptr": "*fp32", "N": "i32"},
                {"f": 768, "BLOCK_N": 4, "BLOCK_F": 256}, 4)
+    for dt, write_grad in (("bf16", True), ("bf16", False), ("fp32", True)):
+        yield (ce._ce_rows_kernel, {"logits_ptr": f"*{dt}", "labels_ptr": "*i64", "loss_ptr": "*fp32"},
+               {"V": 151936, "WRITE_GRAD": write_grad, "IGNORE": ce.IGNORE_INDEX, "BLOCK_V": 4096}, 8)
     for write_rows in (False, True):
         yield (permute._slot_kernel,
                {"indices_ptr": "*i64", "block_counts_ptr": "*i32", "block_base_ptr": "*i32", "row_id_map_ptr": "*i32",

@@ -27,7 +27,8 @@ if not ON_CUDA:
     _previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     # builds triton's library and our kernels for the interpreter
-    import kernels.permute, kernels.router, kernels.swiglu, kernels.unpermute  # noqa: E401,E402,F401
+    import kernels.cross_entropy, kernels.permute, kernels.router  # noqa: E401,E402,F401
+    import kernels.swiglu, kernels.unpermute  # noqa: E401,E402,F401
 
     if _previous is None:
         del os.environ["TRITON_INTERPRET"]

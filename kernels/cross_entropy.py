@@ -1,0 +1,204 @@
+"""The output layer and the cross-entropy in one op, over chunks of tokens: [T, V] logits never exist at once.
+
+    linear_cross_entropy_sum(h [T, H], weight [V, H], labels [T]) -> Σ_t -log softmax(h_t Wᵀ)[labels_t]   (fp32 scalar)
+
+Tokens labelled IGNORE_INDEX (-100) contribute nothing. The tokens are taken `chunk_size` rows at a time: the chunk's
+logits [chunk, V] are computed in the compute dtype (the autocast dtype under autocast, as the unfused output layer
+does), reduced in fp32 to each row's loss, and overwritten in place by their gradient softmax - onehot. That block
+goes straight into grad_h[chunk] = g W and grad_W += gᵀ h_chunk, then is dropped, so forward returns with both
+gradients already computed and backward only scales them by the incoming scalar. Alive at the peak: one [chunk, V]
+block, grad_W (in the weight's dtype, accumulated in fp32) and grad_h — instead of the unfused path's [T, V] logits,
+their fp32 copy and its saved fp32 log-softmax. No logits are recomputed: three GEMMs, as unfused.
+
+Computing gradients in forward assumes a backward follows (training); with grad disabled, or neither h nor weight
+requiring grad, only the loss is computed. One backward per forward: the gradients are handed over, not kept.
+
+Single vocabulary shard only. Under tensor parallelism the vocabulary is split over ranks and the model keeps the
+vocab-parallel cross-entropy on logits (services/trainer/parallel/tensor_parallel.py).
+
+One chunk loop, two implementations of its row step (logits block -> row losses, block overwritten by the gradient):
+- `linear_cross_entropy_sum_reference`: torch ops in fp32 (a logsumexp, then exp/scatter/mul passes over an fp32
+  copy of the block) — what the chunking alone buys is the memory;
+- `linear_cross_entropy_sum`: on CUDA, a Triton program per row that reads the row twice (online max/Σexp, then the
+  gradient) and writes it once, in the block's own dtype, with no fp32 copy.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton import autotune_configs, use_triton
+
+IGNORE_INDEX = -100  # as services/trainer/model/loss.py
+
+# Rows of one chunk: the largest multiple of 256 whose logits block stays within this many bytes (at least 256 rows).
+# 1 GiB is ~3.5k rows at V=151936 in bf16: a few chunks for a 16k-token micro-batch, each GEMM still large.
+CHUNK_BYTES = 1 << 30
+
+RowStep = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def default_chunk_size(vocab: int, dtype: torch.dtype) -> int:
+    rows = CHUNK_BYTES // max(vocab * torch.tensor([], dtype=dtype).element_size(), 1)
+    return max(256, rows // 256 * 256)
+
+
+# ---------------------------------------------------------------- row step: torch
+
+
+def ce_rows_reference(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool) -> torch.Tensor:
+    """Row losses [C] (fp32) of a logits block [C, V]; with `write_grad`, the block becomes softmax - onehot (0 for
+    ignored rows), in its own dtype."""
+    x = logits.float()  # the block itself when it is already fp32
+    valid = labels != IGNORE_INDEX
+    idx = torch.where(valid, labels, 0)[:, None]
+    lse = torch.logsumexp(x, dim=1)
+    loss = (lse - x.gather(1, idx).squeeze(1)) * valid
+    if write_grad:
+        x.sub_(lse[:, None]).exp_()
+        x.scatter_add_(1, idx, torch.full_like(idx, -1, dtype=x.dtype))
+        x.mul_(valid[:, None])
+        logits.copy_(x)
+    return loss
+
+
+# ---------------------------------------------------------------- row step: Triton
+
+_ROW_CONFIGS = [
+    triton.Config({"BLOCK_V": 4096}, num_warps=8),
+    triton.Config({"BLOCK_V": 2048}, num_warps=4),
+    triton.Config({"BLOCK_V": 8192}, num_warps=8),
+    triton.Config({"BLOCK_V": 8192}, num_warps=16),
+    triton.Config({"BLOCK_V": 16384}, num_warps=16),
+]
+
+
+@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V", "WRITE_GRAD"])
+@triton.jit
+def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, V: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                    IGNORE: tl.constexpr, BLOCK_V: tl.constexpr):
+    # One program per row. Pass 1: running max m and Σexp(x - m) over the row; lse = m + log Σ. Pass 2: the row is
+    # overwritten by exp(x - lse) - [col == label], zero for an ignored row. V is constexpr: a static trip count.
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * V
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    valid = label != IGNORE
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    target = tl.load(row_ptr + tl.where(valid, label, 0)).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
+    if WRITE_GRAD:
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
+            g = tl.where(valid, g, 0.0)
+            tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def ce_rows_triton(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool) -> torch.Tensor:
+    """`ce_rows_reference` as one Triton program per row (contiguous block)."""
+    C, V = logits.shape
+    loss = torch.empty(C, dtype=torch.float32, device=logits.device)
+    if C > 0:
+        _ce_rows_kernel[(C,)](logits, labels.contiguous(), loss, V, write_grad, IGNORE_INDEX)
+    return loss
+
+
+# ---------------------------------------------------------------- the chunk loop
+
+
+def _chunked_loss_and_grads(h, weight, labels, dtype, chunk_size, rows: RowStep, grad_h_needed, grad_w_needed):
+    """(Σ loss fp32, grad_h or None, grad_W or None) for a unit incoming gradient, one [chunk, V] block at a time."""
+    w = weight.to(dtype)  # the compute-dtype copy lives only for this forward: backward needs no weights
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    write_grad = grad_h_needed or grad_w_needed
+    grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if grad_h_needed else None
+    # accumulated over chunks in fp32 (in place by the GEMM when the compute dtype is fp32), rounded once at the end
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grad_w_needed else None
+    for start in range(0, h.shape[0], chunk_size):
+        end = min(start + chunk_size, h.shape[0])
+        h_chunk = h[start:end].to(dtype)
+        logits = h_chunk @ w.T
+        loss += rows(logits, labels[start:end], write_grad).sum()
+        if grad_h_needed:
+            if grad_h.dtype == dtype:
+                torch.mm(logits, w, out=grad_h[start:end])
+            else:
+                grad_h[start:end] = logits @ w
+        if grad_w_needed:
+            if dtype == torch.float32:
+                grad_w.addmm_(logits.T, h_chunk)
+            else:
+                grad_w += logits.T @ h_chunk
+        del logits
+    return loss, grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, dtype, chunk_size, rows: RowStep, grad_h_needed, grad_w_needed):
+        with torch.autocast(h.device.type, enabled=False):  # every dtype in the loop is explicit
+            loss, *ctx.grads = _chunked_loss_and_grads(h, weight, labels, dtype, chunk_size, rows, grad_h_needed,
+                                                       grad_w_needed)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.grads is None:
+            raise RuntimeError("linear_cross_entropy_sum computes its gradients in forward and hands them to the "
+                               "first backward; run forward again for a second backward")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        for g in (grad_h, grad_w):  # in place: no second [V, H] buffer
+            if g is not None:
+                g.mul_(grad_loss.to(g.dtype))
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    if h.dtype != weight.dtype:
+        raise ValueError(f"linear_cross_entropy_sum: h is {h.dtype} but weight is {weight.dtype}; cast one, or run "
+                         f"under torch.autocast to compute in its dtype")
+    return h.dtype
+
+
+def _linear_cross_entropy(h, weight, labels, chunk_size, rows: RowStep) -> torch.Tensor:
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1] or labels.shape != (h.shape[0],):
+        raise ValueError(f"linear_cross_entropy_sum wants h [T, H], weight [V, H], labels [T]; got "
+                         f"{tuple(h.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"linear_cross_entropy_sum: chunk_size must be positive, got {chunk_size}")
+    dtype = _compute_dtype(h, weight)
+    chunk = chunk_size or default_chunk_size(weight.shape[0], dtype)
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(h, weight, labels, dtype, chunk, rows, grad and h.requires_grad,
+                                     grad and weight.requires_grad)
+
+
+def linear_cross_entropy_sum_reference(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                       chunk_size: int | None = None) -> torch.Tensor:
+    """Same contract as `linear_cross_entropy_sum`, its row step in torch ops."""
+    return _linear_cross_entropy(h, weight, labels, chunk_size, ce_rows_reference)
+
+
+def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             chunk_size: int | None = None) -> torch.Tensor:
+    """Σ token cross-entropy of `h @ weight.T` against `labels`, chunked (see the module docstring). Triton row step on
+    CUDA, the torch reference on CPU. `chunk_size`: rows per chunk (default: `default_chunk_size`)."""
+    rows = ce_rows_triton if use_triton(h) else ce_rows_reference
+    return _linear_cross_entropy(h, weight, labels, chunk_size, rows)
