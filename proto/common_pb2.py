@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\nfoldmoe.v1\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"`\n\x08\x45nvelope\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.foldmoe.v1.TensorMeta\x12\x0c\n\x04\x62ody\x18\x04 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/common.proto\x12\nfoldmoe.v1\"8\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"o\n\x08\x45nvelope\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.foldmoe.v1.TensorMeta\x12\x0c\n\x04\x62ody\x18\x04 \x01(\x0c\x12\r\n\x05token\x18\x05 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,5 +34,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORMETA']._serialized_start=34
   _globals['_TENSORMETA']._serialized_end=90
   _globals['_ENVELOPE']._serialized_start=92
-  _globals['_ENVELOPE']._serialized_end=188
+  _globals['_ENVELOPE']._serialized_end=203
 # @@protoc_insertion_point(module_scope)

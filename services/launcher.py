@@ -67,9 +67,13 @@ def child_specs(config_file: Path, cfg: Config, python: str = sys.executable) ->
     # RL (`rl.enabled`): rollout workers instead of the dataloader (the trainer reads their stream itself; see
     # services/trainer/rl/rollouts.py). They register before they have weights, so they start with the services and
     # the RL trainer starts once they are up; a crashed worker is a crashed service.
+    # `data.replicas` dataloaders run the same command: each claims a free replica index in the registry.
+    replicas = cfg.data.replicas
     data = [ChildSpec(f"rollout{i}", [python, "-m", "services.rl_rollout.worker", *conf], registers_as="rollout")
             for i in range(cfg.rl.workers)] if cfg.rl.enabled else \
-        [ChildSpec("dataloader", [python, "-m", "services.dataloader.server", *conf], registers_as="dataloader")]
+        [ChildSpec(f"dataloader{i}" if replicas > 1 else "dataloader", [python, "-m", "services.dataloader.server",
+                                                                          *conf], registers_as="dataloader")
+         for i in range(replicas)]
     trainer = "services.trainer.rl.train_rl" if cfg.rl.enabled else "services.trainer.train"
     return [
         *data,
@@ -237,7 +241,8 @@ class Launcher:
         registry = Registry(url, self.cfg.run.name)
         deadline = time.monotonic() + self.start_timeout
         for spec in services:
-            while not (records := registry.lookup(spec.registers_as)):
+            count = sum(s.registers_as == spec.registers_as for s in services)  # replicas: all of them registered
+            while len(records := registry.lookup(spec.registers_as)) < count:
                 self._wait_step(spec, deadline, f"did not register as {spec.registers_as!r}")
             for address in [r[GRPC_KEY] for r in records if r.get(GRPC_KEY)]:
                 while not grpc_check(address, timeout=1.0):

@@ -50,6 +50,14 @@ def test_service_commands_are_the_launchers(env):
         assert compose[spec.name]["command"] == spec.argv, spec.name
 
 
+def test_dataloader_replicas_are_the_scaled_compose_dataloader():
+    cfg = load_config(ROOT / DEFAULT_CONFIG, ["data.replicas=3"])
+    specs = {spec.name: spec.argv for spec in child_specs(Path(DEFAULT_CONFIG), cfg, python="python")}
+    dataloaders = [name for name in specs if name.startswith("dataloader")]
+    assert dataloaders == ["dataloader0", "dataloader1", "dataloader2"]  # one compose service, `--scale dataloader=3`
+    assert all(specs[name] == services()["dataloader"]["command"] for name in dataloaders)
+
+
 @pytest.mark.parametrize("env", [{}, {"FOLDMOE_CONFIG": "configs/rl_tiny.yaml", "FOLDMOE_NPROC": "2"}],
                          ids=["defaults", "overridden"])
 def test_rl_profile_runs_the_launchers_rl_commands(env):

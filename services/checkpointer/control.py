@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-from concurrent import futures
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
 from services.checkpointer.layout import CheckpointError
 from services.checkpointer.store import CheckpointStore, CheckpointSummary
+from services.common import grpc_server, net
 
 if TYPE_CHECKING:
     from services.checkpointer.writer import Writer
@@ -66,14 +65,9 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
 
 
-def serve_grpc(store: CheckpointStore, writer: Writer, host: str = "127.0.0.1") -> tuple[grpc.Server, str]:
-    """Start the gRPC server on a free port; returns (server, "host:port")."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_CheckpointerServicer_to_server(CheckpointerServicer(store, writer), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{host}:0")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, f"{host}:{port}"
+def serve_grpc(store: CheckpointStore, writer: Writer, host: str = "127.0.0.1", advertise: str = "",
+               token: str = "") -> tuple[grpc.Server, str]:
+    """Start the gRPC server on a free port of `host`; returns (server, the "host:port" clients dial)."""
+    server, port = grpc_server.serve([lambda s: pb_grpc.add_CheckpointerServicer_to_server(
+        CheckpointerServicer(store, writer), s)], [SERVICE_NAME], host=host, max_workers=4, token=token)
+    return server, f"{net.advertised(host, advertise)}:{port}"

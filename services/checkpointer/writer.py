@@ -37,7 +37,7 @@ from services.checkpointer.barrier import Barrier
 from services.checkpointer.control import serve_grpc
 from services.checkpointer.layout import DTYPE_NAMES, TMP_SUFFIX, Blob, parse_step
 from services.checkpointer.store import CheckpointStore
-from services.common import wire
+from services.common import net, wire
 from services.common.config import Config, load_config
 from services.common.registry import Registry, redis_url
 
@@ -135,10 +135,13 @@ class WriterStats:
 
 
 class Writer:
-    def __init__(self, store: CheckpointStore, registry: Registry | None, bind: str = "tcp://127.0.0.1",
+    def __init__(self, store: CheckpointStore, registry: Registry | None, host: str = "127.0.0.1", advertise: str = "",
                  save_timeout_s: float = SAVE_TIMEOUT_S, instance: str | None = None,
-                 write_threads: int = WRITE_THREADS):
+                 write_threads: int = WRITE_THREADS, token: str | None = None):
+        """`host`: the interface to bind; `advertise`: the host clients dial (net.advertised); `token`: the one every
+        part must carry (None: FOLDMOE_AUTH_TOKEN, see services/common/net.py)."""
         self.store, self.registry = store, registry
+        self.token = net.auth_token() if token is None else token
         self.pool = ThreadPoolExecutor(max_workers=max(1, write_threads), thread_name_prefix="ckpt-write")
         self.max_queued_frames = 2 * max(1, write_threads)  # parts received over ZMQ awaiting a thread (bounds memory)
         self.save_timeout_s = save_timeout_s
@@ -147,8 +150,8 @@ class Writer:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
-        port = self.sock.bind_to_random_port(bind)
-        self.endpoint = f"{bind}:{port}"
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{net.advertised(host, advertise)}:{port}"
         self.pending: dict[int, PendingSave] = {}
         self.stats = WriterStats()
         self.lock = threading.Lock()  # guards `pending` and `stats` against the gRPC threads reading them
@@ -185,7 +188,10 @@ class Writer:
 
     def _on_message(self, identity: bytes, frames: list) -> None:
         try:
-            kind, header, tensors = wire.decode(frames, pb.ShardHeader)
+            kind, header, tensors = wire.decode(frames, pb.ShardHeader, token=self.token)
+        except wire.Unauthenticated as e:
+            self._refuse(identity, e)
+            return
         except wire.WireError as e:
             log.error("dropping a malformed message: %s", e)
             return
@@ -360,6 +366,17 @@ class Writer:
         self.sock.send_multipart([identity, *wire.encode(kind, result)])  # ROUTER: identity frame first
         save.answered.add(rank)
 
+    def _refuse(self, identity: bytes, e: wire.Unauthenticated) -> None:
+        """Fail an unauthenticated part's save for its sender alone; the parts of authenticated ranks are untouched."""
+        header = pb.ShardHeader()
+        try:
+            header.ParseFromString(e.body)
+        except Exception:  # noqa: BLE001 -- the refusal must go out even when the header is garbage
+            pass
+        log.error("refusing a part from rank %d for step %d: %s", header.rank, header.step, e)
+        result = pb.SaveResult(step=header.step, error=f"checkpointer refused the save: {e}")
+        self.sock.send_multipart([identity, *wire.encode("ckpt.failed", result)])
+
     def _answer_all(self, save: PendingSave, path: str = "") -> None:
         for rank in list(save.identities):
             self._answer(save, rank, path)
@@ -453,8 +470,8 @@ def run(cfg: Config, stop: threading.Event) -> None:
     for p in stale:
         log.warning("removed %s left by an interrupted save or delete", p)
     forget_stale_arrivals(registry, stale)
-    writer = Writer(store, registry)
-    grpc_server, grpc_addr = serve_grpc(store, writer)
+    writer = Writer(store, registry, cfg.run.bind_host, cfg.run.advertise_host)
+    grpc_server, grpc_addr = serve_grpc(store, writer, cfg.run.bind_host, cfg.run.advertise_host, writer.token)
     probe, token = make_shm_probe()
     heartbeat = registry.register(SERVICE, {"zmq": writer.endpoint, "grpc": grpc_addr, "host": host_name(),
                                             "dir": str(Path(cfg.checkpoint.dir).resolve()), "shm_probe": probe,

@@ -98,6 +98,8 @@ class DataConfig:
     cp_max_attn_per_rank: float = 0.0  # dynamic CP: attention cost (sum of squared segment lengths) per CP rank; 0: no limit
     source: Literal["corpus", "rollout"] = "corpus"  # what the dataloader packs: the corpus, or RL trajectory groups
     rollout_stream: str = ""  # source=rollout: Redis stream key; empty: the "stream" of a rollout worker's registry record
+    replicas: int = 1  # dataloader services of the run; replica r serves the dp ranks with dp_rank % replicas == r
+    #                    (each packs the same global stream and sends only its ranks' micro-batches); corpus source only
 
 
 @dataclass
@@ -121,6 +123,8 @@ class CheckpointConfig:
     on_busy: Literal["wait", "skip"] = "wait"  # a save requested while the previous one is still being written
     host_buffers: int = 1  # pinned snapshot buffers per rank (each = the rank's state); 2: a save may start while
     #                        the previous one is still being written, at twice the host memory
+    stage_on_device: bool = False  # snapshot into a spare device buffer first (needs one more copy of the rank's
+    #                                state in device memory): the next optimizer step waits for an HBM copy, not PCIe
     init_from: str = ""  # a foldmoe checkpoint (a step_NNNNNNNN dir, or a checkpoint dir: its newest valid one) whose
     #                    model weights only start a run that has nothing to resume in `dir` (fresh optimizer, step 0)
 
@@ -139,6 +143,10 @@ class RunConfig:
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: datasheet value for the detected device
     metrics_file: str = "runs/metrics.jsonl"
     max_restarts: int = 3  # times the launcher restarts each crashed service (not the trainer) before failing the run
+    bind_host: str = "127.0.0.1"  # interface every gRPC, ZMQ and metrics endpoint listens on; "0.0.0.0": all of them.
+    #                               Clients authenticate with the FOLDMOE_AUTH_TOKEN environment variable when it is set
+    advertise_host: str = ""  # host registered in Redis for clients to dial; empty: bind_host, or this host's name
+    #                           when bind_host is 0.0.0.0
 
 
 @dataclass
@@ -322,6 +330,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(o.lr > 0 and o.min_lr >= 0 and o.min_lr <= o.lr, f"need 0 <= `optimizer.min_lr` <= `optimizer.lr` > 0")
     _check(cfg.run.steps > 0, f"`run.steps` must be positive, got {cfg.run.steps}")
     _check(cfg.run.max_restarts >= 0, f"`run.max_restarts` must be >= 0, got {cfg.run.max_restarts}")
+    _check(d.replicas >= 1, f"`data.replicas` must be at least 1, got {d.replicas}")
+    _check(d.replicas == 1 or d.source == "corpus",
+           f"`data.replicas={d.replicas}` needs `data.source=corpus`: the rollout source trims the shared trajectory "
+           "stream as its ranks consume it, which one replica cannot know for the others; use one replica")
     _check(cfg.checkpoint.host_buffers >= 1,
            f"`checkpoint.host_buffers` must be at least 1, got {cfg.checkpoint.host_buffers}")
     for name in ("tp", "cp", "pp", "ep", "etp"):

@@ -1,5 +1,5 @@
-"""The gRPC plumbing every service shares: a server on a free loopback port with the standard health service, and a
-client-side wait for a peer to report SERVING.
+"""The gRPC plumbing every service shares: a server on a free port with the standard health service (and, with a token,
+the auth interceptor of services/common/net.py), and a client-side wait for a peer to report SERVING.
 
 Health is the stock `grpc.health.v1` protocol so that generic probes (compose health checks, grpc_health_probe) work
 against every foldmoe service without knowing its API.
@@ -14,6 +14,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common import net
+
 # Registers servicers on the server, e.g. `lambda s: foo_pb2_grpc.add_FooServicer_to_server(FooImpl(), s)`.
 AddServicer = Callable[[grpc.Server], None]
 
@@ -23,12 +25,14 @@ class GrpcUnavailable(RuntimeError):
 
 
 def serve(add_servicers: Iterable[AddServicer] = (), service_names: Iterable[str] = (), host: str = "127.0.0.1",
-          port: int = 0, max_workers: int = 8) -> tuple[grpc.Server, int]:
+          port: int = 0, max_workers: int = 8, token: str = "") -> tuple[grpc.Server, int]:
     """Start a server with the health service; every name in `service_names` (and "" = the whole server) is SERVING.
+    `token`: calls other than health must carry it (services/common/net.py); "": no authentication.
 
     Returns the started server and the port it bound (a free one when `port` is 0).
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                         interceptors=net.server_interceptors(token))
     for add in add_servicers:
         add(server)
     health_servicer = health.HealthServicer()

@@ -1,10 +1,10 @@
 """Prometheus metrics for every service: the HTTP exporter they share, and the families of the trainer, the checkpointer
 and the rollout workers (the dataloader's collector reads its engine at scrape time: services/dataloader/metrics.py).
 
-Each exporter owns a `CollectorRegistry` (several may share a process in tests) served on a free port of 127.0.0.1 by
-default; the service puts `endpoint` into its registry record under the key `metrics`, which is where `foldmoe status`
-and a Prometheus scrape config built from the registry find it. Updating a metric is a dict update under a lock: the
-hot loops pay nothing measurable for it.
+Each exporter owns a `CollectorRegistry` (several may share a process in tests) served on a free port of `run.bind_host`
+(127.0.0.1 unless configured; not authenticated, see services/common/net.py); the service puts `endpoint` into its
+registry record under the key `metrics`, which is where `foldmoe status` and a Prometheus scrape config built from the
+registry find it. Updating a metric is a dict update under a lock: the hot loops pay nothing measurable for it.
 
     trainer        foldmoe_trainer_{step, loss, grad_norm, lr, tokens_per_second, mfu, step_seconds,
                    step_data_wait_seconds, step_checkpoint_stall_seconds, max_expert_load_ratio}
@@ -25,14 +25,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from services.common import net
+
 
 class MetricsServer:
     """Serves one `CollectorRegistry` at `endpoint` (`GET /metrics`, text exposition format) from a daemon thread."""
 
-    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, advertise: str = ""):
+        """Listens on `host`; `endpoint` names `advertise` (see net.advertised)."""
         self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
         self.port = self._httpd.server_port
-        self.endpoint = f"http://{host}:{self.port}/metrics"
+        self.endpoint = f"http://{net.advertised(host, advertise)}:{self.port}/metrics"
 
     def stop(self) -> None:
         self._httpd.shutdown()
@@ -53,8 +56,8 @@ class Exporter:
     def endpoint(self) -> str:
         return self.server.endpoint if self.server is not None else ""
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0):
-        self.server = MetricsServer(self.registry, host, port)
+    def serve(self, host: str = "127.0.0.1", port: int = 0, advertise: str = ""):
+        self.server = MetricsServer(self.registry, host, port, advertise)
         return self
 
     def close(self) -> None:

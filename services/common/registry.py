@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -83,6 +84,25 @@ class Registry:
                   "started": time.time(), **info}
         return Heartbeat(self.client, self._key("svc", service, instance), record, ttl)
 
+    def claim(self, service: str, slots: int, info: dict[str, Any], timeout: float = 3 * DEFAULT_TTL_S,
+              ttl: float = DEFAULT_TTL_S) -> tuple[int, Heartbeat]:
+        """Register as the lowest free one of `slots` numbered instances of `service` (instance "replica<i>", record
+        fields "replica" and "replicas"); returns (i, heartbeat). Atomic (SET NX): two processes never hold one slot.
+        A slot frees when its holder stops, or its record expires (a killed holder: within `ttl`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i in range(slots):
+                instance = f"replica{i}"
+                record = {"service": service, "instance": instance, "host": socket.gethostname(), "pid": os.getpid(),
+                          "started": time.time(), **info, "replica": i, "replicas": slots}
+                key = self._key("svc", service, instance)
+                if self.client.set(key, json.dumps(record), px=int(ttl * 1000), nx=True):
+                    return i, Heartbeat(self.client, key, record, ttl)
+            if time.monotonic() > deadline:
+                raise RegistryError(f"all {slots} {service} replicas of run {self.run!r} are taken (Redis {self.url}); "
+                                    f"stop one, or raise the replica count")
+            time.sleep(0.2)
+
     def lookup(self, service: str) -> list[dict[str, Any]]:
         keys = sorted(self.client.scan_iter(match=self._key("svc", service, "*")))
         records = [self.client.get(k) for k in keys]
@@ -92,15 +112,18 @@ class Registry:
         keys = sorted(self.client.scan_iter(match=self._key("svc", "*")))
         return [json.loads(r) for r in (self.client.get(k) for k in keys) if r]
 
-    def wait_for(self, service: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
+    def wait_for(self, service: str, count: int = 1, timeout: float = 60.0,
+                 where: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
+        """At least `count` records of `service` (those for which `where` holds, when given)."""
         deadline = time.monotonic() + timeout
         while True:
-            found = self.lookup(service)
+            found = [r for r in self.lookup(service) if where is None or where(r)]
             if len(found) >= count:
                 return found
             if time.monotonic() > deadline:
+                which = " matching" if where is not None else ""
                 raise RegistryError(f"service {service!r} did not register within {timeout:.0f}s "
-                                    f"(run {self.run!r}, Redis {self.url}; found {len(found)} of {count})")
+                                    f"(run {self.run!r}, Redis {self.url}; found {len(found)}{which} of {count})")
             time.sleep(0.1)
 
     def set_state(self, key: str, value: Any) -> None:

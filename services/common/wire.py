@@ -3,6 +3,10 @@
 Receivers validate the header (size, version, tensor names, dtype names, byte counts) before touching the payload, so
 a malformed or hostile message raises `WireError` (and nothing else) instead of producing garbage tensors; every
 service's receive loop answers or drops on `WireError` and keeps serving.
+
+Authentication (services/common/net.py): a sender puts the run's token in the header (`encode(..., token=)`); a
+receiver that requires one passes it to `decode(..., token=)`, which checks it before reading any payload and raises
+`Unauthenticated` (a `WireError`) when it is missing or wrong.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import zmq
 from google.protobuf.message import DecodeError, Message
 
 from proto import common_pb2
+from services.common import net
 
 WIRE_VERSION = 1
 MAX_FRAME_BYTES = 8 << 30
@@ -30,9 +35,18 @@ class WireError(ValueError):
     """A received message that does not follow the framing contract."""
 
 
-def encode(kind: str, body: Message | None, tensors: dict[str, torch.Tensor] | None = None) -> list:
+class Unauthenticated(WireError):
+    """A request without the receiver's auth token. `kind` and `body` (raw bytes) let the receiver address its refusal."""
+
+    def __init__(self, message: str, kind: str, body: bytes):
+        super().__init__(message)
+        self.kind, self.body = kind, body
+
+
+def encode(kind: str, body: Message | None, tensors: dict[str, torch.Tensor] | None = None, token: str = "") -> list:
     """Frames for `socket.send_multipart`; tensors are sent as zero-copy buffers of their CPU contiguous storage."""
-    env = common_pb2.Envelope(version=WIRE_VERSION, kind=kind, body=body.SerializeToString() if body is not None else b"")
+    env = common_pb2.Envelope(version=WIRE_VERSION, kind=kind, body=body.SerializeToString() if body is not None else b"",
+                              token=token)
     frames: list = []
     for name, t in (tensors or {}).items():
         t = t.detach().to("cpu").contiguous()
@@ -41,8 +55,9 @@ def encode(kind: str, body: Message | None, tensors: dict[str, torch.Tensor] | N
     return [env.SerializeToString(), *frames]
 
 
-def decode(frames: list, body_type: type[M] | None = None) -> tuple[str, M | None, dict[str, torch.Tensor]]:
-    """Inverse of `encode`: returns (kind, body, tensors)."""
+def decode(frames: list, body_type: type[M] | None = None,
+           token: str = "") -> tuple[str, M | None, dict[str, torch.Tensor]]:
+    """Inverse of `encode`: returns (kind, body, tensors). `token`: the one the sender must have put in the header."""
     if not frames:
         raise WireError("empty message")
     header = frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0]
@@ -55,6 +70,8 @@ def decode(frames: list, body_type: type[M] | None = None) -> tuple[str, M | Non
         raise WireError(f"header frame is not an Envelope: {e}") from None
     if env.version != WIRE_VERSION:
         raise WireError(f"wire version {env.version} is not supported (expected {WIRE_VERSION})")
+    if not net.token_ok(env.token, token):
+        raise Unauthenticated(net.refusal(env.token), env.kind, env.body)
     if len(env.tensors) != len(frames) - 1:
         raise WireError(f"header lists {len(env.tensors)} tensors but {len(frames) - 1} frames arrived")
     tensors: dict[str, torch.Tensor] = {}
@@ -86,8 +103,8 @@ def decode(frames: list, body_type: type[M] | None = None) -> tuple[str, M | Non
 
 
 def send(sock: zmq.Socket, kind: str, body: Message | None = None, tensors: dict[str, torch.Tensor] | None = None,
-         flags: int = 0) -> None:
-    sock.send_multipart(encode(kind, body, tensors), flags=flags, copy=False)
+         flags: int = 0, token: str = "") -> None:
+    sock.send_multipart(encode(kind, body, tensors, token), flags=flags, copy=False)
 
 
 def recv(sock: zmq.Socket, body_type: type[M] | None = None, flags: int = 0):

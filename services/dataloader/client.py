@@ -15,6 +15,9 @@ newest first), resumes it from the state after the last step this rank received 
 micro-batches again; a partly received step is discarded. The stream of steps `next_step` returns is therefore the
 same as without the restart. Without a registry (`DataClient(...)` built from endpoints) only the same endpoints are
 retried.
+
+Replicas (`data.replicas` = n): the client uses replica dp_rank % n, before and after a restart; the others never see
+it. Auth: with FOLDMOE_AUTH_TOKEN set, every gRPC call and ZMQ message carries it (services/common/net.py).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import dataloader_pb2 as pb
 from proto import dataloader_pb2_grpc as pb_grpc
-from services.common import wire
-from services.common.registry import Registry
+from services.common import net, wire
+from services.common.registry import Registry, RegistryError
 from services.dataloader.errors import DataError
 
 CONNECT_TIMEOUT_S = 10.0
@@ -49,11 +52,15 @@ class _ServiceLost(Exception):
 class DataClient:
     def __init__(self, zmq_endpoint: str, grpc_endpoint: str, *, dp_rank: int, dp_size: int, grad_accum: int,
                  rank: int | None = None, group_size: int = 1, prefetch: int = 8, timeout: float = 60.0,
-                 registry: Registry | None = None):
+                 registry: Registry | None = None, replicas: int = 1, token: str | None = None):
         """`timeout`: longest wait for one micro-batch from a live service, and for a lost service to come back.
-        `registry`: where to find the service again after it restarts (None: retry the same endpoints)."""
+        `registry`: where to find the service again after it restarts (None: retry the same endpoints); `replicas`:
+        the run's `data.replicas` (which registered replica is this rank's). `token`: None: FOLDMOE_AUTH_TOKEN."""
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        self.replica = dp_rank % replicas
+        self.token = net.auth_token() if token is None else token
+        self._metadata = net.call_metadata(self.token)
         self.zmq_endpoint, self.grpc_endpoint = zmq_endpoint, grpc_endpoint
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         self.rank = dp_rank if rank is None else rank
@@ -77,10 +84,15 @@ class DataClient:
             world_size = world_size or (dist.get_world_size() if live else int(os.environ.get("WORLD_SIZE", dp_size)))
         if world_size % dp_size:
             raise DataError(f"world size {world_size} is not a multiple of dp_size={dp_size}")
-        record = _newest(registry.wait_for("dataloader", 1, timeout=timeout))
+        replicas, replica = cfg.data.replicas, dp_rank % cfg.data.replicas
+        try:
+            record = _newest(registry.wait_for("dataloader", 1, timeout=timeout, where=lambda r: _serves(r, replica)))
+        except RegistryError as e:
+            raise RegistryError(f"no dataloader replica {replica} (data.replicas={replicas}; it serves dp_rank "
+                                f"{dp_rank}) is registered: {e}") from None
         return cls(record["zmq"], record["grpc"], dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg.data.grad_accum,
                    rank=rank, group_size=world_size // dp_size, prefetch=cfg.data.prefetch, timeout=timeout,
-                   registry=registry)
+                   registry=registry, replicas=replicas)
 
     # ------------------------------------------------------------ control
 
@@ -92,7 +104,7 @@ class DataClient:
 
     def _call(self, method, request, what: str):
         try:
-            return method(request, timeout=CONNECT_TIMEOUT_S)
+            return method(request, timeout=CONNECT_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise DataError(f"dataloader gRPC endpoint {self.grpc_endpoint} unreachable during {what} "
@@ -118,7 +130,7 @@ class DataClient:
         self._sock.connect(self.zmq_endpoint)
         wire.send(self._sock, "hello", pb.DataHello(rank=self.rank, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                                     group_size=self.group_size, start_step=self._next_step,
-                                                    credits=self.prefetch))
+                                                    credits=self.prefetch), token=self.token)
 
     def status(self) -> dict[str, Any]:
         reply = self._call(self._control.Status, pb.DataStatusRequest(), "Status")
@@ -179,7 +191,7 @@ class DataClient:
         if kind != "micro_batch":
             raise DataError(f"dataloader sent an unexpected {kind!r} message")
         _, header, tensors = wire.decode(frames, pb.MicroBatchHeader)
-        wire.send(self._sock, "credit", pb.DataCredit(credits=1))
+        wire.send(self._sock, "credit", pb.DataCredit(credits=1), token=self.token)
         return header, tensors
 
     # ------------------------------------------------------------ surviving a restart of the service
@@ -194,10 +206,12 @@ class DataClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def _candidates(self) -> list[tuple[str, str]]:
-        """(zmq, grpc) endpoints to try, newest registration first; the current ones when there is no registry."""
+        """(zmq, grpc) endpoints of this rank's replica to try, newest registration first; the current ones when there
+        is no registry."""
         if self.registry is None:
             return [(self.zmq_endpoint, self.grpc_endpoint)]
-        records = sorted(self.registry.lookup("dataloader"), key=lambda r: -float(r.get("started", 0)))
+        records = sorted((r for r in self.registry.lookup("dataloader") if _serves(r, self.replica)),
+                         key=lambda r: -float(r.get("started", 0)))
         return [(r["zmq"], r["grpc"]) for r in records]
 
     def _reconnect(self) -> None:
@@ -239,6 +253,10 @@ class DataClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _serves(record: dict[str, Any], replica: int) -> bool:
+    return int(record.get("replica", 0)) == replica
 
 
 def _newest(records: list[dict[str, Any]]) -> dict[str, Any]:

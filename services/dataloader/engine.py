@@ -2,7 +2,7 @@
 
 Invariants:
 - Steps are produced in order, only on demand, and at most `max_buffered` are held.
-- A step is dropped only when every expected rank (dp_size * group_size of them) has joined since the last reset and
+- A step is dropped only when every expected rank (group_size per dp rank served) has joined since the last reset and
   moved past it, so a slow peer always finds its step.
 - A rank receives at most as many micro-batches as it has granted credits.
 - A resume to a position of the stream the joined ranks are on is served without disturbing them: the position the
@@ -11,6 +11,9 @@ Invariants:
   is checked by replaying the packing between the two, then the production point moves back if needed. Any other
   resume rebuilds the stream there and starts a new generation, and ranks of an older generation are not served, so no
   rank can mix micro-batches of two streams.
+- Replicas (`data.replicas` > 1): replica r of n serves only the dp ranks with dp_rank % n == r. Every replica packs
+  the same global stream (same steps, same states, same CP sizing), builds only its own ranks' micro-batches and
+  counts only its own ranks as expected, so the union of the replicas sends what one service would.
 """
 
 from __future__ import annotations
@@ -45,9 +48,14 @@ class Client:
 
 class Engine:
     def __init__(self, datasets: list[IndexedDataset], data_cfg, cp_sizes: list[int] | None = None,
-                 max_buffered: int | None = None, make_stream: Callable[[int], StepStream] | None = None):
-        """`make_stream(dp_size)`: the step stream to serve; default: packed documents of `datasets`."""
+                 max_buffered: int | None = None, make_stream: Callable[[int], StepStream] | None = None,
+                 replica: int = 0):
+        """`make_stream(dp_size)`: the step stream to serve; default: packed documents of `datasets`.
+        `replica`: this service's index among the run's `data_cfg.replicas` (see the module docstring)."""
         self.datasets, self.cfg, self.cp_sizes = datasets, data_cfg, list(cp_sizes or [1])
+        self.replica, self.replicas = replica, data_cfg.replicas
+        if not 0 <= replica < self.replicas:
+            raise DataError(f"replica {replica} is outside [0, data.replicas={self.replicas})")
         self.make_stream = make_stream or (lambda dp_size: StepStream(datasets, data_cfg, dp_size, self.cp_sizes))
         self.make_stream(1)  # a config the stream cannot serve fails at start, not at a join
         self.max_buffered = max_buffered or max(2, -(-data_cfg.prefetch // data_cfg.grad_accum) + 1)
@@ -68,8 +76,12 @@ class Engine:
 
     # ------------------------------------------------------------ control
 
+    def serves(self, dp_rank: int) -> bool:
+        return dp_rank % self.replicas == self.replica
+
     def _new_stream(self, dp_size: int, state: dict[str, Any] | None) -> None:
         self.stream = self.make_stream(dp_size)
+        self.stream.dp_ranks = {r for r in range(dp_size) if self.serves(r)}
         self._scratch = None
         self.dp_size = dp_size
         self._new_generation(state)
@@ -141,6 +153,11 @@ class Engine:
                     "all ranks must agree (call ResumeFromState with the new layout first)")
         if not 0 <= msg.dp_rank < msg.dp_size:
             return f"dp_rank={msg.dp_rank} is outside [0, dp_size={msg.dp_size})"
+        if not self.serves(msg.dp_rank):
+            return (f"rank {msg.rank} (dp_rank {msg.dp_rank}) is not served by this dataloader: replica {self.replica} "
+                    f"of data.replicas={self.replicas} serves dp ranks with dp_rank % {self.replicas} == "
+                    f"{self.replica}; connect to replica {msg.dp_rank % self.replicas} (give the trainer and the "
+                    "dataloaders the same data.replicas)")
         oldest, newest = min(self.steps, default=self.stream.step), max(self.stream.step, self.joinable)
         if not oldest <= msg.start_step <= newest:
             return (f"rank {msg.rank} asks for step {msg.start_step} but the stream holds steps {oldest}.."
@@ -200,7 +217,8 @@ class Engine:
 
     def expected_clients(self) -> int:
         current = self._current()
-        return self.dp_size * max((c.group_size for c in current), default=1)
+        served = sum(1 for r in range(self.dp_size) if self.serves(r))
+        return served * max((c.group_size for c in current), default=1)
 
     def _collect(self) -> None:
         current = self._current()

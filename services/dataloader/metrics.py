@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common import metrics
 from services.dataloader.engine import Engine
 
 PREFIX = "foldmoe_dataloader_"
@@ -63,17 +64,10 @@ class EngineCollector(Collector):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 
-class MetricsServer:
-    """HTTP exporter on a free port of `host`; `endpoint` is the URL to scrape."""
+class MetricsServer(metrics.MetricsServer):
+    """HTTP exporter of the engine's collector on a free port of `host`; `endpoint` is the URL to scrape."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1"):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", advertise: str = ""):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine))
-        self._httpd, self._thread = start_http_server(0, addr=host, registry=self.registry)
-        self.port = self._httpd.server_port
-        self.endpoint = f"http://{host}:{self.port}/metrics"
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        super().__init__(self.registry, host, advertise=advertise)

@@ -6,7 +6,11 @@ ZMQ (ROUTER): clients send `hello` then `credit` messages; the server answers wi
 `MicroBatchHeader` plus tensor frames, see proto/dataloader.proto) within each client's credits, or one `error`.
 gRPC: `foldmoe.v1.DataLoader` (Status, GetState, ResumeFromState) and `grpc.health.v1.Health`.
 HTTP: Prometheus metrics at `/metrics` (see `metrics.py`).
-Registers as service "dataloader" with {"zmq": ..., "grpc": ..., "metrics": ...} under run `run.name`.
+Registers as service "dataloader" with {"zmq": ..., "grpc": ..., "metrics": ..., "replica": r, "replicas": n} under run
+`run.name`. With `data.replicas` = n > 1, each service claims the lowest free replica index in the registry (so n
+identical commands, from the launcher or `docker compose --scale`, make up the n replicas) and serves the dp ranks with
+dp_rank % n == r (see `engine.py`). Endpoints bind `run.bind_host`; with FOLDMOE_AUTH_TOKEN set, requests must carry it
+(services/common/net.py).
 
 A restarted service (after a crash) starts empty and registers new endpoints; the trainer's `DataClient`s find it in
 the registry and resume it from their last fully received step (see `client.py`).
@@ -26,13 +30,12 @@ import zmq
 
 from proto import dataloader_pb2 as pb
 from proto import dataloader_pb2_grpc as pb_grpc
-from services.common import wire
+from services.common import grpc_server, net, wire
 from services.common.registry import Registry, redis_url
 from services.dataloader.cp_sizing import allowed_cp_sizes
 from services.dataloader.dataset import IndexedDataset
 from services.dataloader.engine import Engine
 from services.dataloader.errors import DataError
-from services.dataloader.grpc_server import GrpcServer
 from services.dataloader.metrics import MetricsServer
 from services.dataloader.preprocess import dataset_paths, ensure_dataset, open_tokenizer
 
@@ -70,17 +73,22 @@ class _Control(pb_grpc.DataLoaderServicer):
 class DataLoaderServer:
     """One service instance; `start()` binds and serves in a background thread, `stop()` tears everything down."""
 
-    def __init__(self, cfg, registry: Registry | None = None, host: str = "127.0.0.1"):
-        self.cfg, self.registry, self.host = cfg, registry, host
+    def __init__(self, cfg, registry: Registry | None = None, replica: int = 0, token: str | None = None):
+        """`replica`: this service's index among `data.replicas` when there is no `registry` (with one, it claims
+        a free index there at `start`). `token`: the auth token (None: FOLDMOE_AUTH_TOKEN)."""
+        self.cfg, self.registry, self.replica = cfg, registry, replica
+        self.host, self.advertise = cfg.run.bind_host, net.advertised(cfg.run.bind_host, cfg.run.advertise_host)
+        self.token = net.auth_token() if token is None else token
         tokenizer = open_tokenizer(cfg.data.tokenizer)
         cp_sizes = allowed_cp_sizes(cfg.parallel)
         if cfg.data.source == "rollout":
             self.datasets = []
-            self.engine = Engine([], cfg.data, cp_sizes, make_stream=self._rollout_streams(cfg, cp_sizes, tokenizer))
+            self.engine = Engine([], cfg.data, cp_sizes, make_stream=self._rollout_streams(cfg, cp_sizes, tokenizer),
+                                 replica=replica)
         else:
             ensure_dataset(cfg)
             self.datasets = [IndexedDataset(p, expect_tokenizer=tokenizer.identity()) for p in dataset_paths(cfg)]
-            self.engine = Engine(self.datasets, cfg.data, cp_sizes)
+            self.engine = Engine(self.datasets, cfg.data, cp_sizes, replica=replica)
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -100,22 +108,34 @@ class DataLoaderServer:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         port = self._router.bind_to_random_port(f"tcp://{self.host}")
-        self.zmq_endpoint = f"tcp://{self.host}:{port}"
-        self._grpc = GrpcServer([lambda s: pb_grpc.add_DataLoaderServicer_to_server(_Control(self.engine), s)],
-                                [SERVICE_NAME], host=self.host).start()
-        self.grpc_endpoint = self._grpc.endpoint
-        self._metrics = MetricsServer(self.engine, self.host)
+        self.zmq_endpoint = f"tcp://{self.advertise}:{port}"
+        self._grpc, port = grpc_server.serve(
+            [lambda s: pb_grpc.add_DataLoaderServicer_to_server(_Control(self.engine), s)], [SERVICE_NAME],
+            host=self.host, max_workers=4, token=self.token)
+        self.grpc_endpoint = f"{self.advertise}:{port}"
+        self._metrics = MetricsServer(self.engine, self.host, self.advertise)
         self.metrics_endpoint = self._metrics.endpoint
         self._thread = threading.Thread(target=self._serve, name="dataloader-zmq", daemon=True)
         self._thread.start()
         if self.registry is not None:
-            self._heartbeat = self.registry.register("dataloader", {"zmq": self.zmq_endpoint, "grpc": self.grpc_endpoint,
-                                                                    "metrics": self.metrics_endpoint})
+            self._register()
         what = (f"{', '.join(str(d.path) for d in self.datasets)} ({sum(len(d) for d in self.datasets)} documents)"
                 if self.datasets else "RL trajectories from the rollout stream")
-        log.info("serving %s on zmq %s, grpc %s, metrics %s", what, self.zmq_endpoint, self.grpc_endpoint,
-                 self.metrics_endpoint)
+        log.info("replica %d of %d serving %s on zmq %s, grpc %s, metrics %s", self.replica, self.engine.replicas,
+                 what, self.zmq_endpoint, self.grpc_endpoint, self.metrics_endpoint)
         return self
+
+    def _register(self) -> None:
+        info = {"zmq": self.zmq_endpoint, "grpc": self.grpc_endpoint, "metrics": self.metrics_endpoint}
+        replicas = self.engine.replicas
+        if replicas == 1:
+            self._heartbeat = self.registry.register("dataloader", {**info, "replica": 0, "replicas": 1})
+            return
+        # The engine lock is held from before the record appears until the engine knows its replica, so no client
+        # that finds the record is served (or refused) under another index.
+        with self.engine.lock:
+            self.replica, self._heartbeat = self.registry.claim("dataloader", replicas, info)
+            self.engine.replica = self.replica
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -141,7 +161,7 @@ class DataLoaderServer:
                 return
             ident = frames[0].bytes
             try:
-                kind, _, _ = wire.decode(frames[1:])
+                kind, _, _ = wire.decode(frames[1:], token=self.token)
                 if kind == "hello":
                     _, msg, _ = wire.decode(frames[1:], pb.DataHello)
                     with self.engine.lock:
@@ -158,6 +178,8 @@ class DataLoaderServer:
                             self.engine.credit(rank, msg.credits)
                 else:
                     self._reply_error(ident, f"unknown message kind {kind!r}")
+            except wire.Unauthenticated as e:
+                self._reply_error(ident, f"refused: {e}")
             except wire.WireError as e:
                 self._reply_error(ident, f"malformed message: {e}")
 
@@ -175,7 +197,7 @@ class DataLoaderServer:
             self._heartbeat.stop()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._grpc.stop(grace=0.5)
+        self._grpc.stop(grace=0.5).wait()
         self._metrics.stop()
         self._router.close(linger=0)
 

@@ -50,7 +50,7 @@ class MicroBatch:
 @dataclass
 class Step:
     index: int
-    per_rank: list[list[MicroBatch]]  # [dp_rank][micro]
+    per_rank: list[list[MicroBatch]]  # [dp_rank][micro]; empty for a dp rank another replica serves
     state_before: dict[str, Any]  # node state at the start of this step
     state_after: dict[str, Any] = field(default_factory=dict)  # full JSON state just after this step
 
@@ -103,6 +103,7 @@ class StepStream:
         per_step = dp_size * data_cfg.grad_accum * data_cfg.micro_batch_size
         self.node = Batcher(self.sequences, batch_size=per_step, drop_last=True)
         self.step = 0
+        self.dp_ranks: set[int] | None = None  # dp ranks whose micro-batches `next_step` builds; None: all
         self.node.reset(None)
         self.initial_node_state = self.node.state_dict()
 
@@ -151,13 +152,16 @@ class StepStream:
         before = self.node.state_dict()
         seqs = next(self.node)
         mbs, ga = self.cfg.micro_batch_size, self.cfg.grad_accum
-        micro = [self.build(seqs[i:i + mbs]) for i in range(0, len(seqs), mbs)]
-        if len(self.cp_sizes) > 1:
-            per_rank = self._size_and_balance(micro)
-        else:
-            for mb in micro:
+        chunks = [seqs[i:i + mbs] for i in range(0, len(seqs), mbs)]
+        mine = [self.dp_ranks is None or r in self.dp_ranks for r in range(self.dp_size)]
+        if len(self.cp_sizes) > 1:  # sizing and balancing see every micro-batch of the step, whoever serves it
+            per_rank = self._size_and_balance([self.build(c) for c in chunks])
+            per_rank = [got if keep else [] for got, keep in zip(per_rank, mine)]
+        else:  # a dp rank another replica serves gets no micro-batches built here
+            per_rank = [[self.build(c) for c in chunks[r * ga:(r + 1) * ga]] if mine[r] else []
+                        for r in range(self.dp_size)]
+            for mb in (mb for rank in per_rank for mb in rank):
                 mb.cp_size = self.cp_sizes[0]
-            per_rank = [micro[r * ga:(r + 1) * ga] for r in range(self.dp_size)]
         step = Step(self.step, per_rank, before)
         self.step += 1
         step.state_after = self.state()

@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from proto import rollout_pb2 as pb
-from services.common import wire
+from services.common import net, wire
 
 log = logging.getLogger("rl_rollout.weights")
 
@@ -43,8 +43,11 @@ class SyncStopped(WeightSyncError):
 class WeightReceiver:
     """Pulls manifests and chunks from one publisher endpoint. A set `stop` event abandons a wait within 0.1 s."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 30.0, stop: threading.Event | None = None):
+    def __init__(self, endpoint: str, timeout_s: float = 30.0, stop: threading.Event | None = None,
+                 token: str | None = None):
+        """`token`: the publisher's auth token (None: FOLDMOE_AUTH_TOKEN, see services/common/net.py)."""
         self.endpoint, self.timeout_s, self.stop = endpoint, timeout_s, stop
+        self.token = net.auth_token() if token is None else token
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REQ)
         # A lost reply (publisher restarted) must not wedge the REQ state machine: allow re-sending after a timeout.
@@ -54,7 +57,7 @@ class WeightReceiver:
         self._sock.connect(endpoint)
 
     def _ask(self, kind: str, req: pb.WeightsRequest, reply_type):
-        wire.send(self._sock, kind, req)
+        wire.send(self._sock, kind, req, token=self.token)
         # Short polls rather than one blocking receive: a worker told to stop must not sit out the whole timeout.
         deadline = time.monotonic() + self.timeout_s
         while not self._sock.poll(100, zmq.POLLIN):

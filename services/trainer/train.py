@@ -87,7 +87,7 @@ def train(cfg: Config) -> int:
         start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank)
     shard_groups = groups if parallel else None  # a folded layout saves each parameter's box (see checkpointing)
     checkpointing.attach(saver, model, optimizer, rt.rank, shard_groups)  # host buffers now; copies fenced per step
-    exporter = TrainerMetrics().serve()
+    exporter = TrainerMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
     beat = registry.register("trainer", {"metrics": exporter.endpoint, "rank": rt.rank},
                              instance=f"rank{rt.rank}-{os.getpid()}")
 

@@ -109,7 +109,7 @@ def train_rl(cfg: Config) -> int:
     except ValueError as e:
         raise checkpointing.CheckpointLoadError(str(e)) from None
     reader.discard_backlog()  # before the first publish: whatever is there was generated for another incarnation
-    publisher = WeightPublisher.from_config(cfg.rl).start()
+    publisher = WeightPublisher.from_config(cfg.rl, cfg.run.bind_host, cfg.run.advertise_host).start()
     publisher.publish(start_step, model.state_dict())
     beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
     printer = RLStepPrinter(cfg.run.steps, start_step, enabled=rt.rank == 0)

@@ -6,7 +6,8 @@ socket; the exchange is `proto/rollout.proto` (WeightsRequest / WeightsManifest 
 sharded trainer gathers full tensors before calling it; a single rank passes `model.state_dict()`. Workers pull (the
 trainer never pushes), so a worker that starts late, or restarts, gets the current weights, and no worker can slow the
 trainer down: the trainer's cost is the one host copy. The worker side is `services/rl_rollout/weights.py`; the two
-share only the proto messages.
+share only the proto messages. With FOLDMOE_AUTH_TOKEN set, requests without it are answered with a `WeightsError`
+(services/common/net.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import zmq
 
 from proto import rollout_pb2 as pb
-from services.common import wire
+from services.common import net, wire
 
 Chunk = tuple[list[pb.WeightPiece], list[torch.Tensor]]
 
@@ -46,8 +47,12 @@ class WeightPublisher:
     """`start()` binds a ROUTER on `host`; `endpoint` is what workers connect to (the trainer registers it)."""
 
     def __init__(self, host: str = "127.0.0.1", dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 64 << 20,
-                 keep: int = 2):
+                 keep: int = 2, advertise: str = "", token: str | None = None):
+        """`host`: the interface to bind; `advertise`: the host workers dial (net.advertised); `token`: the one every
+        request must carry (None: FOLDMOE_AUTH_TOKEN)."""
         self.host, self.dtype, self.chunk_bytes, self.keep = host, dtype, chunk_bytes, keep
+        self.advertise = net.advertised(host, advertise)
+        self.token = net.auth_token() if token is None else token
         self._versions: OrderedDict[int, list[Chunk]] = OrderedDict()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -55,16 +60,17 @@ class WeightPublisher:
         self.endpoint = ""
 
     @classmethod
-    def from_config(cls, rl, host: str = "127.0.0.1") -> "WeightPublisher":
-        """From the `rl` config section (`weight_dtype`, `weight_chunk_mb`)."""
+    def from_config(cls, rl, host: str = "127.0.0.1", advertise: str = "") -> "WeightPublisher":
+        """From the `rl` config section (`weight_dtype`, `weight_chunk_mb`); `host`, `advertise`: `run.bind_host`,
+        `run.advertise_host`."""
         dtype = torch.bfloat16 if rl.weight_dtype == "bf16" else torch.float32
-        return cls(host, dtype=dtype, chunk_bytes=int(rl.weight_chunk_mb * 2**20))
+        return cls(host, dtype=dtype, chunk_bytes=int(rl.weight_chunk_mb * 2**20), advertise=advertise)
 
     def start(self) -> "WeightPublisher":
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port(f"tcp://{self.host}")
-        self.endpoint = f"tcp://{self.host}:{port}"
+        self.endpoint = f"tcp://{self.advertise}:{port}"
         self._thread = threading.Thread(target=self._serve, name="weights-publisher", daemon=True)
         self._thread.start()
         return self
@@ -101,12 +107,14 @@ class WeightPublisher:
                 continue  # not from a REQ socket: nothing we can answer
             try:
                 reply = self._answer(frames[split + 1:])
+            except wire.Unauthenticated as e:
+                reply = wire.encode("weights_error", pb.WeightsError(message=f"refused: {e}"))
             except wire.WireError as e:
                 reply = wire.encode("weights_error", pb.WeightsError(message=f"malformed request: {e}"))
             self._sock.send_multipart([*frames[:split + 1], *reply], copy=False)
 
     def _answer(self, frames) -> list:
-        kind, req, _ = wire.decode(frames, pb.WeightsRequest)
+        kind, req, _ = wire.decode(frames, pb.WeightsRequest, token=self.token)
         with self._lock:
             if kind == "weights_latest":
                 if not self._versions:
