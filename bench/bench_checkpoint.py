@@ -1,7 +1,8 @@
 """Checkpoint stall per save: the trainer's Snapshotter + a writer subprocess vs a synchronous `torch.save`.
 
     python bench/bench_checkpoint.py [--gpu-state-gb 22] [--step-ms 111] [--interval 10] [--saves 2]
-                                     [--host-buffers 1] [--on-busy wait] [--dir /tmp/foldmoe-ckbench]
+                                     [--host-buffers 1] [--on-busy wait] [--stage-on-device] [--torch-saves 2]
+                                     [--dir /tmp/foldmoe-ckbench]
 
 A synthetic training loop holds `--gpu-state-gb` of fp32 state the way AdamW does (parameters, exp_avg, exp_avg_sq:
 a third each; gradients come on top) and takes steps of about `--step-ms` (bf16 GEMMs, then a fused AdamW step over
@@ -10,8 +11,8 @@ through the real trainer glue (`checkpointing.attach` / `state_shards` / `save`:
 at start-up, asynchronous device-to-host copies fenced before the next optimizer step) to a real writer subprocess.
 
 What it reports, per save:
-- stall: the time the loop lost to the save = time in `save()` + the extra time of the steps after it (the fence
-  holds the optimizer step while the copy still runs), against the median step time without saves;
+- stall: the time the loop lost to the save = time in `save()` + the extra time of the (up to 10) steps after it
+  (the fence holds the optimizer step while the copy still runs), against the median step time without saves;
 - the device-to-host copy time and GB/s, whether the writer read shared memory or ZMQ frames, save-to-commit time and
   the writer's GB/s (sha256 + fsync included);
 - the same state saved by `torch.save` (GPU tensors, so it includes the copy) + fsync: the synchronous stall.
@@ -45,6 +46,7 @@ from services.common.registry import Registry  # noqa: E402
 from services.trainer import checkpointing  # noqa: E402
 
 TENSOR_BYTES = 256 << 20
+AFTER_STEPS = 10  # steps after a save whose extra time counts as its stall
 
 
 class SyntheticModel(nn.Module):
@@ -128,6 +130,7 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
         nbytes = loop.state_bytes()
         cfg = Config()
         cfg.checkpoint.on_busy, cfg.checkpoint.host_buffers = args.on_busy, args.host_buffers
+        cfg.checkpoint.stage_on_device = args.stage_on_device
         saver = checkpointing.connect(registry, cfg, rank=0, world_size=1)
         t0 = time.perf_counter()
         checkpointing.attach(saver, loop.model, loop.opt, rank=0)  # what the trainer does at start-up
@@ -143,7 +146,9 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
             accepted_at = time.perf_counter()
             for _ in range(args.interval):
                 step_times.append(loop.step())
-            extra = sum(max(0.0, t - base) for t in step_times)
+            # The fence delays at most the first optimizer steps after the save; a signed sum over a few steps keeps
+            # step-time noise from adding up (a sum of positive deviations over hundreds of steps would not).
+            extra = max(0.0, sum(t - base for t in step_times[:AFTER_STEPS]))
             rows.append(SimpleNamespace(step=(save + 1) * args.interval, call=stall_call, extra=extra,
                                         copy=saver.last_copy_s, shared=saver.last_shared, accepted_at=accepted_at))
         commit_start = time.perf_counter()
@@ -159,14 +164,14 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
         writer.wait(60)
         shutil.rmtree(root / "ckpt", ignore_errors=True)  # room on the disk for torch.save's copy
     try:
-        sync = [torch_save_stall(loop, root / "torch_save.pt") for _ in range(2)]
+        sync = [torch_save_stall(loop, root / "torch_save.pt") for _ in range(args.torch_saves)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = nbytes / 1e9
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"\ndevice {name}; state {gb:.2f} GB (fp32 params + AdamW moments) in {len(loop.model.weights) * 3} "
           f"tensors; step {base * 1e3:.1f} ms (median without saves); save every {args.interval} steps; "
-          f"on_busy={args.on_busy}, host_buffers={args.host_buffers}")
+          f"on_busy={args.on_busy}, host_buffers={args.host_buffers}, stage_on_device={args.stage_on_device}")
     print(f"host buffers prepared at start-up in {prepare_s:.1f} s (in the background, overlapping the first steps)\n")
     header = (f"{'save@step':>9} | {'save() ms':>9} | {'fence/next steps ms':>19} | {'stall ms':>8} | "
               f"{'% of step':>9} | {'D2H s':>6} | {'D2H GB/s':>8} | handoff")
@@ -177,9 +182,10 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
         d2h = f"{r.copy:6.2f} | {gb / r.copy:8.1f}" if r.copy else f"{'-':>6} | {'-':>8}"
         print(f"{r.step:>9} | {r.call * 1e3:9.1f} | {r.extra * 1e3:19.1f} | {stall * 1e3:8.1f} | "
               f"{100 * stall / base:8.1f}% | {d2h} | {'shared memory' if r.shared else 'ZMQ frames'}")
-    sync_best = min(sync)
-    print(f"{'torch.save':>9} | {sync_best * 1e3:9.1f} | {'':>19} | {sync_best * 1e3:8.1f} | "
-          f"{100 * sync_best / base:8.1f}% | synchronous (GPU->CPU + pickle + write + fsync): {gb / sync_best:.2f} GB/s")
+    if sync:
+        best = min(sync)
+        print(f"{'torch.save':>9} | {best * 1e3:9.1f} | {'':>19} | {best * 1e3:8.1f} | {100 * best / base:8.1f}% | "
+              f"synchronous (GPU->CPU + pickle + write + fsync): {gb / best:.2f} GB/s")
     print(f"\nwriter: one save from save() to commit in {commit_s:.2f} s = {gb / commit_s:.2f} GB/s (copy, sha256, "
           f"fsync, atomic commit); the saves above were all committed {drain:.1f} s after the loop ended\n")
 
@@ -193,6 +199,8 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=2)
     parser.add_argument("--host-buffers", type=int, default=1)
     parser.add_argument("--on-busy", choices=("wait", "skip"), default="wait")
+    parser.add_argument("--stage-on-device", action="store_true", help="checkpoint.stage_on_device=true")
+    parser.add_argument("--torch-saves", type=int, default=2, help="synchronous torch.save runs to compare (best)")
     parser.add_argument("--dir", default="/tmp/foldmoe-ckbench")
     args = parser.parse_args()
     url = os.environ.get("REDIS_URL")

@@ -214,12 +214,16 @@ def test_the_writer_writes_the_parts_of_a_save_on_several_threads(tmp_path, monk
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous device-to-host copy needs a CUDA device")
-def test_cuda_save_returns_before_the_copy_and_the_next_optimizer_step_cannot_change_the_snapshot(fake_writer, shm):
+@pytest.mark.parametrize("stage_on_device", [False, True])
+def test_cuda_save_returns_before_the_copy_and_the_next_optimizer_step_cannot_change_the_snapshot(fake_writer, shm,
+                                                                                                  stage_on_device):
+    """With device staging the fence waits only for the HBM copy: the step may overwrite `p` while the host copy
+    still drains the staging buffer, and the snapshot must still hold the values from before the step."""
     sock, endpoint = fake_writer
     p = torch.nn.Parameter(torch.randn(64 << 20, device="cuda"))  # 256 MiB: the copy takes milliseconds
     opt = torch.optim.SGD([p], lr=1.0)
     opt.register_step_pre_hook(lambda *_: snap.fence())
-    snap = Snapshotter(endpoint)
+    snap = Snapshotter(endpoint, stage_on_device=stage_on_device)
     snap.prepare({"p": p}, background=False)
     expected = p.detach().clone()
     torch.cuda.synchronize()

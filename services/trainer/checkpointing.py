@@ -50,7 +50,8 @@ def connect(registry: Registry, cfg: Config, rank: int, world_size: int) -> Snap
     # One session per trainer incarnation, identical on all its ranks: torchrun's run id and restart count.
     session = f"{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
     return Snapshotter(registry=registry, rank=rank, world_size=world_size, on_busy=cfg.checkpoint.on_busy,
-                       session=session, host_buffers=cfg.checkpoint.host_buffers)
+                       session=session, host_buffers=cfg.checkpoint.host_buffers,
+                       stage_on_device=cfg.checkpoint.stage_on_device)
 
 
 def due(cfg: Config, step: int) -> bool:
