@@ -77,7 +77,8 @@ _ROW_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V", "WRITE_GRAD"])
+# restore_value: the kernel overwrites the block, so each config tried must start from the same logits.
+@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V", "WRITE_GRAD"], restore_value=["logits_ptr"])
 @triton.jit
 def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, V: tl.constexpr, WRITE_GRAD: tl.constexpr,
                     IGNORE: tl.constexpr, BLOCK_V: tl.constexpr):

@@ -143,3 +143,26 @@ def test_bad_inputs_name_the_problem():
         linear_cross_entropy_sum(h, w.bfloat16(), labels)
     with pytest.raises(ValueError, match="chunk_size must be positive"):
         linear_cross_entropy_sum(h, w, labels, chunk_size=0)
+
+
+def test_the_model_with_the_cross_entropy_kernel_trains_like_the_unfused_model():
+    # Through the trainer's step (labels into the model): same summed loss and every parameter's gradient, fp32.
+    from parallel_harness import make_batches, tiny_config
+
+    from services.trainer.model.transformer import MoETransformer
+    from services.trainer.step import count_loss_tokens, forward_backward
+
+    cfg = tiny_config().model
+    mbs = make_batches(cfg, steps=1, micro=2, tokens=32)[0]
+    runs = []
+    for kernels in ([], ["cross_entropy"]):
+        cfg.moe_kernels = kernels
+        model = MoETransformer(cfg)
+        model.init_weights(3)
+        loss = forward_backward(model, mbs, count_loss_tokens(mbs), torch.device("cpu"), None)
+        runs.append((loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_plain, grads_plain), (loss_fused, grads_fused) = runs
+    torch.testing.assert_close(loss_fused, loss_plain, rtol=1e-5, atol=1e-6)
+    assert grads_fused.keys() == grads_plain.keys()
+    for name, g in grads_plain.items():
+        torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-6, msg=name)

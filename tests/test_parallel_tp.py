@@ -39,3 +39,12 @@ def test_tp2_without_sequence_parallel_matches_single_process_on_a_dense_model(t
     cfg.model.first_k_dense = cfg.model.num_layers  # MoE layers need sequence parallelism under TP; dense ones do not
     batches = make_batches(cfg.model, steps=3, micro=2, tokens=32, seed=1)
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
+
+
+def test_tp2_with_the_fused_loss_configured_uses_the_vocab_parallel_loss_and_matches_single_process(tmp_path):
+    # `model.moe_kernels: [cross_entropy]` needs the whole vocabulary on one rank: the single process runs the fused
+    # output layer + loss, the TP ranks the vocab-parallel cross-entropy on their logits, and the two agree.
+    cfg = tp_config(tp=2)
+    cfg.model.moe_kernels = [*cfg.model.moe_kernels, "cross_entropy"]
+    batches = make_batches(cfg.model, steps=3, micro=2, tokens=32, seed=2)
+    assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))

@@ -49,7 +49,9 @@ class ModelConfig:
     init_std: float = 0.02
     # Triton kernels on the MoE data path on CUDA (the CPU path is always the torch reference): "permutation" (permute +
     # unpermute), "activation" (SwiGLU with the router weight folded in), "router" (fused top-k; its backward is slower
-    # than torch's at Qwen3 shapes, so it is off unless a benchmark says otherwise).
+    # than torch's at Qwen3 shapes, so it is off unless a benchmark says otherwise), "cross_entropy" (output layer +
+    # loss over chunks of tokens, no [T, vocab] logits: kernels/cross_entropy.py; not under tensor parallelism, where
+    # the vocabulary is split over ranks and the vocab-parallel cross-entropy on logits is used).
     moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation"])
     # Activation memory (services/trainer/model/recompute.py). Recompute in backward instead of keeping: "norm",
     # "attn_core", "moe_act" (expert activation), "moe" (whole MoE layer), "layer" (whole decoder block).
@@ -319,7 +321,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(m.topk_groups * per_group >= m.top_k,
                f"`model.topk_groups={m.topk_groups}` groups of {per_group} experts cannot hold `model.top_k={m.top_k}`")
     _check(m.capacity_factor >= 0, f"`model.capacity_factor` must be >= 0, got {m.capacity_factor}")
-    _check_choices("model.moe_kernels", m.moe_kernels, ("permutation", "activation", "router"))
+    _check_choices("model.moe_kernels", m.moe_kernels,
+                   ("permutation", "activation", "router", "cross_entropy"))
     _check_choices("model.recompute", m.recompute, ("norm", "attn_core", "moe_act", "moe", "layer"))
     _check_choices("model.offload", m.offload, ("attn", "moe", "layer"))
     for outer, inner in (("layer", ("norm", "attn_core", "moe_act", "moe")), ("moe", ("moe_act",))):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.trainer.model.loss import IGNORE_INDEX, cross_entropy_sum
+from services.trainer.model.loss import IGNORE_INDEX
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -27,8 +27,8 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
     for mb in micro_batches:
         mb = to_device(mb, device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"))
-        loss_sum = cross_entropy_sum(logits, mb["labels"])
+            loss_sum = model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"),
+                             labels=mb["labels"])
         (loss_sum / step_tokens).backward()
         total += loss_sum.detach()
     return total

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from services.common.config import ModelConfig
+from kernels.cross_entropy import linear_cross_entropy_sum
 from services.trainer.model.attention import Attention, document_ids
 from services.trainer.model.loss import cross_entropy_sum
 from services.trainer.model.mlp import SwiGLUMLP
@@ -45,6 +46,9 @@ class MoETransformer(nn.Module):
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # untied from the embedding
         # Σ token losses from (logits, labels); tensor parallelism swaps in the vocab-parallel version.
         self.loss_fn = cross_entropy_sum
+        # Output layer and loss as one chunked op that never holds [T, vocab] logits (`model.moe_kernels:
+        # [cross_entropy]`). Needs the whole vocabulary here: tensor parallelism turns it off.
+        self.fused_loss = "cross_entropy" in cfg.moe_kernels
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -66,14 +70,22 @@ class MoETransformer(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Packed micro-batch [T] -> logits [T, vocab].
+                max_seqlen: int | None = None, hidden: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed micro-batch [T] -> logits [T, vocab]; with `labels` [T], the summed token loss (fp32 scalar) instead.
 
         A pipeline stage holds only some of the modules: one without `embed` starts from `hidden` (the previous stage's
-        output), one without `output` returns its hidden states instead of logits.
+        output), one without `output` returns its hidden states instead of logits (and ignores `labels`).
         """
         segment_ids = document_ids(cu_seqlens, tokens.shape[0])
         x = self.embed(tokens) if self.embed is not None else hidden
         for block in self.layers.values():
             x = block(x, position_ids, cu_seqlens, segment_ids, max_seqlen)
-        return self.output(self.norm(x)) if self.output is not None else x
+        if self.output is None:
+            return x
+        x = self.norm(x)
+        if labels is None:
+            return self.output(x)
+        if self.fused_loss:
+            return linear_cross_entropy_sum(x, self.output.weight, labels)
+        return self.loss_fn(self.output(x), labels)

@@ -113,11 +113,13 @@ class _StageRunner:
         if hidden is not None:
             hidden.requires_grad_(True)
         bind_micro_batch(self.model, mb)
+        labels = mb["labels"] if self.peers.last else None
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = self.model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden)
+            out = self.model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden,
+                             labels=labels)
         self.inputs[i] = hidden
         if self.peers.last:
-            loss_sum = self.model.loss_fn(out, mb["labels"])
+            loss_sum = out
             self.loss += loss_sum.detach()
             self.outputs[i] = loss_sum / self.step_tokens
             return None

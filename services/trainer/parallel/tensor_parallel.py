@@ -203,7 +203,8 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
     """Shard `model` (an initialised `MoETransformer`, or a pipeline stage of one) over the TP `group`, in place.
 
     Every rank must hold the same full weights before the call: each keeps its slice, so a parallel run starts from
-    exactly the single-device initialisation. The model's `loss_fn` becomes the vocab-parallel cross-entropy.
+    exactly the single-device initialisation. The model's `loss_fn` becomes the vocab-parallel cross-entropy (and the
+    fused output layer + loss of `model.moe_kernels: [cross_entropy]`, which needs the whole vocabulary, is off).
     """
     if group_size(group) == 1:
         return model
@@ -230,6 +231,7 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
     if getattr(model, "output", None) is not None:
         model.output = VocabParallelOutput(model.output, group, sequence_parallel)
         model.loss_fn = VocabParallelCrossEntropy(group, group_rank(group) * model.output.weight.shape[0])
+        model.fused_loss = False  # the chunked output layer + loss needs the whole vocabulary on one rank
     model.tensor_parallel_group = group
     model.sequence_parallel = sequence_parallel
     return model
