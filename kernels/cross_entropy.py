@@ -36,7 +36,7 @@ from kernels._triton import autotune_configs, use_triton
 IGNORE_INDEX = -100  # as services/trainer/model/loss.py
 
 # Rows of one chunk: the largest multiple of 256 whose logits block stays within this many bytes (at least 256 rows).
-# 1 GiB is ~3.5k rows at V=151936 in bf16: a few chunks for a 16k-token micro-batch, each GEMM still large.
+# 1 GiB is 3328 rows at V=151936 in bf16: five chunks for a 16k-token micro-batch, each GEMM still large.
 CHUNK_BYTES = 1 << 30
 
 RowStep = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]

@@ -93,6 +93,12 @@ def test_triton_row_step_equals_the_torch_row_step(dtype):
     assert torch.equal(unchanged, logits)  # without write_grad the block is only read
 
 
+def test_the_kernel_ignores_the_label_the_trainer_ignores():
+    import kernels.cross_entropy as ce
+
+    assert ce.IGNORE_INDEX == IGNORE_INDEX  # kernels/ does not import services/: the constant is repeated there
+
+
 def test_all_ignored_tokens_give_zero_loss_and_zero_gradients():
     h, w, labels = make_case(6, 8, 20)
     labels[:] = IGNORE_INDEX
