@@ -81,11 +81,13 @@ class Loop:
         self.gemms = max(1, round((step_ms / 1e3 - fixed) / max(per_gemm, 1e-6)))
 
     def sync(self) -> None:
+        """Wait for the training stream only, as the trainer does: a device-wide synchronize would also wait for the
+        snapshot's side stream and charge the whole device-to-host copy to the step."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def step(self) -> float:
-        self.sync()
+        """One step, timed from the end of the previous one (which synchronised the training stream)."""
         start = time.perf_counter()
         for _ in range(self.gemms):
             self.a @ self.b

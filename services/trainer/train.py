@@ -122,8 +122,8 @@ def train(cfg: Config) -> int:
                 optimizer.step()
             load = update_router_bias(model, cfg, groups.dp.size)
             loss = float(loss_sum) / step_tokens
-            if rt.device.type == "cuda":
-                torch.cuda.synchronize(rt.device)
+            if rt.device.type == "cuda":  # the training stream only: a checkpoint's copies run on a side stream
+                torch.cuda.current_stream(rt.device).synchronize()
             t_compute = time.perf_counter() - t0
 
             stall = 0.0
