@@ -1,8 +1,9 @@
 """The rollout worker: pulls policy weights, generates groups of samples per prompt, scores them, publishes the groups.
 
-    python -m services.rl_rollout.worker --config FILE [section.key=value ...]
+    python -m services.rl_rollout.worker --config FILE [--worker-id ID] [section.key=value ...]
 
-Registers itself at once as service "rollout" with {"stream": <Redis stream key>, "worker": <id>} (the launcher waits
+Registers itself at once as service "rollout" with {"stream": <Redis stream key>, "worker": <id>, "metrics": <Prometheus
+endpoint>} (services/common/metrics.py: tokens/s, reward, weights version, staleness) (the launcher waits
 for that before it starts the trainer, and the trainer learns the stream from it), then loops until SIGTERM/SIGINT:
 wait while the stream backlog is full -> refresh weights from the trainer's publisher (registry service "rl_weights",
 record {"zmq": endpoint}; bounded staleness, `weights.PolicyWeights`) -> generate `rl.prompts_per_batch` prompts x
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.config import Config, ConfigError, load_config
+from services.common.metrics import RolloutMetrics
 from services.common.registry import Registry, RegistryError, redis_url
 from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Completion, Engine, Request
@@ -70,12 +72,15 @@ class RolloutWorker:
         self.engine = Engine(self.model, self.tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed)
         self.params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
+        # Prompts are drawn from `run.seed` and the worker id alone: a worker started again under the same id
+        # (`--worker-id`) asks the same questions in the same order; workers with different ids ask different ones.
         self.rng = random.Random(f"{cfg.run.seed}:{self.worker_id}")
         self.stream = TrajectoryStream(registry.url, registry.run)
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
         self.groups_published = 0
-        self._heartbeat = registry.register("rollout", {"stream": self.stream.key, "worker": self.worker_id},
-                                            instance=self.worker_id)
+        self.metrics = RolloutMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
+        self._heartbeat = registry.register("rollout", {"stream": self.stream.key, "worker": self.worker_id,
+                                                        "metrics": self.metrics.endpoint}, instance=self.worker_id)
 
     def _publisher(self) -> str | None:
         """The newest trainer's weight endpoint (a dead trainer's record outlives it by at most the heartbeat TTL)."""
@@ -94,7 +99,7 @@ class RolloutWorker:
 
     def run_batch(self) -> None:
         rl, version = self.cfg.rl, self.policy.version
-        pending = [_Pending(*self.task.make_prompt(self.rng, rl.difficulty)) for _ in range(rl.prompts_per_batch)]
+        pending = self.next_prompts()
         requests = []
         for g, p in enumerate(pending):
             p.done = [None] * rl.group_size
@@ -110,9 +115,15 @@ class RolloutWorker:
                 rewards.extend(self._publish(group, version))
 
         completions = self.engine.generate(requests, on_complete=complete)
-        tokens = sum(len(c.tokens) for c in completions)
+        tokens, seconds = sum(len(c.tokens) for c in completions), time.perf_counter() - t0
+        self.metrics.batch(tokens, seconds, rewards, len(pending), version, self.policy.behind())
         log.info("version %d: %d groups, %d tokens in %.2fs, mean reward %.3f", version, len(pending), tokens,
-                 time.perf_counter() - t0, sum(rewards) / max(1, len(rewards)))
+                 seconds, sum(rewards) / max(1, len(rewards)))
+
+    def next_prompts(self) -> list[_Pending]:
+        """The next batch's `rl.prompts_per_batch` prompts (and their reward metadata)."""
+        return [_Pending(*self.task.make_prompt(self.rng, self.cfg.rl.difficulty))
+                for _ in range(self.cfg.rl.prompts_per_batch)]
 
     def _publish(self, group: _Pending, version: int) -> list[float]:
         rewards = [float(self.task.reward(group.prompt, c.text, group.meta)) for c in group.done]
@@ -124,6 +135,7 @@ class RolloutWorker:
 
     def close(self) -> None:
         self._heartbeat.stop()
+        self.metrics.close()
         self.engine.close()
         self.policy.close()
         self.stream.close()
@@ -132,6 +144,8 @@ class RolloutWorker:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.rl_rollout.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("--worker-id", default=None,
+                        help="stable id (registry instance, group ids, prompt seed); default: <host>-<pid>")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         cfg = load_config(args.config, args.overrides)
-        worker = RolloutWorker(cfg, Registry(redis_url(), cfg.run.name), stop=stop)
+        worker = RolloutWorker(cfg, Registry(redis_url(), cfg.run.name), args.worker_id, stop=stop)
     except (ValueError, RegistryError, KeyError) as e:  # ConfigError is a ValueError; KeyError: an unknown rl.task
         print(f"rollout: error: {e}", file=sys.stderr)
         return 2

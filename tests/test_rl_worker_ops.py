@@ -1,0 +1,103 @@
+"""The rollout worker's operational contract: reproducible prompts and Prometheus metrics.
+
+- The prompts a worker asks are a function of `run.seed` and its worker id only (`--worker-id`).
+- The worker serves `foldmoe_rollout_*` metrics (services/common/metrics.py) and names the endpoint in its registry
+  record, as the trainer and the checkpointer do; after a batch they hold its tokens, samples, reward and weights version.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from services.common.config import load_config
+from services.common.registry import Registry
+from services.rl_rollout.publish import stream_key
+from services.rl_rollout.worker import RolloutWorker
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.rl.rollouts import RolloutReader
+from services.trainer.rl.weight_publisher import WeightPublisher
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_ops_metrics import scrape  # noqa: E402
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_experts=4", "model.moe_ffn_hidden_size=32",
+        "model.ffn_hidden_size=64", "rl.group_size=4", "rl.prompts_per_batch=3", "rl.max_new_tokens=4",
+        "rl.max_batch=16", "rl.max_seq_len=32", "rl.weight_dtype=fp32", "rl.difficulty=2"]
+
+
+def _redis_up() -> bool:
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _redis_up(), reason=f"needs a Redis server at {REDIS_URL}")
+
+
+@pytest.fixture
+def run():
+    name = f"rl-worker-ops-{uuid.uuid4().hex[:8]}"
+    yield name
+    redis.Redis.from_url(REDIS_URL).delete(stream_key(name))
+
+
+def prompts(run: str, worker_id: str, seed: int, batches: int = 2) -> list[str]:
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", f"run.seed={seed}", *TINY])
+    worker = RolloutWorker(cfg, Registry(REDIS_URL, run), worker_id=worker_id)
+    try:
+        return [p.prompt for _ in range(batches) for p in worker.next_prompts()]
+    finally:
+        worker.close()
+
+
+def test_prompts_are_reproducible_from_the_seed_and_the_worker_id(run):
+    first = prompts(run, "rollout0", seed=3)
+    assert len(first) == 6 and len(set(first)) > 1
+    assert prompts(run, "rollout0", seed=3) == first  # a restarted worker asks the same questions, in order
+    assert prompts(run, "rollout1", seed=3) != first  # another worker asks others
+    assert prompts(run, "rollout0", seed=4) != first  # and so does another run seed
+
+
+def test_worker_exports_throughput_reward_and_staleness_metrics(run):
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY])
+    registry = Registry(REDIS_URL, run)
+    model = MoETransformer(cfg.model)
+    model.init_weights(0)
+    publisher = WeightPublisher.from_config(cfg.rl).start()
+    publisher.publish(0, model.state_dict())
+    publisher.publish(1, model.state_dict())
+    beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
+    worker = RolloutWorker(cfg, registry, worker_id="rollout0")
+    reader = RolloutReader(REDIS_URL, worker.stream.key, max_staleness=1)
+    try:
+        (record,) = registry.lookup("rollout")
+        assert record["metrics"] == worker.metrics.endpoint and record["metrics"].startswith("http://")
+        before = scrape(record["metrics"])
+        assert before[("foldmoe_rollout_samples_total", ())] == 0
+        assert worker.policy.refresh(timeout_s=10)
+        worker.run_batch()
+        groups = reader.next_groups(cfg.rl.prompts_per_batch, 1, timeout_s=10)
+        got = scrape(record["metrics"])
+    finally:
+        reader.close()
+        worker.close()
+        beat.stop()
+        publisher.stop()
+    samples = [s for g in groups for s in g.samples]
+    assert got[("foldmoe_rollout_samples_total", ())] == len(samples) == 12
+    assert got[("foldmoe_rollout_groups_total", ())] == 3
+    assert got[("foldmoe_rollout_tokens_total", ())] == sum(len(s.tokens) for s in samples)
+    assert got[("foldmoe_rollout_tokens_per_second", ())] > 0
+    assert got[("foldmoe_rollout_mean_reward", ())] == pytest.approx(sum(s.reward for s in samples) / len(samples))
+    assert got[("foldmoe_rollout_weights_version", ())] == 1  # the newest published
+    assert got[("foldmoe_rollout_staleness_versions", ())] == 0
+    assert torch.is_tensor(samples[0].logprobs)
