@@ -172,6 +172,10 @@ class Snapshotter:
         themselves; a later save with other shapes re-allocates (logged)."""
         specs = {n: v if isinstance(v, TensorSpec) else TensorSpec.of(as_shard(v).tensor)
                  for n, v in shards.items() if isinstance(v, TensorSpec) or as_shard(v).written}
+        device = next((as_shard(v).tensor.device for v in shards.values() if not isinstance(v, TensorSpec)
+                       and as_shard(v).tensor.device.type == "cuda"), None)
+        if device is not None:
+            self._side_stream(device)  # creating it the first time waits for the device (measured on an H100)
         self._join_prepare()
         with self._cond:
             missing = self.host_buffers - self._in_flight - len(self._free)
@@ -319,9 +323,7 @@ class Snapshotter:
         if not on_device:
             return None
         device = on_device[0][1].device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        stream = self._stream
+        stream = self._side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # copy the values the training stream produced
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         staging = self._staging_for(arena, device)
@@ -343,6 +345,12 @@ class Snapshotter:
         else:
             self._unfenced = (device, done if staging is None else staged)
         return start, done
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+            torch.cuda.Event(enable_timing=True).record(self._stream)
+        return self._stream
 
     def _staging_for(self, arena: HostArena, device: torch.device) -> dict[str, torch.Tensor] | None:
         """Device buffers laid out like `arena` (allocated at the first staged save, reused while the layout holds;

@@ -47,12 +47,13 @@ class ModelConfig:
     norm_eps: float = 1e-6
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
     init_std: float = 0.02
-    # Triton kernels on the MoE data path on CUDA (the CPU path is always the torch reference): "permutation" (permute +
-    # unpermute), "activation" (SwiGLU with the router weight folded in), "router" (fused top-k; its backward is slower
-    # than torch's at Qwen3 shapes, so it is off unless a benchmark says otherwise), "cross_entropy" (output layer +
-    # loss over chunks of tokens, no [T, vocab] logits: kernels/cross_entropy.py; not under tensor parallelism, where
-    # the vocabulary is split over ranks and the vocab-parallel cross-entropy on logits is used).
-    moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation"])
+    # Triton kernels on CUDA (the CPU path is always the torch reference): "permutation" (permute + unpermute),
+    # "activation" (SwiGLU with the router weight folded in), "router" (fused top-k; its backward is slower than torch's
+    # at Qwen3 shapes, so it is off unless a benchmark says otherwise), "cross_entropy" (output layer + loss over chunks
+    # of tokens, no [T, vocab] logits: kernels/cross_entropy.py; on an H100 +9% step throughput and -11 GiB at the
+    # Qwen3 shape, bench/RESULTS.md; not under tensor parallelism, where the vocabulary is split over ranks and the
+    # vocab-parallel cross-entropy on logits is used).
+    moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation", "cross_entropy"])
     # Activation memory (services/trainer/model/recompute.py). Recompute in backward instead of keeping: "norm",
     # "attn_core", "moe_act" (expert activation), "moe" (whole MoE layer), "layer" (whole decoder block).
     recompute: list[str] = field(default_factory=list)
