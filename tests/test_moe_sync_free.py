@@ -1,0 +1,65 @@
+"""The dropless MoE layer never makes the host wait for the GPU (issue #8): per-expert counts and offsets stay on the
+device, so the layer can run ahead of the GPU and under CUDA graphs. CUDA's sync debug mode turns every
+device-to-host synchronisation into an error, forward and backward.
+
+Not sync-free, by design: capacity-factor dropping (`model.capacity_factor > 0` sizes its kept-token buffer from a
+count) and the expert-parallel all-to-all (its split sizes are host integers for NCCL).
+"""
+
+import pytest
+import torch
+
+from services.common.config import ModelConfig
+from services.trainer.model.moe.moe_layer import MoELayer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="counts device-to-host syncs on a CUDA device")
+
+CASES = {
+    "torch_path": {"moe_kernels": []},
+    "kernels": {"moe_kernels": ["permutation", "activation"]},
+    "kernels_router_shared_expert_sequence_aux": {"moe_kernels": ["permutation", "activation", "router"],
+                                                  "shared_expert_ffn_hidden_size": 64, "aux_loss_type": "sequence",
+                                                  "z_loss_coeff": 1e-3},
+    "sigmoid_groups_bias": {"moe_kernels": ["permutation", "activation"], "score_func": "sigmoid", "num_groups": 4,
+                            "topk_groups": 2, "bias_update_rate": 1e-3},
+}
+
+
+def run_layer(cfg: ModelConfig) -> torch.Tensor:
+    """Forward + backward once to warm up, then again with every device-to-host sync an error; x's gradient."""
+    layer = MoELayer(cfg)
+    with torch.no_grad():  # the model initialises its layers' weights (MoETransformer.init_weights), not the layer
+        for w in layer.parameters():
+            w.normal_(0.0, 0.05)
+    layer.cuda()
+    x = torch.randn(2048, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        layer(x).float().square().mean().backward()  # warm-up: lazy initialisation may sync once
+    torch.cuda.synchronize()
+    x.grad = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x)
+        out.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return x.grad
+
+
+def config(**overrides) -> ModelConfig:
+    return ModelConfig(hidden_size=256, num_experts=16, top_k=4, moe_ffn_hidden_size=128, aux_loss_coeff=1e-2,
+                       **overrides)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moe_layer_forward_and_backward_make_no_device_to_host_sync(case):
+    grad = run_layer(config(**CASES[case]))
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_the_check_catches_a_sync():
+    # Capacity dropping on the torch path sizes its buffer from a count on the host: the same check must fail there.
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        run_layer(config(capacity_factor=1.0, moe_kernels=[]))
