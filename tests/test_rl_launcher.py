@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -18,7 +20,7 @@ import launcher_harness as harness  # noqa: E402
 
 from services.checkpointer.store import CheckpointStore  # noqa: E402
 
-METRICS = ("reward", "response_length", "clip_frac", "kl", "logprob_mismatch", "staleness_max")
+METRICS = ("reward", "response_length", "clip_frac", "kl", "logprob_mismatch", "staleness_max", "rollout_wait_frac")
 
 
 def rl_train(tmp_path: Path, run: str, steps: int, *extra: str, wait: bool = True):
@@ -56,12 +58,15 @@ def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path
         progress = [line for line in first.stdout.splitlines() if line.startswith("step ")]
         assert len(progress) == 4 and all(f" {w} " in progress[0] for w in ("reward", "len", "clip", "kl",
                                                                             "mismatch", "stale"))
+        assert re.search(r" wait \d+ms \(\d+% of the step\) ", progress[0]), progress[0]
         logged = records(tmp_path)
         assert [r["step"] for r in logged] == [1, 2, 3, 4]
         for r in logged:
             assert all(r[k] is not None for k in METRICS), r
             assert 0.0 <= r["reward"] <= 1.0 and 1 <= r["response_length"] <= 6
             assert 0 <= r["staleness_max"] <= 1  # rl.max_staleness
+            assert 0.0 <= r["rollout_wait_frac"] <= 1.0
+            assert r["rollout_wait_frac"] == pytest.approx(r["rollout_wait_s"] / r["step_time_s"])
             assert r["policy_versions"][-1] <= r["step"] - 1  # trained on weights it had published, never later ones
         assert logged[0]["policy_versions"] == [0] and logged[0]["logprob_mismatch"] < 1e-4
         # Both workers pulled weights and generated (a worker logs each version it loads).

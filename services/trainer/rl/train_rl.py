@@ -73,7 +73,8 @@ class RLStepPrinter(StepPrinter):
             f"step {step:>5}/{self.total} {self._bar(step)} reward {r['reward']:.3f} len {r['response_length']:.1f} "
             f"clip {100 * r['clip_frac']:.1f}% kl {r['kl']:.4f} mismatch {r['logprob_mismatch']:.4f} "
             f"stale {r['staleness_max']} (v{min(r['policy_versions'])}-{max(r['policy_versions'])}) "
-            f"loss {r['loss']:+.4f} gnorm {r['grad_norm']:.2f} wait {1000 * r['rollout_wait_s']:.0f}ms eta {eta:.0f}s")
+            f"loss {r['loss']:+.4f} gnorm {r['grad_norm']:.2f} wait {1000 * r['rollout_wait_s']:.0f}ms "
+            f"({100 * r['rollout_wait_frac']:.0f}% of the step) eta {eta:.0f}s")
 
 
 def reference_model(model: MoETransformer, cfg: Config) -> MoETransformer | None:
@@ -128,10 +129,13 @@ def train_rl(cfg: Config) -> int:
             publisher.publish(step + 1, model.state_dict())
             stall = checkpointing.save(saver, cfg, model, optimizer, reader, step + 1) \
                 if checkpointing.due(cfg, step + 1) else 0.0
-            record = {"step": step + 1, **metrics, "lr": lr, "step_time_s": time.perf_counter() - t0,
-                      "rollout_wait_s": wait, "ckpt_stall_s": stall, "max_load_ratio": load["max_ratio"],
-                      "dropped_stale": reader.dropped_stale, "dropped_foreign": reader.dropped_foreign,
-                      "groups": len(groups)}
+            step_time = time.perf_counter() - t0
+            # the share of the step the trainer sat idle waiting for trajectories: near 1, rollout is the bottleneck
+            # (add workers); near 0, the trainer is (the workers wait on the backlog bound)
+            record = {"step": step + 1, **metrics, "lr": lr, "step_time_s": step_time, "rollout_wait_s": wait,
+                      "rollout_wait_frac": wait / step_time if step_time > 0 else 0.0, "ckpt_stall_s": stall,
+                      "max_load_ratio": load["max_ratio"], "dropped_stale": reader.dropped_stale,
+                      "dropped_foreign": reader.dropped_foreign, "groups": len(groups)}
             log.write(record)
             printer.step(record)
             registry.set_state("step", step + 1)
