@@ -3,7 +3,8 @@
     python bench/bench_train_step.py --config configs/qwen3_30b_a3b.yaml model.num_layers=2 data.seq_len=4096 \
         data.micro_batch_size=2 run.steps=20
 
-Prints tokens/s, MFU against the datasheet peak and against a GEMM peak measured in the same run, and peak memory.
+Prints tokens/s, MFU against the datasheet peak and against a GEMM peak measured in the same run, peak memory, and
+the memory of one step by category (parameters, gradients, optimizer state, activations, other: memory_report.py).
 The data path (dataloader service) is excluded on purpose: this isolates compute.
 
 Side by side: each `--variant "NAME key=value ..."` runs the same steps on the same initial weights with those config
@@ -30,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.config import Config, load_config  # noqa: E402
+from services.trainer.memory_report import MemoryReport, measure_step  # noqa: E402
 from services.trainer.metrics import active_params, datasheet_peak, flops_per_token, measure_peak_tflops  # noqa: E402
 from services.trainer.model.recompute import apply_memory_policy  # noqa: E402
 from services.trainer.model.transformer import MoETransformer  # noqa: E402
@@ -62,6 +64,7 @@ class Outcome:
     peak_gib: float
     step_ms: float
     final_loss: float
+    memory: MemoryReport
 
 
 def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batches, device, sheet: float) -> Outcome:
@@ -74,22 +77,28 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     tokens = cfg.data.seq_len * cfg.data.micro_batch_size * cfg.data.grad_accum
     torch.cuda.reset_peak_memory_stats()
     times, loss = [], torch.zeros(())
-    for step in range(cfg.run.steps):
-        mbs = batches[step % len(batches)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def train_step(mbs):
         opt.zero_grad(set_to_none=True)
         loss = forward_backward(model, mbs, tokens, device, torch.bfloat16)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        return loss
+
+    for step in range(cfg.run.steps):
+        mbs = batches[step % len(batches)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = train_step(mbs)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         print(f"[{name}] step {step + 1} loss {float(loss) / tokens:.4f} {tokens / times[-1]:,.0f} tok/s", flush=True)
     steady = statistics.median(times[3:]) if len(times) > 5 else statistics.median(times)
     tps = tokens / steady
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-    outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, torch.cuda.max_memory_allocated() / 2**30,
-                      steady * 1000, float(loss) / tokens)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    memory = measure_step(model, opt, lambda: train_step(batches[0]), device)  # one more step, counted by category
+    outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, peak_gib, steady * 1000, float(loss) / tokens, memory)
     del model, opt
     gc.collect()
     torch.cuda.empty_cache()
@@ -126,6 +135,7 @@ def main() -> None:
         print(f"RESULT {name} | moe_kernels {m.moe_kernels} recompute {m.recompute} offload {m.offload} | "
               f"tokens/s {o.tokens_per_s:,.0f} | MFU {o.mfu:.1f}% of {sheet:.0f} | peak mem {o.peak_gib:.1f} GiB | "
               f"median step {o.step_ms:.0f} ms | final loss {o.final_loss:.4f}", flush=True)
+        print(f"memory of one step, {name}:\n{o.memory.table()}", flush=True)
     measured = measure_peak_tflops(device, torch.bfloat16)
     fpt = flops_per_token(base.model, base.data.seq_len)
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | active params "
@@ -134,6 +144,11 @@ def main() -> None:
     for o in outcomes:
         print(f"{o.name:<24}{o.tokens_per_s:>12,.0f}{o.mfu:>10.1f}%{100 * o.tokens_per_s * fpt / 1e12 / measured:>10.1f}%"
               f"{o.peak_gib:>10.1f}{o.step_ms:>9.0f}")
+    print("\nmemory by category, GiB (services/trainer/memory_report.py; one step after the timed ones)")
+    names = [r[0] for r in outcomes[0].memory.rows()]
+    print(f"{'variant':<24}" + "".join(f"{n.split(' (')[0]:>17}" for n in names))
+    for o in outcomes:
+        print(f"{o.name:<24}" + "".join(f"{v / 2**30:>17.2f}" for _, v in o.memory.rows()))
 
 
 if __name__ == "__main__":

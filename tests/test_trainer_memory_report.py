@@ -1,0 +1,50 @@
+"""The memory report counts each category from the tensors: parameters, gradients and AdamW state are exact sizes, and
+activations are what the step saved for backward (so recompute shrinks them and nothing else)."""
+
+import torch
+
+from services.common.config import ModelConfig
+from services.trainer.memory_report import measure_step
+from services.trainer.model.recompute import apply_memory_policy
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.step import forward_backward
+
+CFG = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2, moe_ffn_hidden_size=24,
+           ffn_hidden_size=48, first_k_dense=1)
+
+
+def report(recompute=()):
+    torch.manual_seed(0)
+    model = MoETransformer(ModelConfig(**CFG))
+    model.init_weights(0)
+    apply_memory_policy(model, list(recompute), [])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 264, (64,))
+    mb = {"tokens": tokens, "labels": torch.roll(tokens, -1), "position_ids": torch.arange(64),
+          "cu_seqlens": torch.tensor([0, 64], dtype=torch.int32), "max_seqlen": 64}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        forward_backward(model, [mb], 64, torch.device("cpu"), None)
+        opt.step()
+
+    return model, measure_step(model, opt, step, torch.device("cpu"))
+
+
+def test_categories_are_the_sizes_of_the_tensors():
+    model, r = report()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert r.parameters == param_bytes
+    assert r.gradients == param_bytes  # every parameter got a gradient
+    # AdamW: exp_avg and exp_avg_sq per parameter, plus a scalar step each.
+    assert 2 * param_bytes <= r.optimizer_state <= 2 * param_bytes + 4 * len(list(model.parameters())) * 8
+    assert r.activations > 0 and r.peak is None and r.other is None
+    assert "activations" in r.table()
+
+
+def test_recompute_shrinks_only_the_activations():
+    _, plain = report()
+    _, recomputed = report(["layer"])
+    assert recomputed.activations < plain.activations / 2
+    assert (recomputed.parameters, recomputed.gradients, recomputed.optimizer_state) == \
+        (plain.parameters, plain.gradients, plain.optimizer_state)
