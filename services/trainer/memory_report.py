@@ -8,7 +8,9 @@ Categories are counted from the tensors themselves (each storage once), not gues
   in `optimizer.state`, on `device`, after the step;
 - activations: every storage the step saved for backward on `device` (a saved-tensors hook around the step; parameters
   excluded). All of them are alive together at the end of the forward pass, the usual peak. Tensors that a recompute
-  or offload region keeps elsewhere never reach this hook, which is the point of those policies.
+  or offload region keeps elsewhere never reach this hook, which is the point of those policies. With several
+  micro-batches per step, storages are told apart by address, so a later micro-batch's activations, allocated where
+  an earlier one's were freed, count once: roughly one micro-batch's worth, an estimate rather than an exact figure.
 On CUDA `peak` is the allocator's high-water mark over the step and `other` the rest of it: temporaries (logits,
 the MoE permutation buffers, GEMM workspaces), allocator rounding, and whatever was alive besides the above.
 """
@@ -76,11 +78,12 @@ def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], 
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: list[torch.Tensor] = []
+    saved: dict[int, int] = {}  # storage address -> bytes; no references, so nothing lives longer than it would
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device == device and t.untyped_storage().data_ptr() not in param_storages:
-            saved.append(t.detach())  # a view: keeps nothing alive that the graph does not keep already
+        storage = t.untyped_storage()
+        if t.device == device and storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
         return t
 
     on_cuda = device.type == "cuda"
@@ -89,9 +92,7 @@ def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], 
         torch.cuda.reset_peak_memory_stats(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
-    # The saved tensors were all alive together at the end of forward; count each storage once.
-    activations = _storage_bytes(saved, device)
-    saved.clear()
+    activations = sum(saved.values())
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     params = list(model.parameters())
     return MemoryReport(parameters=_storage_bytes(params, device),
