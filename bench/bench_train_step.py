@@ -146,9 +146,9 @@ def main() -> None:
               f"{o.peak_gib:>10.1f}{o.step_ms:>9.0f}")
     print("\nmemory by category, GiB (services/trainer/memory_report.py; one step after the timed ones)")
     names = [r[0] for r in outcomes[0].memory.rows()]
-    print(f"{'variant':<24}" + "".join(f"{n.split(' (')[0]:>17}" for n in names))
+    print(f"{'variant':<16}" + "".join(f"{n.split(' (')[0][:16]:>17}" for n in names))
     for o in outcomes:
-        print(f"{o.name:<24}" + "".join(f"{v / 2**30:>17.2f}" for _, v in o.memory.rows()))
+        print(f"{o.name:<16}" + "".join(f"{v / 2**30:>17.2f}" for _, v in o.memory.rows()))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,12 @@ Categories are counted from the tensors themselves (each storage once), not gues
   or offload region keeps elsewhere never reach this hook, which is the point of those policies. With several
   micro-batches per step, storages are told apart by address, so a later micro-batch's activations, allocated where
   an earlier one's were freed, count once: roughly one micro-batch's worth, an estimate rather than an exact figure.
-On CUDA `peak` is the allocator's high-water mark over the step and `other` the rest of it: temporaries (logits,
-the MoE permutation buffers, GEMM workspaces), allocator rounding, and whatever was alive besides the above.
+On CUDA two allocator readings place them in time: `at_backward` (allocated when backward first reads a saved tensor:
+parameters, optimizer state, all activations, no gradients yet with `zero_grad(set_to_none=True)`) and `peak` (the
+high-water mark over the step). `other` is what was alive at backward start besides those categories (the loss
+path's tensors, buffers, allocator rounding); `peak - at_backward` is what backward added on top (gradients while
+activations are still being freed, and its temporaries). The categories are sizes, not all alive at once: gradients
+grow as activations are freed, so they need not sum to the peak.
 """
 
 from __future__ import annotations
@@ -49,18 +53,25 @@ class MemoryReport:
     gradients: int
     optimizer_state: int
     activations: int
+    at_backward: int | None  # allocated when backward started (CUDA only)
+    grads_at_backward: int  # gradient bytes already there then (earlier micro-batches; 0 with set_to_none)
     peak: int | None  # allocator high-water mark over the step (CUDA only)
 
     @property
     def other(self) -> int | None:
-        if self.peak is None:
+        if self.at_backward is None:
             return None
-        return self.peak - self.parameters - self.gradients - self.optimizer_state - self.activations
+        return (self.at_backward - self.parameters - self.optimizer_state - self.activations
+                - self.grads_at_backward)
 
     def rows(self) -> list[tuple[str, int | None]]:
-        return [("parameters", self.parameters), ("gradients", self.gradients),
-                ("optimizer state", self.optimizer_state), ("activations (saved for backward)", self.activations),
-                ("other (temporaries, workspaces, rounding)", self.other), ("peak", self.peak)]
+        return [("parameters", self.parameters), ("optimizer state", self.optimizer_state),
+                ("activations (saved for backward)", self.activations),
+                ("other at backward start", self.other),
+                ("allocated at backward start", self.at_backward),
+                ("gradients", self.gradients),
+                ("added by backward (peak - start)", None if self.peak is None else self.peak - self.at_backward),
+                ("peak", self.peak)]
 
     def table(self) -> str:
         lines = []
@@ -87,15 +98,25 @@ def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], 
         return t
 
     on_cuda = device.type == "cuda"
+    params = list(model.parameters())
+    at_backward: list[tuple[int, int]] = []  # (allocated, gradient bytes) at the first unpack
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        if not at_backward:
+            allocated = torch.cuda.memory_allocated(device) if on_cuda else 0
+            at_backward.append((allocated, _storage_bytes((p.grad for p in params), device)))
+        return t
+
     if on_cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         step()
     activations = sum(saved.values())
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
-    params = list(model.parameters())
+    allocated, grads_then = at_backward[0] if at_backward else (0, 0)
     return MemoryReport(parameters=_storage_bytes(params, device),
                         gradients=_storage_bytes((p.grad for p in params), device),
                         optimizer_state=_storage_bytes(_optimizer_tensors(optimizer), device),
-                        activations=activations, peak=peak)
+                        activations=activations, at_backward=allocated if on_cuda else None,
+                        grads_at_backward=grads_then, peak=peak)
