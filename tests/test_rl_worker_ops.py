@@ -101,3 +101,24 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
     assert got[("foldmoe_rollout_weights_version", ())] == 1  # the newest published
     assert got[("foldmoe_rollout_staleness_versions", ())] == 0
     assert torch.is_tensor(samples[0].logprobs)
+
+
+def test_workers_without_an_id_claim_stable_slots_and_a_restart_takes_the_freed_one(run):
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", "rl.workers=2", *TINY])
+    registry = Registry(REDIS_URL, run)
+    first, second = RolloutWorker(cfg, registry), RolloutWorker(cfg, registry)
+    try:
+        assert (first.worker_id, second.worker_id) == ("worker0", "worker1")
+        records = {r["instance"]: r for r in registry.lookup("rollout")}
+        assert records["replica0"]["worker"] == "worker0" and records["replica1"]["worker"] == "worker1"
+        asked = [p.prompt for p in first.next_prompts()]
+        assert asked != [p.prompt for p in second.next_prompts()]
+        first.close()  # stops its heartbeat: the slot is free again
+        again = RolloutWorker(cfg, registry)
+        try:
+            assert again.worker_id == "worker0"
+            assert [p.prompt for p in again.next_prompts()] == asked  # the same questions as the worker it replaces
+        finally:
+            again.close()
+    finally:
+        second.close()

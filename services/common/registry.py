@@ -61,6 +61,13 @@ class Heartbeat:
             except redis.RedisError:
                 pass  # Redis restarting: the next beat re-registers
 
+    def update(self, **fields: Any) -> None:
+        """Add or change fields of the record (e.g. an id known only once `Registry.claim` chose the slot)."""
+        record = json.loads(self._payload)
+        record.update(fields)
+        self._payload = json.dumps(record)
+        self._beat()
+
     def stop(self) -> None:
         self._stop.set()
         try:

@@ -3,7 +3,9 @@
     python -m services.rl_rollout.worker --config FILE [--worker-id ID] [section.key=value ...]
 
 Registers itself at once as service "rollout" with {"stream": <Redis stream key>, "worker": <id>, "metrics": <Prometheus
-endpoint>} (services/common/metrics.py: tokens/s, reward, weights version, staleness) (the launcher waits
+endpoint>} (services/common/metrics.py: tokens/s, reward, weights version, staleness). Its id is `--worker-id`, or
+else "worker<i>" for the lowest of the `rl.workers` slots no live worker holds (claimed atomically in Redis), so the
+launcher's and compose's workers get stable ids, and with them reproducible prompts and samples (the launcher waits
 for that before it starts the trainer, and the trainer learns the stream from it), then loops until SIGTERM/SIGINT:
 wait while the stream backlog is full -> refresh weights from the trainer's publisher (registry service "rl_weights",
 record {"zmq": endpoint}; bounded staleness, `weights.PolicyWeights`) -> generate `rl.prompts_per_batch` prompts x
@@ -16,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -59,28 +59,34 @@ class RolloutWorker:
                  stop: threading.Event | None = None):
         self.cfg, self.registry = cfg, registry
         self.stop = stop or threading.Event()
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         rl = cfg.rl
         self.task = get_task(rl.task)  # KeyError names the registered tasks
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but `model.vocab_size={cfg.model.vocab_size}`")
+        self.stream = TrajectoryStream(registry.url, registry.run)
+        self.metrics = RolloutMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
+        info = {"stream": self.stream.key, "metrics": self.metrics.endpoint}
+        if worker_id is None:  # the lowest free of `rl.workers` slots: "worker0", "worker1", ... (launcher and compose)
+            index, self._heartbeat = registry.claim("rollout", rl.workers, info)
+            worker_id = f"worker{index}"
+            self._heartbeat.update(worker=worker_id)
+        else:
+            self._heartbeat = registry.register("rollout", {**info, "worker": worker_id}, instance=worker_id)
+        self.worker_id = worker_id
+        # Prompts and samples are drawn from `run.seed` and the worker id alone: a worker started again under the same
+        # id asks the same questions in the same order; workers with different ids ask different ones and sample apart.
+        self.rng = random.Random(f"{cfg.run.seed}:{self.worker_id}")
         self.device = rollout_device(cfg)
         # bf16 on GPU is the rollout precision; CPU runs fp32 (as training does there).
         dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
         self.model = MoETransformer(cfg.model).to(device=self.device, dtype=dtype).eval()
-        self.engine = Engine(self.model, self.tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed)
+        self.engine = Engine(self.model, self.tokenizer, rl.max_batch, rl.max_seq_len,
+                             seed=random.Random(f"{cfg.run.seed}:{self.worker_id}:sampling").getrandbits(63))
         self.params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
-        # Prompts are drawn from `run.seed` and the worker id alone: a worker started again under the same id
-        # (`--worker-id`) asks the same questions in the same order; workers with different ids ask different ones.
-        self.rng = random.Random(f"{cfg.run.seed}:{self.worker_id}")
-        self.stream = TrajectoryStream(registry.url, registry.run)
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
         self.groups_published = 0
-        self.metrics = RolloutMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
-        self._heartbeat = registry.register("rollout", {"stream": self.stream.key, "worker": self.worker_id,
-                                                        "metrics": self.metrics.endpoint}, instance=self.worker_id)
 
     def _publisher(self) -> str | None:
         """The newest trainer's weight endpoint (a dead trainer's record outlives it by at most the heartbeat TTL)."""
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.rl_rollout.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML config file")
     parser.add_argument("--worker-id", default=None,
-                        help="stable id (registry instance, group ids, prompt seed); default: <host>-<pid>")
+                        help="stable id (registry instance, group ids, prompt and sampling seeds); default: "
+                             "worker<i>, the lowest free of the rl.workers slots")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
