@@ -1,6 +1,8 @@
-"""A rollout worker killed with SIGKILL in the middle of an RL run does not end the run: the launcher restarts it, the
-replacement pulls the trainer's current weights, the trainer keeps getting groups within the staleness bound, and the
-run finishes with every step, a final checkpoint and no process left behind."""
+"""A rollout worker, then the checkpointer, killed with SIGKILL in the middle of an RL run do not end the run (issue #9's
+chaos test in RL mode, which has no dataloader; tests/test_ops_chaos.py kills the dataloader and the checkpointer of a
+pre-training run): the launcher restarts both, the replacement worker pulls the trainer's current weights, the trainer
+keeps getting groups within the staleness bound, and the run finishes with every step, every checkpoint committed and
+verified (checksums), and no process left behind."""
 
 from __future__ import annotations
 
@@ -33,19 +35,24 @@ def wait_for(what: str, cond, proc, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_worker_killed_mid_run_is_replaced_and_the_run_finishes(tmp_path):
+def test_a_worker_then_the_checkpointer_killed_mid_run_are_replaced_and_the_run_finishes(tmp_path):
     run = f"rl-fault-{uuid.uuid4().hex[:8]}"
-    proc, strays_file = rl_train(tmp_path, run, STEPS, "run.max_restarts=2", wait=False)
+    proc, strays_file = rl_train(tmp_path, run, STEPS, "run.max_restarts=2", "checkpoint.keep_last=0", wait=False)
     try:
         wait_for("step 2", lambda: len(records(tmp_path)) >= 2, proc, timeout=240)  # start-up on a busy 2-core box
         state = json.loads((tmp_path / "run" / "launcher.json").read_text())
         victim = state["children"]["rollout0"]
         os.kill(victim, signal.SIGKILL)
         killed_at = len(records(tmp_path))
-        result = harness.finish(proc, strays_file, timeout=120)
+        wait_for("a step after the worker's restart", lambda: len(records(tmp_path)) > killed_at, proc, timeout=120)
+        checkpointer = json.loads((tmp_path / "run" / "launcher.json").read_text())["children"]["checkpointer"]
+        os.kill(checkpointer, signal.SIGKILL)
+        checkpointer_killed_at = len(records(tmp_path))
+        result = harness.finish(proc, strays_file, timeout=180)
     finally:
         forget_stream(run)
     assert killed_at < STEPS, "the run finished before the worker was killed; the test proves nothing"
+    assert checkpointer_killed_at < STEPS, "the run finished before the checkpointer was killed"
     assert result.rc == 0, result.stderr[-3000:]
     assert result.strays == []
     assert "rollout0 was killed by SIGKILL; restarting it" in result.stderr
@@ -55,4 +62,7 @@ def test_a_worker_killed_mid_run_is_replaced_and_the_run_finishes(tmp_path):
     # The replacement started from the trainer's weights of that moment, not from version 0.
     log = (tmp_path / "run" / "logs" / "rollout0.log").read_text().split("--- foldmoe: restart 1")[-1]
     assert "loaded weights version" in log and "loaded weights version 0 " not in log
-    assert CheckpointStore(tmp_path / "ckpt", keep_last=0).latest_step() == STEPS
+    assert "checkpointer was killed by SIGKILL; restarting it" in result.stderr
+    saved = CheckpointStore(tmp_path / "ckpt", keep_last=0).list(checksums=True)
+    assert [s.step for s in saved] == list(range(2, STEPS + 1, 2))  # checkpoint.interval=2: none lost
+    assert all(s.valid for s in saved), [s.problem for s in saved if not s.valid]
