@@ -88,14 +88,25 @@ def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path
         forget_stream(run)
 
 
-def test_an_rl_run_on_several_trainer_ranks_is_refused_before_any_process_starts(tmp_path, capsys):
+def test_an_rl_run_on_a_folded_layout_is_refused_before_any_process_starts(tmp_path, capsys):
     from services.cli import main
 
-    code = main(["train", "--config", "configs/rl_tiny.yaml", "run.nproc=2", f"run.dir={tmp_path / 'run'}",
-                 f"data.corpus=[{tmp_path / 'no-such-corpus'}]"])
+    code = main(["train", "--config", "configs/rl_tiny.yaml", "run.nproc=2", "parallel.ep=2",
+                 f"run.dir={tmp_path / 'run'}", f"data.corpus=[{tmp_path / 'no-such-corpus'}]"])
     assert code == 2
-    assert "RL training runs on one trainer rank (`run.nproc=1`, got 2)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "RL training runs pure data parallel" in err and "ep=2" in err
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_an_rl_run_with_fewer_groups_per_step_than_trainer_ranks_is_refused(tmp_path, capsys):
+    from services.cli import main
+
+    code = main(["train", "--config", "configs/rl_tiny.yaml", "run.nproc=2", "rl.groups_per_step=1",
+                 f"run.dir={tmp_path / 'run'}", f"data.corpus=[{tmp_path / 'no-such-corpus'}]"])
+    assert code == 2
+    assert "`rl.groups_per_step=1` is fewer than the 2 trainer ranks" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_rl_mode_starts_rollout_workers_instead_of_the_dataloader_and_the_rl_trainer(tmp_path):

@@ -6,7 +6,8 @@ serves cannot do the RL step's job: its micro-batches do not say which weights v
 trainer could neither drop over-stale groups nor report staleness, and its read-ahead (prefetch credits plus buffered
 steps) adds staleness of its own. Its one strength, exact replay of a stream position after a restart, is worth little
 here: trajectories from before a restart are off-policy for the restored weights' successors anyway, and the workers
-generate fresh ones from the restored weights. Only one consumer may read a stream; this one deletes what it reads.
+generate fresh ones from the restored weights. Only one consumer may read a stream; this one deletes what it reads, so
+under data parallelism only trainer rank 0 holds a reader and hands the groups on (`shared.py`).
 
 The trainer learns the stream key from the rollout workers' registry records. Each group is one stream entry; what is
 read is deleted, so the stream length is the backlog the workers throttle on. Versions count the trainer's optimizer
@@ -18,7 +19,7 @@ than the trainer's, which only a previous trainer incarnation (one that got furt
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -43,6 +44,7 @@ class RolloutGroup:
     version: int
     temperature: float
     samples: list[RolloutSample]
+    wire: bytes = field(default=b"", repr=False)  # the TrajectoryGroup bytes it was decoded from (ranks are sent these)
 
 
 def decode_group(data: bytes) -> RolloutGroup:
@@ -58,7 +60,7 @@ def decode_group(data: bytes) -> RolloutGroup:
                              f"{g.moe_layers}x{fed}x{g.top_k}; the worker and trainer disagree on the model")
         samples.append(RolloutSample(prompt, list(s.tokens), torch.tensor(list(s.logprobs), dtype=torch.float32),
                                      routing.view(g.moe_layers, fed, g.top_k), s.reward))
-    return RolloutGroup(g.group_id, g.worker, g.policy_version, g.temperature, samples)
+    return RolloutGroup(g.group_id, g.worker, g.policy_version, g.temperature, samples, bytes(data))
 
 
 class RolloutReader:

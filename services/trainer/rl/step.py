@@ -5,6 +5,9 @@ like pre-training); the log-prob of completion token j is read at position len(p
 log-probs are computed, every router's `replay_ids` is set to the experts the rollout chose for those very tokens, so the
 trainer evaluates the same sparse network that generated the sample: without replay, a tiny weight or precision
 difference flips top-k choices and the importance ratios of MoE models blow up (routing replay, as in GSPO/R3).
+
+Over several trainer ranks the step is data parallel (see `rl_step`): each replica runs its share of the step's groups
+and the distributed optimizer of pre-training sums the gradients, with the loss normalised by the whole step's tokens.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from services.common.config import RLConfig
 from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.parallel.groups import Axis, ParallelGroups, single_process
 from services.trainer.rl.losses import group_advantages, ppo_clip_loss
 from services.trainer.rl.rollouts import RolloutGroup
+from services.trainer.rl.shared import share
 
 
 @dataclass
@@ -107,11 +113,19 @@ def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
     return torch.log_softmax(logits, dim=-1).gather(1, mb.targets.clamp_min(0)[:, None]).squeeze(1)
 
 
-def rl_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[RolloutGroup], cfg: RLConfig,
-            device: torch.device, clip_grad: float = 1.0, ref_model: nn.Module | None = None,
-            autocast_dtype: torch.dtype | None = None, version: int | None = None) -> dict[str, Any]:
+def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: RLConfig, device: torch.device,
+            clip_grad: float = 1.0, ref_model: nn.Module | None = None, autocast_dtype: torch.dtype | None = None,
+            version: int | None = None, lr: float | None = None) -> dict[str, Any]:
     """Forward/backward over all groups, then one optimizer step; returns the step's metrics. `version` is the
-    version of the trainer's weights before this step (for the staleness metric)."""
+    version of the trainer's weights before this step (for the staleness metric).
+
+    Data parallel: when `optimizer` is the DistributedOptimizer of a pure data-parallel layout, `groups` is the whole
+    step (the same list on every rank, `shared.py`) and this rank runs forward/backward on its `share` only. The step's
+    response-token count is all-reduced before any backward, so every rank divides its token-loss sums by the same
+    global count; the optimizer sums the gradients over the replicas, clips by the global norm (its `clip_grad`) and
+    steps with `lr`; the token sums behind the metrics are all-reduced. The result equals one process running every
+    group (tests/test_rl_parallel.py). The MoE aux loss, if the model is in training mode, is a per-micro-batch term
+    here as in one process (each micro-batch adds its own): it matches one process when the micro-batches do."""
     if getattr(model.cfg, "capacity_factor", 0) > 0:
         raise ValueError("routing replay needs a dropless MoE (model.capacity_factor=0): capacity drops depend on the "
                          "batch, so replayed and rollout computations would differ")
@@ -119,10 +133,14 @@ def rl_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[Rol
     if len(temps) != 1:
         raise ValueError(f"groups sampled at different temperatures {sorted(temps)} cannot share a step")
     temperature = temps.pop()
+    dp = _data_parallel_axis(optimizer)
     rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
-    advantages = group_advantages(rewards, cfg.std_normalize)
-    micro_batches = [mb.to(device) for mb in pack(groups, advantages, cfg.micro_batch_tokens)]
-    step_tokens = int(sum(int(mb.response.sum()) for mb in micro_batches))
+    advantages = group_advantages(rewards, cfg.std_normalize)  # per group: a share's rows are its groups' rows
+    mine = share(range(len(groups)), dp.rank, dp.size)
+    micro_batches = [mb.to(device) for mb in pack([groups[i] for i in mine], advantages[mine], cfg.micro_batch_tokens)]
+    local_tokens = torch.tensor([float(sum(int(mb.response.sum()) for mb in micro_batches))], dtype=torch.float64,
+                                device=device)
+    step_tokens = int(_sum_over(local_tokens, dp)[0])
 
     old, ref = [None] * len(micro_batches), [None] * len(micro_batches)
     with torch.no_grad():
@@ -131,30 +149,56 @@ def rl_step(model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[Rol
         if ref_model is not None and cfg.kl_coef > 0:
             ref = [token_logprobs(ref_model, mb, temperature, autocast_dtype) for mb in micro_batches]
 
-    optimizer.zero_grad(set_to_none=True)
-    totals = dict(clipped=0.0, kl_sum=0.0, mismatch_abs_sum=0.0, mismatch_kl_sum=0.0, tis_weight_sum=0.0)
-    loss_total = 0.0
+    if dp.size > 1:
+        optimizer.zero_grad()
+        optimizer.begin_step(len(micro_batches))  # gradient reductions launch as the last backward completes buckets
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    names = ("loss", "clipped", "kl_sum", "mismatch_abs_sum", "mismatch_kl_sum", "tis_weight_sum")
+    sums = torch.zeros(len(names), dtype=torch.float64)
     for mb, old_lp, ref_lp in zip(micro_batches, old, ref):
         m = mb.response
         logp = token_logprobs(model, mb, temperature, autocast_dtype)
         terms = ppo_clip_loss(logp[m], mb.rollout_logp[m], mb.advantages[m], cfg.clip_eps_low, cfg.clip_eps_high,
                               old_logp=None if old_lp is None else old_lp[m], tis_cap=cfg.tis_cap,
                               ref_logp=None if ref_lp is None else ref_lp[m], kl_coef=cfg.kl_coef)
-        (terms.loss_sum / step_tokens).backward()
-        loss_total += float(terms.loss_sum.detach())
-        for k in totals:
-            totals[k] += getattr(terms, k)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    optimizer.step()
+        (terms.loss_sum / max(step_tokens, 1)).backward()
+        sums += torch.tensor([float(terms.loss_sum.detach()), *(getattr(terms, k) for k in names[1:])],
+                             dtype=torch.float64)
+    totals = dict(zip(names, _sum_over(sums.to(device), dp).tolist()))
+    if dp.size > 1:
+        if lr is None:
+            raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
+        grad_norm = optimizer.step(lr)  # sums the replicas' gradients, clips by the global norm
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        optimizer.step()
     lengths = [len(s.tokens) for g in groups for s in g.samples]
+    per_token = max(step_tokens, 1)
     return {
-        "loss": loss_total / step_tokens, "grad_norm": float(grad_norm), "reward": float(rewards.mean()),
+        "loss": totals["loss"] / per_token, "grad_norm": float(grad_norm), "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "response_length": sum(lengths) / len(lengths), "response_tokens": step_tokens,
-        "clip_frac": totals["clipped"] / step_tokens, "kl": totals["kl_sum"] / step_tokens,
-        "logprob_mismatch": totals["mismatch_abs_sum"] / step_tokens,
-        "rollout_kl": totals["mismatch_kl_sum"] / step_tokens,
-        "tis_weight": totals["tis_weight_sum"] / step_tokens,
+        "clip_frac": totals["clipped"] / per_token, "kl": totals["kl_sum"] / per_token,
+        "logprob_mismatch": totals["mismatch_abs_sum"] / per_token,
+        "rollout_kl": totals["mismatch_kl_sum"] / per_token,
+        "tis_weight": totals["tis_weight_sum"] / per_token,
         "policy_versions": sorted({g.version for g in groups}),
         "staleness_max": max(version - g.version for g in groups) if version is not None else None,
     }
+
+
+def _data_parallel_axis(optimizer: Any) -> Axis:
+    """The replicas this step is spread over: the DistributedOptimizer's DP axis, else this process alone."""
+    groups = getattr(optimizer, "groups", None)
+    if not isinstance(groups, ParallelGroups) or groups.world.size == 1:
+        return single_process().dp
+    if groups.dp.size != groups.world.size or groups.ep_etp.size != 1:
+        raise ValueError(f"the RL step runs pure data parallel (every rank holds the whole model), not {groups.layout}")
+    return groups.dp
+
+
+def _sum_over(t: torch.Tensor, axis: Axis) -> torch.Tensor:
+    if axis.size > 1:
+        dist.all_reduce(t, group=axis.group)
+    return t.cpu()

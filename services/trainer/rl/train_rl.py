@@ -8,8 +8,12 @@ from services/trainer/train.py and friends) with the data and the step swapped:
 
 Versions count optimizer steps: the weights after s steps are version s, so a checkpoint of step s holds version s and
 a resumed trainer publishes from there. Data comes from the rollout stream through `rollouts.RolloutReader` (its module
-docstring says why not through the dataloader). One rank for now: `rl_step` runs the plain model (routing replay), not
-the folded parallel layout.
+docstring says why not through the dataloader).
+
+`run.nproc=N` ranks train data parallel (pure DP: every rank holds the whole model; tp/cp/pp/ep/etp of the folded layout
+are refused). Rank 0 alone reads the stream and broadcasts each step's groups (`shared.py`); each rank trains on its
+share and the pre-training DistributedOptimizer sums the gradients (`step.py`); rank 0 alone publishes weights; every
+rank takes part in checkpoint saves, as in pre-training.
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ from services.trainer import checkpointing
 from services.trainer.metrics import MetricsLog
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, lr_at, set_lr
+from services.trainer.parallel.expert_parallel import sync_expert_load
+from services.trainer.parallel.groups import init_groups
+from services.trainer.parallel.parallelize import build_optimizer, parallelize
 from services.trainer.progress import StepPrinter
 from services.trainer.rl.rollouts import RolloutReader
+from services.trainer.rl.shared import SharedRollouts
 from services.trainer.rl.step import rl_step
 from services.trainer.rl.weight_publisher import WeightPublisher
 from services.trainer.train import init_runtime, seed_everything, update_router_bias
@@ -37,10 +45,11 @@ from services.trainer.train import init_runtime, seed_everything, update_router_
 
 def validate_rl(cfg: Config) -> None:
     """What an RL run needs beyond `config.validate`; the CLI calls it before starting any process."""
-    rl = cfg.rl
-    if cfg.run.nproc != 1:
-        raise ConfigError(f"RL training runs on one trainer rank (`run.nproc=1`, got {cfg.run.nproc}): the RL step "
-                          "does not use the folded parallel layout yet; scale rollout with `rl.workers`")
+    rl, p = cfg.rl, cfg.parallel
+    if p.tp * p.cp * p.pp * p.ep * p.etp != 1:
+        raise ConfigError(f"RL training runs pure data parallel: `run.nproc` ranks each holding the whole model, with "
+                          f"`parallel.tp`, `cp`, `pp`, `ep` and `etp` all 1 (got tp={p.tp} cp={p.cp} pp={p.pp} "
+                          f"ep={p.ep} etp={p.etp}); set them to 1, and scale rollout with `rl.workers`")
     if rl.workers < 1:
         raise ConfigError(f"`rl.workers` must be at least 1 in an RL run, got {rl.workers}")
     if rl.group_size < 2:
@@ -48,6 +57,9 @@ def validate_rl(cfg: Config) -> None:
                           "every advantage is zero")
     if rl.groups_per_step < 1 or rl.rollout_timeout_s <= 0:
         raise ConfigError("`rl.groups_per_step` and `rl.rollout_timeout_s` must be positive")
+    if rl.groups_per_step < cfg.run.nproc:
+        raise ConfigError(f"`rl.groups_per_step={rl.groups_per_step}` is fewer than the {cfg.run.nproc} trainer ranks "
+                          "(`run.nproc`): each data-parallel rank trains on whole groups, so some would have none")
     if cfg.model.capacity_factor > 0:
         raise ConfigError(f"RL needs a dropless MoE (`model.capacity_factor=0`, got {cfg.model.capacity_factor}): "
                           "routing replay cannot reproduce batch-dependent token drops")
@@ -94,60 +106,86 @@ def train_rl(cfg: Config) -> int:
     rt = init_runtime(cfg)
     seed_everything(cfg.run.seed)
     registry = Registry(redis_url(), cfg.run.name)
+    groups = init_groups(cfg, rt.world_size, rt.rank)
+    parallel = rt.world_size > 1  # one rank keeps torch's AdamW; several sum gradients in the distributed optimizer
+    lead = rt.rank == 0  # reads the stream, publishes weights, prints and logs
     model = MoETransformer(cfg.model)
     model.init_weights(cfg.run.seed)
     # checkpoint.init_from's weights (e.g. a pre-trained model); with a KL term even when resuming, since the reference
     # is the starting policy (a resume then overwrites the policy's weights)
     checkpointing.init_from(cfg, model, rt.rank, force=cfg.rl.kl_coef > 0)
+    if parallel:
+        parallelize(model, cfg, groups)  # pure DP (validate_rl): every rank keeps the whole model
     model.to(rt.device)
-    optimizer = build_adamw(model, cfg.optimizer)
-    ref = reference_model(model, cfg)
+    ref = reference_model(model, cfg)  # before the optimizer: the distributed one makes parameters views of its buckets
+    optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
+    shard_groups = groups if parallel else None  # checkpoints name each rank's pieces as in pre-training
 
-    reader = RolloutReader.from_registry(registry, cfg.rl.max_staleness, timeout=cfg.rl.rollout_timeout_s)
+    reader = RolloutReader.from_registry(registry, cfg.rl.max_staleness, timeout=cfg.rl.rollout_timeout_s) \
+        if lead else None
+    rollouts = SharedRollouts(reader, rt.device)
     saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
     try:
-        start_step = checkpointing.restore(cfg, model, optimizer, reader, rt.rank)
+        start_step = checkpointing.restore(cfg, model, optimizer, rollouts, rt.rank, shard_groups)
     except ValueError as e:
         raise checkpointing.CheckpointLoadError(str(e)) from None
-    reader.discard_backlog()  # before the first publish: whatever is there was generated for another incarnation
-    publisher = WeightPublisher.from_config(cfg.rl, cfg.run.bind_host, cfg.run.advertise_host).start()
-    publisher.publish(start_step, model.state_dict())
-    beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
-    printer = RLStepPrinter(cfg.run.steps, start_step, enabled=rt.rank == 0)
-    log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
-    printer.rl_header(cfg, rt.device, start_step, reader.stream)
+    rollouts.discard_backlog()  # before the first publish: whatever is there was generated for another incarnation
+    publisher, beat = None, None
+    if lead:
+        publisher = WeightPublisher.from_config(cfg.rl, cfg.run.bind_host, cfg.run.advertise_host).start()
+        publisher.publish(start_step, model.state_dict())
+        beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
+    printer = RLStepPrinter(cfg.run.steps, start_step, enabled=lead)
+    log = MetricsLog(cfg.run.metrics_file if lead else None)
+    printer.rl_header(cfg, rt.device, start_step, rollouts.stream)
     try:
         for step in range(start_step, cfg.run.steps):
             t0 = time.perf_counter()
-            groups = reader.next_groups(cfg.rl.groups_per_step, step, timeout_s=cfg.rl.rollout_timeout_s)
+            step_groups = rollouts.next_groups(cfg.rl.groups_per_step, step, timeout_s=cfg.rl.rollout_timeout_s)
             wait = time.perf_counter() - t0
             lr = lr_at(step, cfg.optimizer, cfg.run.steps)
-            set_lr(optimizer, lr)
-            metrics = rl_step(model, optimizer, groups, cfg.rl, rt.device, cfg.optimizer.clip_grad, ref,
-                              rt.autocast_dtype, version=step)
-            load = update_router_bias(model, cfg)  # the bias moves the rollout's routing: part of the policy
-            publisher.publish(step + 1, model.state_dict())
-            stall = checkpointing.save(saver, cfg, model, optimizer, reader, step + 1) \
+            if not parallel:
+                set_lr(optimizer, lr)
+            metrics = rl_step(model, optimizer, step_groups, cfg.rl, rt.device, cfg.optimizer.clip_grad, ref,
+                              rt.autocast_dtype, version=step, lr=lr)
+            if parallel:
+                sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
+            load = update_router_bias(model, cfg, groups.dp.size)  # the bias moves the rollout's routing: policy
+            if publisher is not None:
+                publisher.publish(step + 1, model.state_dict())
+            stall = checkpointing.save(saver, cfg, model, optimizer, rollouts, step + 1, shard_groups) \
                 if checkpointing.due(cfg, step + 1) else 0.0
             step_time = time.perf_counter() - t0
+            wait, step_time = _mean_over_ranks([wait, step_time], rt.device) if parallel else (wait, step_time)
             # the share of the step the trainer sat idle waiting for trajectories: near 1, rollout is the bottleneck
             # (add workers); near 0, the trainer is (the workers wait on the backlog bound)
             record = {"step": step + 1, **metrics, "lr": lr, "step_time_s": step_time, "rollout_wait_s": wait,
                       "rollout_wait_frac": wait / step_time if step_time > 0 else 0.0, "ckpt_stall_s": stall,
-                      "max_load_ratio": load["max_ratio"], "dropped_stale": reader.dropped_stale,
-                      "dropped_foreign": reader.dropped_foreign, "groups": len(groups)}
+                      "max_load_ratio": load["max_ratio"], "dropped_stale": rollouts.dropped_stale,
+                      "dropped_foreign": rollouts.dropped_foreign, "groups": len(step_groups),
+                      "trainer_ranks": rt.world_size}
             log.write(record)
             printer.step(record)
-            registry.set_state("step", step + 1)
+            if lead:
+                registry.set_state("step", step + 1)
         saver.wait()
     finally:
-        beat.stop()
-        publisher.stop()
+        if beat is not None:
+            beat.stop()
+        if publisher is not None:
+            publisher.stop()
         saver.close()
         log.close()
-        reader.close()
+        rollouts.close()
     printer.done()
     return 0
+
+
+def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Every rank waits for the same read (rank 0's, then the broadcast): the mean is the trainer's wait."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return (t / torch.distributed.get_world_size()).tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
