@@ -117,3 +117,27 @@ def test_rl_mode_starts_rollout_workers_instead_of_the_dataloader_and_the_rl_tra
     names = [s.name for s in child_specs(tmp_path / "config.yaml", cfg)]
     assert names == ["rollout0", "rollout1", "rollout2", "checkpointer", "trainer"]
     assert "services.trainer.rl.train_rl" in child_specs(tmp_path / "config.yaml", cfg)[-1].argv
+
+
+def test_an_rl_run_on_two_data_parallel_trainer_ranks_trains_checkpoints_and_resumes(tmp_path):
+    run = f"rl-dp2-{uuid.uuid4().hex[:8]}"
+    try:
+        first = rl_train(tmp_path, run, 3, "run.nproc=2")
+        assert first.rc == 0, first.stderr[-3000:]
+        assert first.strays == []
+        progress = [line for line in first.stdout.splitlines() if line.startswith("step ")]
+        assert len(progress) == 3  # rank 0 alone prints
+        logged = records(tmp_path)
+        assert [r["step"] for r in logged] == [1, 2, 3] and all(r["trainer_ranks"] == 2 for r in logged)
+        assert all(r["groups"] == 2 and 0.0 <= r["rollout_wait_frac"] <= 1.0 for r in logged)
+        assert logged[0]["policy_versions"] == [0] and logged[0]["logprob_mismatch"] < 1e-4
+        assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [2, 3]
+
+        second = rl_train(tmp_path, run, 4, "run.nproc=2")
+        assert second.rc == 0, second.stderr[-3000:]
+        assert "resumed from" in second.stdout + second.stderr
+        step4 = records(tmp_path)[-1]
+        # Both ranks restored version 3 exactly: the workers' log-probs of it are reproduced.
+        assert step4["step"] == 4 and step4["policy_versions"] == [3] and step4["logprob_mismatch"] < 1e-4
+    finally:
+        forget_stream(run)
