@@ -123,7 +123,10 @@ def test_aux_loss_matches_its_formula_on_a_hand_computed_case():
 def test_aux_loss_gradient_reaches_the_router_through_the_layer_output():
     layer = make_layer(aux_loss_coeff=1.0)
     layer.train()
-    x = torch.randn(9, 16, dtype=torch.float64)
+    # Seeded: with a perfectly balanced routing (equal f_e) the aux loss's gradient is exactly zero (sum of P_e is 1).
+    x = torch.randn(9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    counts = torch.bincount(layer.router(x).expert_ids.reshape(-1), minlength=6)
+    assert counts.max() > counts.min()  # an imbalanced routing, so the aux loss has a gradient
     layer(x).sum().backward()
     with_aux = layer.router.weight.grad.clone()
     layer.zero_grad()
