@@ -12,9 +12,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from parallel_harness import TIMEOUT_S, _gather_full
+from parallel_harness import TIMEOUT_S, _gather_full, spawn_ranks
 from services.common.config import Config
 from services.trainer.model.transformer import MoETransformer
 
@@ -61,7 +60,5 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
 
 
 def run_dynamic_cp(cfg: Config, batches: list[list[dict]], world: int, out_dir: str, seed: int = 7) -> dict:
-    mp.start_processes(_worker, args=(world, cfg, batches, out_dir, seed), nprocs=world,
-                       start_method="spawn")
     # Losses are all-reduced and gradients/parameters gathered on every rank: rank 0 holds the whole picture.
-    return torch.load(os.path.join(out_dir, "rank0.pt"))
+    return spawn_ranks(_worker, (world, cfg, batches, out_dir, seed), world, out_dir)[0]

@@ -209,15 +209,15 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
         dist.destroy_process_group()
 
 
-def run_parallel(cfg: Config, batches: list[list[dict]], world: int, out_dir: str, seed: int = 7) -> dict:
-    """Run the layout `cfg.parallel` on `world` gloo processes; merge what every rank recorded."""
-    ctx = mp.start_processes(_worker, args=(world, cfg, batches, out_dir, seed), nprocs=world,
-                             start_method="spawn", join=False)
+def spawn_ranks(worker, args: tuple, world: int, out_dir: str, timeout_s: float = TIMEOUT_S) -> list[dict]:
+    """Run `worker(rank, *args)` on `world` spawned processes; returns what each saved as out_dir/rank<r>.pt. A rank
+    that raises fails the test with its traceback; a run past `timeout_s` (a mismatched collective hangs) is killed."""
+    ctx = mp.start_processes(worker, args=args, nprocs=world, start_method="spawn", join=False)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"parallel run of {world} processes did not finish in {TIMEOUT_S:.0f} s "
+                raise TimeoutError(f"parallel run of {world} processes did not finish in {timeout_s:.0f} s "
                                    f"(a collective is probably mismatched between ranks)")
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         raise AssertionError(f"a rank failed:\n{e}") from None
@@ -225,7 +225,12 @@ def run_parallel(cfg: Config, batches: list[list[dict]], world: int, out_dir: st
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
-    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def run_parallel(cfg: Config, batches: list[list[dict]], world: int, out_dir: str, seed: int = 7) -> dict:
+    """Run the layout `cfg.parallel` on `world` gloo processes; merge what every rank recorded."""
+    results = spawn_ranks(_worker, (world, cfg, batches, out_dir, seed), world, out_dir)
     merged = {"losses": next(r["losses"] for r in results if r["last_stage"]), "grads": [], "params": {},
               "kept": {}, "moe_out": {}, "overlap": [r["overlap"] for r in results], "loads": results[0]["loads"],
               "norms": results[0]["norms"], "ranks": results}

@@ -18,13 +18,11 @@ absolute for scalar metrics (the first step's loss is zero up to rounding).
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from services.common.config import Config
 from services.common.tokenizer import load_tokenizer
@@ -35,6 +33,7 @@ from services.trainer.optim import build_adamw, set_lr
 from services.trainer.rl.rollouts import decode_group
 from services.trainer.rl.step import rl_step
 from services.trainer.rl.train_rl import reference_model
+from tests.parallel_harness import spawn_ranks
 from tests.rl_helpers import tiny_model, tiny_model_config
 
 RTOL = 1e-5
@@ -165,20 +164,7 @@ def _worker(rank: int, world: int, steps: list[list[bytes]], out_dir: str) -> No
 
 
 def _run_parallel(steps: list[list[bytes]], world: int, out_dir: str) -> list[dict]:
-    ctx = mp.start_processes(_worker, args=(world, steps, out_dir), nprocs=world, start_method="spawn", join=False)
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} RL trainer ranks did not finish in {TIMEOUT_S:.0f} s "
-                                   "(a collective is probably mismatched between ranks)")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise AssertionError(f"a rank failed:\n{e}") from None
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    return spawn_ranks(_worker, (world, steps, out_dir), world, out_dir, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
