@@ -57,6 +57,53 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
     return _AllToAll.apply(x, send, recv, group)
 
 
+# An all-to-all split in two autograd nodes, so that work placed between them overlaps the transfer in both passes:
+# forward launches at `_Launch` and waits at `_Land`; backward launches the gradient's transfer at `_Land` and waits at
+# `_Launch`. Autograd runs backward nodes in reverse creation order, so what ran between the two in forward (the
+# shared expert) runs between them in backward too. Every rank builds the same graph, so the collectives match.
+
+
+class _Flight:
+    """The transfer in flight between a `_Launch` and its `_Land`: its handle, and in backward its output."""
+
+    work = None
+    grad: torch.Tensor | None = None
+
+
+class _Launch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group, flight: _Flight):
+        ctx.flight = flight
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        flight.work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                                             group=group, async_op=True)
+        return out  # not valid until `_Land` waits
+
+    @staticmethod
+    def backward(ctx, _):
+        flight = ctx.flight  # the incoming gradient is `_Land`'s placeholder: the real one is in flight
+        flight.work.wait()  # the gradient's transfer, launched by `_Land.backward`
+        grad, flight.grad, flight.work = flight.grad, None, None
+        return grad, None, None, None, None
+
+
+class _Land(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, send: list[int], recv: list[int], group, flight: _Flight):
+        ctx.send, ctx.recv, ctx.group, ctx.flight = send, recv, group, flight
+        flight.work.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flight = ctx.flight
+        flight.grad = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        flight.work = dist.all_to_all_single(flight.grad, grad.contiguous(), output_split_sizes=ctx.send,
+                                             input_split_sizes=ctx.recv, group=ctx.group, async_op=True)
+        # Autograd wants a gradient shaped like this node's input; `_Launch.backward` returns the transferred one.
+        return grad, None, None, None, None
+
+
 # ---------------------------------------------------------------- dispatchers
 
 
@@ -65,7 +112,8 @@ class AllToAllDispatcher:
         self.num_experts, self.ep, self.etp, self.axis = num_experts, ep, etp, axis
         self.local_experts = num_experts // ep
 
-    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, routing: Routing, in_flight=None) -> Dispatched:
+        """`in_flight()` (the shared expert) runs while the tokens travel, in forward and in backward."""
         x, w, counts, token_idx = permute(hidden, routing, self.num_experts)
         El, peers = self.local_experts, self.axis.size
         # Group rank = ep_rank * etp + etp_rank (ETP innermost), so each EP rank's expert block goes to its etp ranks.
@@ -80,8 +128,13 @@ class AllToAllDispatcher:
             dup = torch.cat([torch.arange(starts[j], starts[j + 1], device=x.device)
                              for j in range(self.ep) for _ in range(self.etp)])
             x, w = x[dup], w[dup]
-        x = all_to_all(x, send, recv, self.axis.group)
-        w = all_to_all(w, send, recv, self.axis.group)
+        flights = _Flight(), _Flight()
+        x = _Launch.apply(x, send, recv, self.axis.group, flights[0])
+        w = _Launch.apply(w, send, recv, self.axis.group, flights[1])
+        if in_flight is not None:
+            in_flight()
+        x = _Land.apply(x, send, recv, self.axis.group, flights[0])
+        w = _Land.apply(w, send, recv, self.axis.group, flights[1])
         # Received rows are grouped by source rank, then by local expert; the experts want them by local expert.
         expert_of_row = torch.arange(El, device=x.device).repeat(peers).repeat_interleave(recv_counts.reshape(-1))
         order = torch.sort(expert_of_row, stable=True).indices
@@ -103,8 +156,10 @@ class AllGatherDispatcher:
         self.local_experts = num_experts // ep
         self.first_expert = ep_rank * self.local_experts
 
-    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, routing: Routing, in_flight=None) -> Dispatched:
         T, group = hidden.shape[0], self.axis.group
+        if in_flight is not None:  # the all-gathers below are synchronous: nothing to overlap with
+            in_flight()
         # Ranks may hold different token counts (dynamic CP): pad to the largest so one all-gather carries them all.
         # Its size is needed on the host to allocate the buffer.
         sizes = all_gather_dim0(torch.tensor([T], device=hidden.device), group).tolist()

@@ -68,7 +68,11 @@ class LocalDispatcher:
         self.num_experts = num_experts
         self.fused = fused  # Triton permute/unpermute where they apply (CUDA, or the interpreter in tests)
 
-    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
+    def dispatch(self, hidden: torch.Tensor, routing: Routing, in_flight=None) -> Dispatched:
+        """`in_flight`: work an expert-parallel dispatcher runs while its tokens travel; here, with nothing in
+        flight, it just runs first."""
+        if in_flight is not None:
+            in_flight()
         if self.fused and triton_applies(hidden):
             return self._dispatch_fused(hidden, routing)
         x, w, counts, token_idx = permute(hidden, routing, self.num_experts)

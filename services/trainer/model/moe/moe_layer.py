@@ -52,11 +52,14 @@ class MoELayer(nn.Module):
         routing = self.router(x, segment_ids)  # from x as it comes: the router scores in fp32
         # The experts compute in the autocast dtype: cast before the T·k-row copy, not after (half the bytes moved and
         # kept; the values the GEMMs see are the same).
-        dispatched = self.dispatcher.dispatch(_compute_dtype(x), routing)
+        # The shared expert runs while the dispatch's all-to-all is in flight (forward and backward; EP only).
+        shared: list[torch.Tensor] = []
+        run_shared = (lambda: shared.append(self.shared_expert(x))) if self.shared_expert is not None else None
+        dispatched = self.dispatcher.dispatch(_compute_dtype(x), routing, in_flight=run_shared)
         expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert, dispatched.weights)
         out = self.dispatcher.combine(expert_out, dispatched).to(x.dtype)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+        if shared:
+            out = out + shared[0]
         self.last_aux_loss = routing.aux_loss.detach()
         if routing.aux_loss.requires_grad:
             out = AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
