@@ -52,6 +52,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
             losses.append(float(loss) / tokens)
             grads.append({n: _gather_full(n, g, named[n], groups) for n, g in opt.full_grads().items()})
             norms.append(float(opt.step(cfg.optimizer.lr)))
+        opt.wait_params()  # the last step's parameter all-gathers would overlap a next forward; there is none
         params = {n: _gather_full(n, p.detach(), p, groups) for n, p in named.items()}
         torch.save({"losses": losses, "grads": grads, "params": params, "norms": norms},
                    os.path.join(out_dir, f"rank{rank}.pt"))

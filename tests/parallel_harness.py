@@ -181,6 +181,9 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
         overlap = []  # (buckets launched when the first block's backward ran, total buckets) per backward
         first_block = model.layers[min(model.layers.keys(), key=int)]
         first_block.register_full_backward_hook(lambda *a: overlap.append((len(opt.launch_log), len(opt.buckets))))
+        # Per step, per forward: parameter all-gathers not yet waited for when forward reaches the first block.
+        pending: list[list[int]] = []
+        first_block.register_forward_pre_hook(lambda *a: pending[-1].append(len(opt._gathers)))
         named = dict(model.named_parameters())
         losses, grads, loads, norms = [], [], [], []
         for step, mbs in enumerate(batches):
@@ -189,6 +192,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
             mine = mbs[first:first + per_rank]
             opt.zero_grad()
             overlap.clear()
+            pending.append([])
             local_index = iter(range(first, first + per_rank))
             handle = model.register_forward_pre_hook(lambda *a: setattr(probe, "key", (step, next(local_index, -1))))
             loss, tokens = forward_backward_parallel(model, mine, groups, cfg, torch.device("cpu"), None, opt)
@@ -201,9 +205,10 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
             for m in model.moe_layers():
                 m.router.tokens_per_expert.zero_()
             norms.append(float(opt.step(cfg.optimizer.lr)))
+        opt.wait_params()  # the last step's parameter all-gathers overlap the next forward; there is none
         params = {n: _gather_full(n, p.detach(), p, groups) for n, p in named.items()}
         torch.save({"losses": losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
-                    "overlap": overlap[-1:], "loads": loads, "norms": norms, "last_stage": groups.is_last_stage},
+                    "overlap": overlap[-1:], "pending": pending, "loads": loads, "norms": norms, "last_stage": groups.is_last_stage},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -232,7 +237,8 @@ def run_parallel(cfg: Config, batches: list[list[dict]], world: int, out_dir: st
     """Run the layout `cfg.parallel` on `world` gloo processes; merge what every rank recorded."""
     results = spawn_ranks(_worker, (world, cfg, batches, out_dir, seed), world, out_dir)
     merged = {"losses": next(r["losses"] for r in results if r["last_stage"]), "grads": [], "params": {},
-              "kept": {}, "moe_out": {}, "overlap": [r["overlap"] for r in results], "loads": results[0]["loads"],
+              "kept": {}, "moe_out": {}, "overlap": [r["overlap"] for r in results], "pending": [r["pending"] for r in results],
+              "loads": results[0]["loads"],
               "norms": results[0]["norms"], "ranks": results}
     for step in range(len(batches)):
         merged["grads"].append({})

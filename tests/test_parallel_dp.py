@@ -37,6 +37,15 @@ def test_gradient_reduce_scatter_starts_while_backward_is_still_running(dp2):
         assert 0 < launched < total, f"{launched} of {total} buckets launched when the first block's backward ran"
 
 
+def test_parameter_all_gathers_are_waited_for_layer_by_layer_in_the_next_forward(dp2):
+    # The step launches every bucket's all-gather and returns; when the next forward reaches the first block, only
+    # the buckets it and the model's own top-level modules read have been waited for: the later layers' still fly.
+    for per_step in dp2[1]["pending"]:  # per rank: per step, per micro-batch's forward
+        first_forwards = [forwards[0] for forwards in per_step]
+        assert first_forwards[0] == 0, "nothing is in flight before the first step"
+        assert all(n > 0 for n in first_forwards[1:]), f"in flight at the first block, per step: {per_step}"
+
+
 def test_all_reduce_mode_without_optimizer_sharding_matches_too(tmp_path):
     cfg = tiny_config(distributed_optimizer=False)
     batches = make_batches(cfg.model, steps=2, micro=4, seed=2)

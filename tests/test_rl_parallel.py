@@ -156,6 +156,7 @@ def _worker(rank: int, world: int, steps: list[list[bytes]], out_dir: str) -> No
                 failure = None
             except (TimeoutError, RuntimeError) as e:
                 failure = (type(e).__name__, str(e))
+            opt.wait_params()  # the last step's parameter all-gathers (a next forward would wait for them)
             out[scenario] = {"metrics": metrics, "grads": grads, "seen": seen, "dropped": dropped,
                              "failure": failure, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

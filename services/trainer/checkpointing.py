@@ -102,6 +102,8 @@ def state_shards(model: nn.Module, optimizer: Any, rank: int, groups: Any = None
         from services.trainer.parallel import checkpoint_shards as parallel
         from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.wait_params()  # the last step's all-gathers write the parameters being snapshotted
         shards = parallel.model_shards(model, groups)
         if isinstance(optimizer, DistributedOptimizer):
             shards.update(parallel.optimizer_shards(optimizer, groups))

@@ -9,7 +9,11 @@ delivered every gradient of a bucket, the bucket's reduce-scatter is launched as
 for the earlier layers. Buckets launch in index order on every rank, so collectives match across ranks.
 
 Each rank of a reducing group of size n owns 1/n of every bucket: only for that range does it keep fp32 master weights
-and Adam moments, and compute the update; an all-gather then refreshes the full bucket on every rank. Gradients are
+and Adam moments, and compute the update; an all-gather then refreshes the full bucket on every rank. The all-gathers
+are launched asynchronously at the end of `step`, in the order the next forward pass needs the buckets, and each module
+waits for its own parameters' buckets (and its direct children's) in a forward pre-hook, so the gathers overlap the
+next forward. Anything else that reads parameters between steps calls `wait_params()` (the checkpoint snapshot does;
+`model.state_dict()` does through a hook; the next `step` does). Gradients are
 SUMMED over the group: with the loss divided by the loss tokens of the whole step (all ranks), a parallel step equals one
 process over all micro-batches. With `parallel.distributed_optimizer=false` the same buckets are all-reduced and every
 rank updates the whole bucket.
@@ -93,6 +97,29 @@ class DistributedOptimizer:
         for b in self.buckets:
             for s in b.slots:
                 s.param.register_post_accumulate_grad_hook(self._make_hook(b, s))
+        self._gathers: dict[int, object] = {}  # bucket index -> all-gather in flight since the last step
+        self._gather_order = self._hook_gathers(model)
+
+    def _hook_gathers(self, model: nn.Module) -> list[int]:
+        """Forward pre-hooks that wait for the buckets each module reads; returns the buckets in first-needed order
+        (modules in registration order, a parent before its children: the order forward reaches them)."""
+        bucket_of = {id(s.param): b.index for b in self.buckets for s in b.slots}
+        order: list[int] = []
+        for module in model.modules():
+            near = [*module.parameters(recurse=False), *(p for c in module.children() for p in c.parameters(False))]
+            needs = sorted({bucket_of[id(p)] for p in near if id(p) in bucket_of})
+            if needs:
+                module.register_forward_pre_hook(lambda _m, _args, needs=needs: self.wait_params(needs))
+                order.extend(i for i in needs if i not in order)
+        model.register_state_dict_pre_hook(lambda *_: self.wait_params())
+        return order + [b.index for b in self.buckets if b.index not in order]
+
+    def wait_params(self, buckets: list[int] | None = None) -> None:
+        """Wait for the parameter all-gathers of `buckets` (None: all) launched by the last `step`."""
+        for i in (list(self._gathers) if buckets is None else buckets):
+            work = self._gathers.pop(i, None)
+            if work is not None:
+                work.wait()
 
     def register_step_pre_hook(self, hook: Callable) -> None:
         """`hook(optimizer, args, kwargs)` runs at the start of every `step`, as with torch optimizers (the
@@ -220,6 +247,7 @@ class DistributedOptimizer:
         """Finish the reductions, clip by the global norm, AdamW on the owned ranges, all-gather. Returns the norm."""
         for hook in self._step_pre_hooks:
             hook(self, (lr,), {})
+        self.wait_params()  # a step without a forward since the last one (nothing waited yet)
         self.finish_grad_sync()
         norm = self.grad_norm()
         clip = self.cfg.clip_grad
@@ -240,13 +268,12 @@ class DistributedOptimizer:
         return norm
 
     def _gather_params(self) -> None:
-        works = []
-        for b in self.buckets:
+        """Launch every bucket's all-gather, first-needed first; forward pre-hooks (or `wait_params`) wait for them."""
+        for i in self._gather_order:
+            b = self.buckets[i]
             if b.axis.size > 1 and self.shard:
-                works.append(_all_gather_single(b.params, b.params[b.lo:b.hi].clone(), group=b.axis.group,
-                                                async_op=True))
-        for w in works:
-            w.wait()
+                self._gathers[i] = _all_gather_single(b.params, b.params[b.lo:b.hi].clone(), group=b.axis.group,
+                                                      async_op=True)
 
     # ------------------------------------------------------------ inspection (tests, checkpoints)
 
