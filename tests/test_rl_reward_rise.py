@@ -48,13 +48,6 @@ RL = ["optimizer.lr=1e-4", "optimizer.min_lr=1e-4", "optimizer.warmup_steps=10",
       "rl.micro_batch_tokens=4096", "rl.max_staleness=0", "rl.temperature=1.0", "run.seed=0"]
 
 
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
 @torch.no_grad()
 def exact_expected_reward(model, tokenizer) -> float:
     """Mean over every one-digit problem of P(completion == answer + newline) at temperature 1: a lower bound of the
@@ -91,7 +84,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not _redis_up(), reason=f"needs a Redis server at {REDIS_URL}")
 def test_grpo_raises_the_reward_of_a_pretrained_model(pretrained, tmp_path, one_thread):
     from services.common.config import load_config
     from services.common.registry import Registry

@@ -33,16 +33,6 @@ TINY = ["model.hidden_size=32", "model.num_layers=2", "model.num_experts=4", "mo
         "rl.max_batch=16", "rl.max_seq_len=32", "rl.weight_dtype=fp32", "rl.difficulty=2"]
 
 
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _redis_up(), reason=f"needs a Redis server at {REDIS_URL}")
-
-
 @pytest.fixture
 def run():
     name = f"rl-worker-ops-{uuid.uuid4().hex[:8]}"

@@ -76,6 +76,12 @@ class Heartbeat:
             pass
 
 
+def _record(service: str, instance: str, info: dict[str, Any]) -> dict[str, Any]:
+    """A registration: who, where, since when, and the service's own fields."""
+    return {"service": service, "instance": instance, "host": socket.gethostname(), "pid": os.getpid(),
+            "started": time.time(), **info}
+
+
 class Registry:
     def __init__(self, url: str, run: str):
         self.url, self.run = url, run
@@ -87,9 +93,7 @@ class Registry:
     def register(self, service: str, info: dict[str, Any], instance: str | None = None,
                  ttl: float = DEFAULT_TTL_S) -> Heartbeat:
         instance = instance or f"{socket.gethostname()}-{os.getpid()}"
-        record = {"service": service, "instance": instance, "host": socket.gethostname(), "pid": os.getpid(),
-                  "started": time.time(), **info}
-        return Heartbeat(self.client, self._key("svc", service, instance), record, ttl)
+        return Heartbeat(self.client, self._key("svc", service, instance), _record(service, instance, info), ttl)
 
     def claim(self, service: str, slots: int, info: dict[str, Any], timeout: float = 3 * DEFAULT_TTL_S,
               ttl: float = DEFAULT_TTL_S) -> tuple[int, Heartbeat]:
@@ -100,8 +104,7 @@ class Registry:
         while True:
             for i in range(slots):
                 instance = f"replica{i}"
-                record = {"service": service, "instance": instance, "host": socket.gethostname(), "pid": os.getpid(),
-                          "started": time.time(), **info, "replica": i, "replicas": slots}
+                record = _record(service, instance, {**info, "replica": i, "replicas": slots})
                 key = self._key("svc", service, instance)
                 if self.client.set(key, json.dumps(record), px=int(ttl * 1000), nx=True):
                     return i, Heartbeat(self.client, key, record, ttl)

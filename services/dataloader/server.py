@@ -76,7 +76,7 @@ class DataLoaderServer:
     def __init__(self, cfg, registry: Registry | None = None, replica: int = 0, token: str | None = None):
         """`replica`: this service's index among `data.replicas` when there is no `registry` (with one, it claims
         a free index there at `start`). `token`: the auth token (None: FOLDMOE_AUTH_TOKEN)."""
-        self.cfg, self.registry, self.replica = cfg, registry, replica
+        self.cfg, self.registry = cfg, registry
         self.host, self.advertise = cfg.run.bind_host, net.advertised(cfg.run.bind_host, cfg.run.advertise_host)
         self.token = net.auth_token() if token is None else token
         tokenizer = open_tokenizer(cfg.data.tokenizer)
@@ -121,7 +121,7 @@ class DataLoaderServer:
             self._register()
         what = (f"{', '.join(str(d.path) for d in self.datasets)} ({sum(len(d) for d in self.datasets)} documents)"
                 if self.datasets else "RL trajectories from the rollout stream")
-        log.info("replica %d of %d serving %s on zmq %s, grpc %s, metrics %s", self.replica, self.engine.replicas,
+        log.info("replica %d of %d serving %s on zmq %s, grpc %s, metrics %s", self.engine.replica, self.engine.replicas,
                  what, self.zmq_endpoint, self.grpc_endpoint, self.metrics_endpoint)
         return self
 
@@ -134,8 +134,12 @@ class DataLoaderServer:
         # The engine lock is held from before the record appears until the engine knows its replica, so no client
         # that finds the record is served (or refused) under another index.
         with self.engine.lock:
-            self.replica, self._heartbeat = self.registry.claim("dataloader", replicas, info)
-            self.engine.replica = self.replica
+            self.engine.replica, self._heartbeat = self.registry.claim("dataloader", replicas, info)
+
+    @property
+    def replica(self) -> int:
+        """This service's replica index (the engine's: claimed in the registry at `start`)."""
+        return self.engine.replica
 
     def _serve(self) -> None:
         poller = zmq.Poller()

@@ -29,14 +29,13 @@ import torch
 GIB = 2**30
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device, skip: set[int] = frozenset()) -> int:
+def _storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None or t.device != device:
             continue
         s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
+        seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
 

@@ -116,6 +116,8 @@ class DistributedOptimizer:
 
     def wait_params(self, buckets: list[int] | None = None) -> None:
         """Wait for the parameter all-gathers of `buckets` (None: all) launched by the last `step`."""
+        if not self._gathers:  # the common case in a forward pre-hook once the first modules have waited
+            return
         for i in (list(self._gathers) if buckets is None else buckets):
             work = self._gathers.pop(i, None)
             if work is not None:

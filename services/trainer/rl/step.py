@@ -137,9 +137,11 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
     rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
     advantages = group_advantages(rewards, cfg.std_normalize)  # per group: a share's rows are its groups' rows
     mine = share(range(len(groups)), dp.rank, dp.size)
-    micro_batches = [mb.to(device) for mb in pack([groups[i] for i in mine], advantages[mine], cfg.micro_batch_tokens)]
-    local_tokens = torch.tensor([float(sum(int(mb.response.sum()) for mb in micro_batches))], dtype=torch.float64,
+    packed = pack([groups[i] for i in mine], advantages[mine], cfg.micro_batch_tokens)
+    # counted on the host, before the copy: no device-to-host sync per micro-batch
+    local_tokens = torch.tensor([float(sum(int(mb.response.sum()) for mb in packed))], dtype=torch.float64,
                                 device=device)
+    micro_batches = [mb.to(device) for mb in packed]
     step_tokens = int(_sum_over(local_tokens, dp)[0])
 
     old, ref = [None] * len(micro_batches), [None] * len(micro_batches)
