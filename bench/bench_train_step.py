@@ -67,8 +67,10 @@ class Outcome:
     memory: MemoryReport
 
 
-def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batches, device, sheet: float) -> Outcome:
-    """Build the model for `cfg` on the device from `weights`, apply its memory policy, time `run.steps` steps."""
+def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batches, device, sheet: float,
+                profile_rows: int = 0) -> Outcome:
+    """Build the model for `cfg` on the device from `weights`, apply its memory policy, time `run.steps` steps; with
+    `profile_rows`, two more steps run under torch.profiler and the kernels with the most device time are printed."""
     with torch.device(device):  # parameters allocated on the device, buffers (RoPE frequencies) computed there
         model = MoETransformer(cfg.model)
     model.load_state_dict(weights)
@@ -98,6 +100,8 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     memory = measure_step(model, opt, lambda: train_step(batches[0]), device)  # one more step, counted by category
+    if profile_rows:
+        print_profile(name, lambda: train_step(batches[0]), profile_rows)
     outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, peak_gib, steady * 1000, float(loss) / tokens, memory)
     del model, opt
     gc.collect()
@@ -105,11 +109,33 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     return outcome
 
 
+def print_profile(name: str, step, rows: int) -> None:
+    """Device time per kernel over two steps, as a share of the steps' device time: where the step goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.device_time_total)
+    total = sum(sum(v) for v in kernels.values())
+    print(f"\nprofile of 2 steps, {name}: kernel time {total / 2e3:.1f} ms per step; top kernels by device time")
+    print(f"{'kernel':<90}{'ms/step':>9}{'share':>8}{'calls':>7}")
+    for kname, ts in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        print(f"{kname[:89]:<90}{sum(ts) / 2e3:>9.2f}{100 * sum(ts) / total:>7.1f}%{len(ts) // 2:>7}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=None)
     ap.add_argument("--variant", action="append", default=[],
                     help='"NAME key=value ...": config overrides on top of the base config; repeatable')
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="print the ROWS kernels with the most device time per variant (torch.profiler, 2 steps)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -129,7 +155,7 @@ def main() -> None:
     sheet = datasheet_peak(device)
     outcomes = []
     for name, cfg in configs:
-        outcomes.append(run_variant(name, cfg, weights, batches, device, sheet))
+        outcomes.append(run_variant(name, cfg, weights, batches, device, sheet, args.profile))
         m = cfg.model
         o = outcomes[-1]
         print(f"RESULT {name} | moe_kernels {m.moe_kernels} recompute {m.recompute} offload {m.offload} | "
