@@ -110,8 +110,6 @@ def test_a_replica_refuses_a_rank_it_does_not_serve_and_names_the_right_one(tmp_
         server.stop()
 
 
-def test_replicas_need_the_corpus_source():
-    with pytest.raises(ConfigError, match="data.replicas=2.*needs `data.source=corpus`"):
-        load_config(None, ["data.replicas=2", "data.source=rollout"])
+def test_replicas_must_be_positive():
     with pytest.raises(ConfigError, match="data.replicas"):
         load_config(None, ["data.replicas=0"])

@@ -1,13 +1,17 @@
-"""RL source: the dataloader packs trajectory groups from the rollout Redis stream into micro-batches.
+"""RL source: the dataloader builds each optimizer step from the rollout Redis stream.
 
-Specification: every completion token of every sample is an action exactly once, with its rollout log-prob, its
-sample's reward and GRPO advantage and its recorded routing; prompt and padding positions are never actions; the
-service waits for enough groups instead of serving short steps; a position resumes exactly on a new service; entries
-are trimmed from the stream once every rank is past them.
+Specification: a step is `rl.groups_per_step` whole groups fresh enough for it (version within `rl.max_staleness` of
+the step, never above it); the others are dropped and counted once, the counters travelling with the position; every
+completion token of every sample is an action exactly once, with its rollout log-prob, reward, advantage, version and
+routing; prompt positions are never actions; the step's samples are dealt to the dp ranks and packed into micro-batches
+of at most `rl.micro_batch_tokens`; a step is built only when a rank asks for it; a position resumes exactly on a new
+service; entries are trimmed once every rank is past them, and a position whose entries are gone reads on from the
+oldest one left.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 
@@ -17,22 +21,22 @@ import redis
 import torch
 
 from proto import rollout_pb2
+from services.common import rollout_stream
 from services.common.config import load_config
 from services.dataloader.client import DataClient
 from services.dataloader.errors import DataError
-from services.dataloader.rollout_source import (RolloutStepStream, TrajectoryLog, build_rl_micro_batch,
-                                                group_samples)
+from services.dataloader.rollout_source import (RolloutStepStream, TrajectoryLog, build_rl_micro_batch, group_samples,
+                                                pack_step)
 from services.dataloader.server import DataLoaderServer
-from services.common.tokenizer import load_tokenizer
 from tests.test_dataloader_service import REDIS_URL, registry, same  # noqa: F401
 
 LAYERS, TOP_K = 2, 2  # model.num_layers=2, first_k_dense=0, top_k=2 below
 
 
-def make_group(rng, gid: str, samples: int = 4) -> rollout_pb2.TrajectoryGroup:
+def make_group(rng, gid: str, version: int = 0, samples: int = 4) -> rollout_pb2.TrajectoryGroup:
     prompt = rng.integers(0, 250, size=int(rng.integers(1, 8))).tolist()
-    g = rollout_pb2.TrajectoryGroup(group_id=gid, worker="w", policy_version=3, prompt_tokens=prompt,
-                                    moe_layers=LAYERS, top_k=TOP_K)
+    g = rollout_pb2.TrajectoryGroup(group_id=gid, worker="w", policy_version=version, prompt_tokens=prompt,
+                                    moe_layers=LAYERS, top_k=TOP_K, temperature=1.0)
     for _ in range(samples):
         n = int(rng.integers(1, 20))
         fed = len(prompt) + n - 1
@@ -42,17 +46,18 @@ def make_group(rng, gid: str, samples: int = 4) -> rollout_pb2.TrajectoryGroup:
 
 
 def rl_cfg(key, *extra):
-    return load_config(None, ["data.source=rollout", f"data.rollout_stream={key}", "data.seq_len=32",
-                              "data.micro_batch_size=2", "data.grad_accum=2", "data.prefetch=2",
-                              "data.packing_window=16", "rl.group_size=4", "model.num_layers=2", "model.top_k=2",
-                              "model.first_k_dense=0", f"run.name=test-dl-{uuid.uuid4().hex[:10]}", *extra])
+    return load_config(None, ["rl.enabled=true", f"data.rollout_stream={key}", "rl.groups_per_step=4",
+                              "rl.group_size=4", "rl.micro_batch_tokens=48", "rl.max_staleness=1", "data.prefetch=1",
+                              "model.num_layers=2", "model.top_k=2", "model.first_k_dense=0",
+                              f"run.name=test-dl-{uuid.uuid4().hex[:10]}", *extra])
 
 
 @pytest.fixture
 def stream_key():
     key = f"test-dl-rl-{uuid.uuid4().hex[:10]}"
     yield key
-    redis.Redis.from_url(REDIS_URL).delete(key)
+    client = redis.Redis.from_url(REDIS_URL)
+    client.delete(key, rollout_stream.read_position_key(key))
 
 
 def publish(key, groups):
@@ -60,21 +65,22 @@ def publish(key, groups):
     return [client.xadd(key, {"group": g.SerializeToString(), "version": g.policy_version}).decode() for g in groups]
 
 
-def test_completion_tokens_are_the_actions_with_their_logprobs_rewards_and_routing():
-    g = rollout_pb2.TrajectoryGroup(group_id="g", prompt_tokens=[5, 6, 7], moe_layers=1, top_k=1)
+def test_completion_tokens_are_the_actions_with_their_logprobs_rewards_versions_and_routing():
+    g = rollout_pb2.TrajectoryGroup(group_id="g", policy_version=7, prompt_tokens=[5, 6, 7], moe_layers=1, top_k=1)
     g.samples.add(tokens=[8, 9], logprobs=[-0.5, -0.25], routing=[1, 2, 3, 4], reward=1.0)
     g.samples.add(tokens=[10], logprobs=[-1.0], routing=[5, 6, 7], reward=0.0)
     a, b = group_samples(g, std_normalize=False, layers=1, top_k=1)
     assert (a.advantage, b.advantage) == (0.5, -0.5)  # reward minus the group mean
-    mb = build_rl_micro_batch([[a, b]], 8, pad_id=0, layers=1, top_k=1).tensors
-    assert mb["tokens"].tolist() == [5, 6, 7, 8, 5, 6, 7, 0]
-    assert mb["labels"].tolist() == [-100, -100, 8, 9, -100, -100, 10, -100]
-    assert mb["loss_mask"].tolist() == [False, False, True, True, False, False, True, False]
-    assert mb["rollout_logprobs"].tolist() == [0, 0, -0.5, -0.25, 0, 0, -1.0, 0]
-    assert mb["advantages"].tolist() == [0, 0, 0.5, 0.5, 0, 0, -0.5, 0]
-    assert mb["rewards"].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
-    assert mb["routing_ids"][:, 0, 0].tolist() == [1, 2, 3, 4, 5, 6, 7, -1]
-    assert mb["cu_seqlens"].tolist() == [0, 4, 7, 8]
+    mb = build_rl_micro_batch([a, b], layers=1, top_k=1).tensors
+    assert mb["tokens"].tolist() == [5, 6, 7, 8, 5, 6, 7]  # no padding
+    assert mb["labels"].tolist() == [-100, -100, 8, 9, -100, -100, 10]
+    assert mb["loss_mask"].tolist() == [False, False, True, True, False, False, True]
+    assert mb["rollout_logprobs"].tolist() == [0, 0, -0.5, -0.25, 0, 0, -1.0]
+    assert mb["advantages"].tolist() == [0, 0, 0.5, 0.5, 0, 0, -0.5]
+    assert mb["rewards"].tolist() == [0, 0, 1, 1, 0, 0, 0]
+    assert mb["versions"].tolist() == [-1, -1, 7, 7, -1, -1, 7]
+    assert mb["routing_ids"][:, 0, 0].tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert mb["cu_seqlens"].tolist() == [0, 4, 7]
 
 
 def test_advantages_are_normalised_within_each_group():
@@ -90,44 +96,95 @@ def test_routing_recorded_for_another_model_is_refused_with_the_fix():
         group_samples(g, True, layers=LAYERS + 1, top_k=TOP_K)
 
 
-def actions(steps):
-    """(rollout log-prob, advantage) of every action in the micro-batches, with its label."""
-    out = []
-    for mb in steps:
+def actions(micro_batches):
+    """(label, rollout log-prob, advantage, version) of every action in the micro-batches."""
+    out = Counter()
+    for mb in micro_batches:
         m = mb["loss_mask"]
-        out += zip(mb["labels"][m].tolist(), mb["rollout_logprobs"][m].tolist(), mb["advantages"][m].tolist())
-    return sorted(out)
+        out.update(zip(mb["labels"][m].tolist(), [round(x, 5) for x in mb["rollout_logprobs"][m].tolist()],
+                       [round(x, 4) for x in mb["advantages"][m].tolist()], mb["versions"][m].tolist()))
+    return out
 
 
-def test_service_packs_the_stream_serves_every_action_once_and_trims_what_all_ranks_passed(stream_key, registry):
+def expected_actions(groups):
+    out = Counter()
+    for g in groups:
+        for s in group_samples(g, True, LAYERS, TOP_K):
+            first = max(s.prompt_len - 1, 0)
+            for j, label in enumerate(s.tokens[first + 1:].tolist()):
+                out[(label, round(float(s.logprobs[first + 1 - s.prompt_len + j]), 5), round(s.advantage, 4),
+                     s.version)] += 1
+    return out
+
+
+def test_a_step_is_dealt_to_the_dp_ranks_whole_and_packed_within_the_token_budget():
+    rng = np.random.default_rng(5)
+    groups = [make_group(rng, f"g{i}") for i in range(4)]
+    per_rank = pack_step(groups, dp_size=3, max_tokens=30, std_normalize=True, layers=LAYERS, top_k=TOP_K)
+    assert actions(mb.tensors for rank in per_rank for mb in rank) == expected_actions(groups)
+    loads = [sum(mb.real_tokens for mb in rank) for rank in per_rank]
+    longest = max(s.positions for g in groups for s in group_samples(g, True, LAYERS, TOP_K))
+    assert all(rank for rank in per_rank) and max(loads) - min(loads) <= longest
+    for mb in (mb for rank in per_rank for mb in rank):
+        assert mb.real_tokens <= 30 or mb.num_segments == 1  # a longer sample gets a micro-batch of its own
+    mine = pack_step(groups, 3, 30, True, LAYERS, TOP_K, dp_ranks={1})  # a replica builds only its ranks' share
+    assert [len(r) for r in mine] == [0, len(per_rank[1]), 0]
+    assert all(same(a.tensors, b.tensors) for a, b in zip(mine[1], per_rank[1], strict=True))
+
+
+def test_only_groups_fresh_enough_for_the_step_are_used_and_the_others_are_counted_once(stream_key):
+    rng = np.random.default_rng(6)
+    cfg = rl_cfg(stream_key, "rl.groups_per_step=2")
+    # step 0 accepts versions 0 (and none newer); step 1 accepts 0..1; step 2 accepts 1..2
+    versions = [0, 1, 0, 0, 3, 1, 0, 2, 1]
+    groups = [make_group(rng, f"g{i}", version=v) for i, v in enumerate(versions)]
+    publish(stream_key, groups)
+    stream = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
+    taken, states = [], []
+    for _ in range(3):
+        step = stream.next_step()
+        taken.append(sorted({v for mb in step.per_rank[0] for v in mb.tensors["versions"].tolist() if v >= 0}))
+        states.append(step.state_after["stream"])
+    # step 0: g0 (v0), g1 (v1: foreign), g2 (v0) -> [g0, g2]; step 1: g3 (v0), g4 (v3: foreign), g5 (v1);
+    # step 2: g6 (v0: stale), g7 (v2), g8 (v1)
+    assert taken == [[0], [0, 1], [1, 2]]
+    assert [(s["dropped_stale"], s["dropped_foreign"]) for s in states] == [(0, 1), (0, 2), (1, 2)]
+    # a replay from a saved position counts nothing twice: the counters are part of the position
+    again = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
+    again.reset({**stream.state(), "step": 1, "stream": states[0]})
+    again.next_step()
+    again.next_step()
+    assert again.state()["stream"] == states[2]
+    with pytest.raises(DataError, match="fewer than 2 trajectory groups fresh enough for step 3"):
+        again.next_step()
+
+
+def test_service_builds_each_step_only_when_asked_serves_every_action_once_and_trims(stream_key, registry):
     rng = np.random.default_rng(2)
-    groups = [make_group(rng, f"g{i}") for i in range(48)]
     cfg = rl_cfg(stream_key)
     server = DataLoaderServer(cfg, registry).start()
+    redis_client = redis.Redis.from_url(REDIS_URL)
     try:
         c = DataClient.from_registry(registry, 0, 1, cfg, rank=0, world_size=1, timeout=20)
+        assert c.on_demand
         c.timeout = 3
-        publish(stream_key, groups[:2])  # less than one window of 16 // 4 = 4 groups: nothing to serve yet
+        groups = [make_group(rng, f"g{i}", version=i // 4) for i in range(32)]  # the versions of steps 0..7
+        publish(stream_key, groups[:2])  # fewer than rl.groups_per_step=4: nothing to serve yet
         with pytest.raises(DataError, match="no micro-batch .* within 3s"):
             c.next_step()
         c.close()
         publish(stream_key, groups[2:])
         c = DataClient.from_registry(registry, 0, 1, cfg, rank=0, world_size=1, timeout=20)
-        got = [mb for _ in range(6) for mb in c.next_step()]
-        assert all(mb["routing_ids"].shape == (64, LAYERS, TOP_K) and mb["loss_mask"].dtype == torch.bool
-                   for mb in got)
-        position = server.engine.stream.sequences.get_state()
-        # every action served is an action of a published sample, none served twice
-        expected = Counter()
-        for g in groups:
-            for s in group_samples(g, True, LAYERS, TOP_K):
-                first = max(s.prompt_len - 1, 0)
-                for j, label in enumerate(s.tokens[first + 1:].tolist()):
-                    expected[(label, round(float(s.logprobs[first + 1 - s.prompt_len + j]), 5), round(s.advantage, 4))] += 1
-        seen = Counter((label, round(lp, 5), round(adv, 4)) for label, lp, adv in actions(got))
-        assert sum(seen.values()) > 100 and not seen - expected
-        length = redis.Redis.from_url(REDIS_URL).xlen(stream_key)
-        assert length < len(groups) and position["after"] != "0-0"  # entries every rank passed were trimmed
+        got = c.next_step()
+        time.sleep(0.5)
+        assert server.engine.stream.step == 1  # nothing was built ahead of the trainer's request
+        assert rollout_stream.unread(redis_client, stream_key, 100) == len(groups) - 4  # the workers' backlog
+        for _ in range(6):
+            got += c.next_step()
+        assert all(mb["routing_ids"].shape[1:] == (LAYERS, TOP_K) and mb["loss_mask"].dtype == torch.bool
+                   and (mb["tokens"].numel() <= 48 or len(mb["cu_seqlens"]) == 2) for mb in got)
+        assert actions(got) == expected_actions(groups[:28])  # 7 steps of 4 groups: each action once
+        assert redis_client.xlen(stream_key) < len(groups)  # entries every rank passed were trimmed
         c.close()
     finally:
         server.stop()
@@ -135,17 +192,16 @@ def test_service_packs_the_stream_serves_every_action_once_and_trims_what_all_ra
 
 def test_rl_stream_resumed_on_a_new_service_equals_the_uninterrupted_one(stream_key, registry):
     rng = np.random.default_rng(3)
-    publish(stream_key, [make_group(rng, f"g{i}") for i in range(64)])
-    cfg = rl_cfg(stream_key)
-    pad_id = load_tokenizer(cfg.data.tokenizer).pad_id  # what the service pads with
-    reference = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1, None, pad_id)
+    publish(stream_key, [make_group(rng, f"g{i}", version=i // 8) for i in range(24)])
+    cfg = rl_cfg(stream_key, "rl.max_staleness=2")
+    reference = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
     reference = [[mb.tensors for mb in reference.next_step().per_rank[0]] for _ in range(5)]  # reads, trims nothing
     server = DataLoaderServer(cfg, registry).start()
     c = DataClient.from_registry(registry, 0, 1, cfg, rank=0, world_size=1, timeout=20)
     got = [c.next_step(), c.next_step()]
     saved = c.state()
     c.close()
-    server.stop()  # the service goes away with prefetched micro-batches unread
+    server.stop()
     server = DataLoaderServer(cfg, registry).start()
     try:
         c = DataClient.from_registry(registry, 0, 1, cfg, rank=0, world_size=1, timeout=20)
@@ -158,15 +214,16 @@ def test_rl_stream_resumed_on_a_new_service_equals_the_uninterrupted_one(stream_
         server.stop()
 
 
-def test_a_position_whose_trajectories_were_trimmed_is_refused_with_the_cause(stream_key):
+def test_a_position_whose_trajectories_were_trimmed_reads_on_from_the_oldest_entry_left(stream_key):
     rng = np.random.default_rng(4)
-    ids = publish(stream_key, [make_group(rng, f"g{i}") for i in range(16)])
+    groups = [make_group(rng, f"g{i}") for i in range(16)]
+    ids = publish(stream_key, groups)
     cfg = rl_cfg(stream_key)
     log = TrajectoryLog(REDIS_URL, stream_key)
-    stream = RolloutStepStream(log, cfg, 1, None, pad_id=0)
+    stream = RolloutStepStream(log, cfg, 1)
     stream.next_step()
     saved = stream.state()
-    log.trim_through(ids[8])
-    with pytest.raises(DataError, match="no longer holds entry .* trimmed"):
-        stream.reset(saved)
-        stream.next_step()
+    log.trim_through(ids[9])  # a later incarnation trained on entries 4..9 and trimmed them before it died
+    stream.reset(saved)
+    step = stream.next_step()
+    assert actions(mb.tensors for mb in step.per_rank[0]) == expected_actions(groups[10:14])

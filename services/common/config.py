@@ -54,6 +54,12 @@ class ModelConfig:
     # Qwen3 shape, bench/RESULTS.md; not under tensor parallelism, where the vocabulary is split over ranks and the
     # vocab-parallel cross-entropy on logits is used).
     moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation", "cross_entropy"])
+    # FP8 (e4m3) for the routed experts' grouped GEMMs on CUDA (kernels/fp8_grouped_mm.py): "" (off: bf16
+    # torch._grouped_mm), "tensorwise" (a scale per activation row and per expert weight) or "blockwise" (DeepSeek-V3:
+    # 1x128 activation and 128x128 weight blocks). Forward and dgrad in FP8, wgrad in bf16; master weights, router,
+    # norms, attention and the output layer keep their precision. On CPU it is accepted and the experts run the
+    # bf16/fp32 torch path. Needs hidden_size and moe_ffn_hidden_size / parallel.etp to be multiples of 16.
+    fp8: Literal["", "tensorwise", "blockwise"] = ""
     # Activation memory (services/trainer/model/recompute.py). Recompute in backward instead of keeping: "norm",
     # "attn_core", "moe_act" (expert activation), "moe" (whole MoE layer), "layer" (whole decoder block).
     recompute: list[str] = field(default_factory=list)
@@ -99,8 +105,7 @@ class DataConfig:
     # sampled per packed sequence with these weights; empty: all entries form one dataset
     cp_max_tokens_per_rank: int = 0  # dynamic CP (parallel.cp_sizes): tokens of a micro-batch per CP rank; 0: no limit
     cp_max_attn_per_rank: float = 0.0  # dynamic CP: attention cost (sum of squared segment lengths) per CP rank; 0: no limit
-    source: Literal["corpus", "rollout"] = "corpus"  # what the dataloader packs: the corpus, or RL trajectory groups
-    rollout_stream: str = ""  # source=rollout: Redis stream key; empty: the "stream" of a rollout worker's registry record
+    rollout_stream: str = ""  # RL run: Redis stream key; empty: the "stream" of a rollout worker's registry record
     replicas: int = 1  # dataloader services of the run; replica r serves the dp ranks with dp_rank % replicas == r
     #                    (each packs the same global stream and sends only its ranks' micro-batches); corpus source only
 
@@ -174,14 +179,14 @@ class RLConfig:
     # training (services/trainer/rl)
     groups_per_step: int = 4  # trajectory groups per optimizer step
     rollout_timeout_s: float = 300.0  # seconds the trainer waits for a step's groups before it fails
-    micro_batch_tokens: int = 4096  # packed tokens per forward/backward
+    micro_batch_tokens: int = 4096  # the dataloader packs each rank's samples into micro-batches of at most this many tokens
     clip_eps_low: float = 0.2  # PPO ratio clipped to [1 - low, 1 + high]
     clip_eps_high: float = 0.28  # above `low`: rarely likely tokens may still grow (clip-higher)
     tis_cap: float = 2.0  # truncated importance sampling: cap on pi_train_old / pi_rollout (0: no correction)
     kl_coef: float = 0.0  # k3 KL to the reference policy (0: no reference model)
     std_normalize: bool = True  # GRPO: divide group-centred rewards by the group std
     recompute_logprobs: bool = True  # trainer recomputes old log-probs before the update (decoupled PPO + TIS)
-    enabled: bool = False  # `foldmoe train` runs RL: rollout workers + services.trainer.rl.train_rl, no dataloader
+    enabled: bool = False  # `foldmoe train` runs RL: rollout workers, the dataloader packing their stream, train_rl
 
 
 @dataclass
@@ -325,6 +330,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_choices("model.moe_kernels", m.moe_kernels,
                    ("permutation", "activation", "router", "cross_entropy"))
     _check_choices("model.recompute", m.recompute, ("norm", "attn_core", "moe_act", "moe", "layer"))
+    if m.fp8:
+        _check(m.hidden_size % 16 == 0 and m.moe_ffn_hidden_size % (16 * p.etp) == 0,
+               f"`model.fp8={m.fp8}` needs `model.hidden_size={m.hidden_size}` and `model.moe_ffn_hidden_size="
+               f"{m.moe_ffn_hidden_size}` / `parallel.etp={p.etp}` to be multiples of 16 (16-byte e4m3 rows); "
+               "change the sizes or set model.fp8=''")
     _check_choices("model.offload", m.offload, ("attn", "moe", "layer"))
     for outer, inner in (("layer", ("norm", "attn_core", "moe_act", "moe")), ("moe", ("moe_act",))):
         redundant = [name for name in inner if outer in m.recompute and name in m.recompute]
@@ -335,9 +345,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(cfg.run.steps > 0, f"`run.steps` must be positive, got {cfg.run.steps}")
     _check(cfg.run.max_restarts >= 0, f"`run.max_restarts` must be >= 0, got {cfg.run.max_restarts}")
     _check(d.replicas >= 1, f"`data.replicas` must be at least 1, got {d.replicas}")
-    _check(d.replicas == 1 or d.source == "corpus",
-           f"`data.replicas={d.replicas}` needs `data.source=corpus`: the rollout source trims the shared trajectory "
-           "stream as its ranks consume it, which one replica cannot know for the others; use one replica")
     _check(cfg.checkpoint.host_buffers >= 1,
            f"`checkpoint.host_buffers` must be at least 1, got {cfg.checkpoint.host_buffers}")
     for name in ("tp", "cp", "pp", "ep", "etp"):

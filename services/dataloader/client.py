@@ -16,6 +16,11 @@ micro-batches again; a partly received step is discarded. The stream of steps `n
 same as without the restart. Without a registry (`DataClient(...)` built from endpoints) only the same endpoints are
 retried.
 
+On demand (`on_demand=True`; `from_registry` picks it in an RL run, `rl.enabled`): the client holds no credits between
+steps, so the service builds step s only once the trainer calls `next_step` for it (an RL step must not be packed
+before the weights that train it exist, see rollout_source.py); it asks for one micro-batch, learns the step's count
+from its header (an RL step's count depends on its trajectories) and then asks for the rest. `grad_accum` is unused.
+
 Replicas (`data.replicas` = n): the client uses replica dp_rank % n, before and after a restart; the others never see
 it. Auth: with FOLDMOE_AUTH_TOKEN set, every gRPC call and ZMQ message carries it (services/common/net.py).
 """
@@ -52,7 +57,8 @@ class _ServiceLost(Exception):
 class DataClient:
     def __init__(self, zmq_endpoint: str, grpc_endpoint: str, *, dp_rank: int, dp_size: int, grad_accum: int,
                  rank: int | None = None, group_size: int = 1, prefetch: int = 8, timeout: float = 60.0,
-                 registry: Registry | None = None, replicas: int = 1, token: str | None = None):
+                 registry: Registry | None = None, replicas: int = 1, token: str | None = None,
+                 on_demand: bool = False):
         """`timeout`: longest wait for one micro-batch from a live service, and for a lost service to come back.
         `registry`: where to find the service again after it restarts (None: retry the same endpoints); `replicas`:
         the run's `data.replicas` (which registered replica is this rank's). `token`: None: FOLDMOE_AUTH_TOKEN."""
@@ -65,7 +71,7 @@ class DataClient:
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         self.rank = dp_rank if rank is None else rank
         self.group_size, self.prefetch, self.timeout = group_size, max(1, prefetch), timeout
-        self.registry = registry
+        self.registry, self.on_demand = registry, on_demand
         self.reconnects = 0
         self._connect_control(grpc_endpoint)
         self._ctx = zmq.Context.instance()
@@ -92,7 +98,7 @@ class DataClient:
                                 f"{dp_rank}) is registered: {e}") from None
         return cls(record["zmq"], record["grpc"], dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg.data.grad_accum,
                    rank=rank, group_size=world_size // dp_size, prefetch=cfg.data.prefetch, timeout=timeout,
-                   registry=registry, replicas=replicas)
+                   registry=registry, replicas=replicas, on_demand=cfg.rl.enabled)
 
     # ------------------------------------------------------------ control
 
@@ -130,7 +136,7 @@ class DataClient:
         self._sock.connect(self.zmq_endpoint)
         wire.send(self._sock, "hello", pb.DataHello(rank=self.rank, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                                     group_size=self.group_size, start_step=self._next_step,
-                                                    credits=self.prefetch), token=self.token)
+                                                    credits=0 if self.on_demand else self.prefetch), token=self.token)
 
     def status(self) -> dict[str, Any]:
         reply = self._call(self._control.Status, pb.DataStatusRequest(), "Status")
@@ -159,18 +165,27 @@ class DataClient:
 
     def _receive_step(self) -> list[dict[str, torch.Tensor]]:
         out, state_after = [], None
-        for micro in range(self.grad_accum):
+        count, micro = self.grad_accum, 0
+        if self.on_demand:
+            self._grant(1)
+        while micro < count:
             header, tensors = self._recv()
             if header.step != self._next_step or header.micro != micro:
                 raise DataError(f"dataloader sent step {header.step} micro-batch {header.micro}, expected step "
                                 f"{self._next_step} micro-batch {micro}: another rank resumed the stream elsewhere; "
                                 "all ranks must resume from the same state")
-            if header.grad_accum != self.grad_accum:
+            if self.on_demand:
+                if micro == 0:
+                    count = header.grad_accum
+                    if count > 1:
+                        self._grant(count - 1)
+            elif header.grad_accum != self.grad_accum:
                 raise DataError(f"dataloader serves grad_accum={header.grad_accum} but this trainer uses "
                                 f"{self.grad_accum}; start both from the same config")
             tensors["cp_size"] = torch.tensor(header.cp_size or 1, dtype=torch.int64)
             out.append(tensors)
             state_after = header.state_after
+            micro += 1
         self._state = json.loads(state_after)
         self._next_step += 1
         return out
@@ -191,8 +206,12 @@ class DataClient:
         if kind != "micro_batch":
             raise DataError(f"dataloader sent an unexpected {kind!r} message")
         _, header, tensors = wire.decode(frames, pb.MicroBatchHeader)
-        wire.send(self._sock, "credit", pb.DataCredit(credits=1), token=self.token)
+        if not self.on_demand:
+            self._grant(1)
         return header, tensors
+
+    def _grant(self, credits: int) -> None:
+        wire.send(self._sock, "credit", pb.DataCredit(credits=credits), token=self.token)
 
     # ------------------------------------------------------------ surviving a restart of the service
 

@@ -67,7 +67,7 @@ class Engine:
         self.dp_size = 0
         self.joinable = 0  # highest step a rank may join at: the production point, or beyond it after a checked resume
         self._scratch: StepStream | None = None  # replays packing to check that two positions lie on one stream
-        self._served: dict[int, dict[str, Any]] = {}  # step -> source state before it, for steps dropped recently
+        self._served: dict[int, dict[str, Any]] = {}  # step -> node state before it, for steps dropped recently
         self.sent = 0  # statistics since start, for Status and the metrics exporter
         self.tokens_sent = 0
         self.steps_produced = 0
@@ -226,7 +226,7 @@ class Engine:
             return
         low = min(c.step for c in current)
         for s in sorted(s for s in self.steps if s < low):
-            self._served[s] = self.steps.pop(s).state_before["source"]
+            self._served[s] = self.steps.pop(s).state_before
             self.steps_served += 1
         # Input is released `max_buffered` steps behind the slowest rank's cursor, not at it: the cursor counts what
         # was sent, and a rank that dies with prefetched micro-batches unread resumes from an earlier step.

@@ -357,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.rl.enabled:  # the dataloader packs the rollout workers' trajectories (rollout_source.py)
+            print("an RL run (rl.enabled) reads no corpus: nothing to preprocess")
+            return 0
         d = cfg.data
         paths = dataset_paths(cfg)
         entries = [[e] for e in d.corpus] if d.blend_weights else [d.corpus]

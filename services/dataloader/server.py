@@ -79,14 +79,14 @@ class DataLoaderServer:
         self.cfg, self.registry = cfg, registry
         self.host, self.advertise = cfg.run.bind_host, net.advertised(cfg.run.bind_host, cfg.run.advertise_host)
         self.token = net.auth_token() if token is None else token
-        tokenizer = open_tokenizer(cfg.data.tokenizer)
         cp_sizes = allowed_cp_sizes(cfg.parallel)
-        if cfg.data.source == "rollout":
+        if cfg.rl.enabled:  # the rollout stream, not a corpus (rollout_source.py)
             self.datasets = []
-            self.engine = Engine([], cfg.data, cp_sizes, make_stream=self._rollout_streams(cfg, cp_sizes, tokenizer),
+            self.engine = Engine([], cfg.data, cp_sizes, make_stream=self._rollout_streams(cfg, cp_sizes),
                                  replica=replica)
         else:
             ensure_dataset(cfg)
+            tokenizer = open_tokenizer(cfg.data.tokenizer)
             self.datasets = [IndexedDataset(p, expect_tokenizer=tokenizer.identity()) for p in dataset_paths(cfg)]
             self.engine = Engine(self.datasets, cfg.data, cp_sizes, replica=replica)
         self._ctx = zmq.Context.instance()
@@ -95,14 +95,15 @@ class DataLoaderServer:
         self._heartbeat = None
         self.error: BaseException | None = None
 
-    def _rollout_streams(self, cfg, cp_sizes, tokenizer):
+    def _rollout_streams(self, cfg, cp_sizes):
         from services.dataloader.rollout_source import RolloutStepStream, TrajectoryLog
 
         if not cfg.data.rollout_stream and self.registry is None:
-            raise DataError("`data.source=rollout` needs `data.rollout_stream` or a registry to find the workers' stream")
+            raise DataError("an RL run's dataloader (`rl.enabled`) needs `data.rollout_stream` or a registry to find "
+                            "the workers' stream")
         url = self.registry.url if self.registry is not None else redis_url()
         log_ = TrajectoryLog(url, cfg.data.rollout_stream, self.registry)
-        return lambda dp_size: RolloutStepStream(log_, cfg, dp_size, cp_sizes, tokenizer.pad_id)
+        return lambda dp_size: RolloutStepStream(log_, cfg, dp_size, cp_sizes)
 
     def start(self) -> "DataLoaderServer":
         self._router = self._ctx.socket(zmq.ROUTER)

@@ -10,6 +10,7 @@ from typing import Any
 import redis
 
 from proto import rollout_pb2 as pb
+from services.common import rollout_stream
 from services.rl_rollout.engine import Completion
 
 
@@ -41,9 +42,10 @@ class TrajectoryStream:
     def publish(self, group: pb.TrajectoryGroup) -> bytes:
         return self.client.xadd(self.key, {"group": group.SerializeToString(), "version": group.policy_version})
 
-    def backlog(self) -> int:
-        """Groups published and not yet consumed (the trainer deletes what it reads)."""
-        return int(self.client.xlen(self.key))
+    def backlog(self, limit: int = 1 << 16) -> int:
+        """Groups published and not yet consumed, counted up to `limit` (the dataloader keeps consumed entries a few
+        steps: services/common/rollout_stream.py)."""
+        return rollout_stream.unread(self.client, self.key, limit)
 
     def close(self) -> None:
         self.client.close()

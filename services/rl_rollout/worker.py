@@ -96,7 +96,7 @@ class RolloutWorker:
     def run(self, max_groups: int | None = None) -> None:
         while not self.stop.is_set() and (max_groups is None or self.groups_published < max_groups):
             # Throttle first, refresh second: weights are pulled right before they are used, not before a wait.
-            while self.stream.backlog() >= self.cfg.rl.max_queued_groups:
+            while self.stream.backlog(self.cfg.rl.max_queued_groups) >= self.cfg.rl.max_queued_groups:
                 if self.stop.wait(0.1):
                     return
             if not self.policy.refresh():
