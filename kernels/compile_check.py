@@ -34,6 +34,23 @@ def _variants():
     permute = importlib.import_module("kernels.permute")
     router = importlib.import_module("kernels.router")
     swiglu = importlib.import_module("kernels.swiglu")
+    fp8 = importlib.import_module("kernels.fp8_grouped_mm")
+    for blockwise in (False, True):  # the experts' gate/up GEMM (K=2048, N=1536) and the row/weight quantisers
+        yield (fp8._fp8_grouped_mm_kernel,
+               {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+                "offs_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "E": "i32",
+                **{f"stride_{s}": "i32" for s in ("am", "be", "bn", "om", "asm", "ask", "bse", "bsn", "bsk")}},
+               {"K": 2048, "E_PAD": 256, "BLOCKWISE": blockwise, "SCALE_BLOCK": 128, "BLOCK_M": 128, "BLOCK_N": 128,
+                "BLOCK_K": 128}, 8)
+        yield (fp8._quantize_rows_kernel,
+               {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "stride_xm": "i32",
+                "stride_sm": "i32", "stride_sk": "i32"},
+               {"K": 2048, "BLOCKWISE": blockwise, "BLOCK_M": 16, "BLOCK_K": 128 if blockwise else 1024,
+                "FP8_MAX": 448.0, "EPS": 1e-12, "ROUND_FIRST": False}, 4)
+        yield (fp8._quantize_weight_kernel,
+               {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "N": "i32",
+                "stride_se": "i32", "stride_sk": "i32", "stride_sn": "i32"},
+               {"BLOCKWISE": blockwise, "BLOCK": 128, "FP8_MAX": 448.0, "EPS": 1e-12, "ROUND_FIRST": False}, 8)
     for dt in ("bf16", "fp32"):
         yield (rows._scatter_rows_kernel,
                {"src_ptr": f"*{dt}", "row_id_map_ptr": "*i32", "weights_ptr": "*fp32", "dot_src_ptr": f"*{dt}",

@@ -5,6 +5,11 @@ On CUDA both GEMMs are `torch._grouped_mm` over the expert-sorted rows (offsets 
 device memory: no host sync); the CPU path runs the same math expert by expert (the CPU grouped-mm kernel has alignment
 limits and no backward we can rely on).
 
+With `fp8` ("tensorwise" or "blockwise", config `model.fp8`) the two grouped GEMMs on CUDA are
+`kernels.fp8_grouped_mm.fp8_grouped_linear` instead: the rows and the (fp32 or bf16 master) weights are quantised to
+e4m3 on the device each call, forward and dgrad run the FP8 Triton kernel, wgrad runs in bf16. The CPU path ignores
+it (the torch path in the parameters' dtype), as it ignores the Triton kernels.
+
 Rows past the last expert's (dropped copies, when the dispatcher keeps a fixed T·k-row buffer) are not computed: their
 output rows are left unspecified and the combine step never reads them.
 
@@ -39,8 +44,10 @@ def triton_applies(x: torch.Tensor) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, fused_activation: bool = False):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, fused_activation: bool = False,
+                 fp8: str = ""):
         super().__init__()
+        self.fp8 = fp8  # "", "tensorwise" or "blockwise": the CUDA path's grouped GEMMs in FP8
         self.num_experts = num_experts
         self.w13 = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
@@ -74,9 +81,14 @@ class GroupedExperts(nn.Module):
         # Grouped GEMMs are outside autocast's op list: cast explicitly to the autocast dtype (bf16 in training).
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         offs = tokens_per_expert.cumsum(0).to(torch.int32)
-        x, w13, w2 = x.to(dtype), self.w13.to(dtype), self.w2.to(dtype)
-        h13 = torch._grouped_mm(x, w13, offs=offs)
-        return self._activation_then(h13, weights, lambda h: torch._grouped_mm(h, w2, offs=offs))
+        if self.fp8:  # the quantisers read the master weights as they are: no bf16 copy
+            from kernels.fp8_grouped_mm import fp8_grouped_linear
+
+            mm = lambda a, w: fp8_grouped_linear(a, w, offs, self.fp8)  # noqa: E731
+        else:
+            mm = lambda a, w: torch._grouped_mm(a, w.to(dtype), offs=offs)  # noqa: E731
+        h13 = mm(x.to(dtype), self.w13)
+        return self._activation_then(h13, weights, lambda h: mm(h, self.w2))
 
     def _looped(self, x, tokens_per_expert, weights):
         counts = tokens_per_expert.tolist()  # the CPU path may sync: there is no device to wait for

@@ -40,7 +40,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size,
-                                      fused_activation="activation" in cfg.moe_kernels)
+                                      fused_activation="activation" in cfg.moe_kernels, fp8=cfg.fp8)
         self.shared_expert = (SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_ffn_hidden_size)
                               if cfg.shared_expert_ffn_hidden_size else None)
         # Replaced by an EP dispatcher when parallelized.

@@ -1,0 +1,237 @@
+"""fp8_grouped_mm: the Triton quantisers and grouped GEMM (on CUDA, else in Triton's CPU interpreter) against the
+torch references, and the FP8 linear's forward and gradients against the same math in fp32.
+
+Tolerances:
+- quantisers: bit-exact against the reference (same fp32 division, one round-to-nearest-even to e4m3).
+- grouped GEMM on the same quantised inputs: both accumulate in fp32 and round once to bf16, so within one bf16
+  rounding of the output (rtol 1.6e-2) plus an fp32 summation-order slack (atol 1e-3 of the output's scale).
+- quantiser round trip: e4m3 keeps 3 mantissa bits, so |x - q*scale| <= 2^-4 |x| for normals and half a subnormal
+  step, 2^-10 * scale, below 2^-6 * scale.
+- FP8 linear against fp32: e4m3 rounding of both operands gives each product a relative error of at most
+  2 * 2^-4 (about 2.6% RMS with random inputs), which averages over a dot product, so the normwise relative error of
+  the output and of dgrad is under 5%; wgrad is bf16 (under 1%).
+"""
+
+import pytest
+import torch
+from kernels_interpreter import DEVICE, ON_CUDA, kernels_on_device  # noqa: F401  (first: before triton is imported)
+
+from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, fp8_grouped_linear, fp8_grouped_mm,
+                                    fp8_grouped_mm_reference, quantize_rows, quantize_rows_reference,
+                                    quantize_weight, quantize_weight_reference)
+
+# 4 experts, uneven with an empty one; 5 tail rows past the last expert's (dropped copies): written as zeros.
+COUNTS = [150, 0, 61, 9]
+TAIL = 5
+
+
+def _offs(counts):
+    return torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def _rel(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("K", [256, 192])  # 192: a partial 1x128 block
+def test_row_quantiser_is_bit_exact_with_the_reference(recipe, K):
+    x = torch.randn(37, K, device=DEVICE, dtype=torch.bfloat16) * 3
+    x[5] = 0  # an all-zero row: a tiny scale, zeros out
+    q, scale = quantize_rows(x, recipe)
+    q_ref, scale_ref = quantize_rows_reference(x, recipe)
+    assert q.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == scale_ref.shape
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert q[5].float().abs().max() == 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_weight_quantiser_is_bit_exact_and_writes_both_layouts(recipe):
+    w = torch.randn(3, 256, 192, device=DEVICE) * 0.02
+    w[1, :128, :128] *= 100  # one outlier block: blockwise scales it alone, tensorwise the whole expert
+    q, q_t, scale = quantize_weight(w, recipe)
+    q_ref, _, scale_ref = quantize_weight_reference(w, recipe)
+    torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert q_t.shape == (3, 192, 256) and q_t.is_contiguous()
+    assert torch.equal(q_t.view(torch.uint8), q.transpose(1, 2).view(torch.uint8))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantiser_round_trip_is_within_fp8_rounding(recipe):
+    x = torch.randn(64, 384, device=DEVICE) * torch.logspace(-3, 2, 384, device=DEVICE)  # wide dynamic range
+    q, scale = quantize_rows(x, recipe)
+    per_element = scale if recipe == "tensorwise" else scale.repeat_interleave(128, dim=1)
+    err = (q.float() * per_element - x).abs()
+    bound = torch.maximum(x.abs() * 2.0 ** -4, per_element * 2.0 ** -10) * (1 + 1e-6)
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
+    # the largest magnitude of each scaling group lands on e4m3's largest value
+    assert q.float().abs().amax().item() == FP8_MAX
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("N", [128, 192])
+def test_grouped_mm_matches_reference_on_the_same_quantised_inputs(recipe, N):
+    K, M = 256, sum(COUNTS) + TAIL
+    offs = _offs(COUNTS)
+    xq, xs = quantize_rows_reference(torch.randn(M, K, device=DEVICE), recipe)
+    wq, wq_t, ws = quantize_weight_reference(torch.randn(len(COUNTS), K, N, device=DEVICE) * 0.05, recipe)
+    for b, b_scale in ((wq_t, ws.transpose(1, 2)),):
+        got = fp8_grouped_mm(xq, xs, b, b_scale, offs, recipe)
+        want = fp8_grouped_mm_reference(xq, xs, b, b_scale, offs, recipe)
+        assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3 * want.float().abs().max().item())
+        assert got[-TAIL:].abs().max() == 0
+
+
+def test_reference_is_the_dequantised_product_expert_by_expert():
+    # scales of one: the reference is a plain per-expert product of the e4m3 values
+    x = torch.randn(20, 32, device=DEVICE).to(FP8)
+    w = torch.randn(2, 16, 32, device=DEVICE).to(FP8)
+    ones_a, ones_b = torch.ones(20, 1, device=DEVICE), torch.ones(2, 1, 1, device=DEVICE)
+    got = fp8_grouped_mm_reference(x, ones_a, w, ones_b, _offs([12, 6]), "tensorwise")
+    want = torch.cat([x[:12].float() @ w[0].float().T, x[12:18].float() @ w[1].float().T, torch.zeros(2, 16)])
+    torch.testing.assert_close(got.float(), want.to(got).float(), rtol=0, atol=0)
+
+
+def _linear_fp32(x, w, counts):
+    out, start = [], 0
+    for g, n in enumerate(counts):
+        out.append(x[start:start + n] @ w[g])
+        start += n
+    return torch.cat(out + [x.new_zeros(x.shape[0] - start, w.shape[2])])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_forward_and_grads_are_close_to_fp32(recipe):
+    K, N, M = 256, 192, sum(COUNTS) + TAIL
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    w0 = (torch.randn(len(COUNTS), K, N, generator=g) * 0.05).to(DEVICE)
+    grad = torch.randn(M, N, generator=g).to(DEVICE)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    out = fp8_grouped_linear(x, w, _offs(COUNTS), recipe)
+    out.backward(grad.to(out.dtype))
+    xr, wr = x0.float().requires_grad_(), w0.clone().requires_grad_()
+    want = _linear_fp32(xr, wr, COUNTS)
+    want.backward(grad)
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    assert _rel(out, want) < 0.05
+    assert _rel(x.grad[:-TAIL], xr.grad[:-TAIL]) < 0.05
+    assert x.grad[-TAIL:].abs().max() == 0  # the tail never reached the output
+    assert _rel(w.grad, wr.grad) < 0.01
+    assert w.grad[1].abs().max() == 0  # the empty expert
+
+
+def test_kernels_run_on_cuda_or_in_the_interpreter_and_plain_cpu_runs_the_reference(monkeypatch):
+    x = torch.randn(8, 32, device=DEVICE)
+    ran = []
+    import kernels.fp8_grouped_mm as mod
+
+    monkeypatch.setattr(mod, "fp8_grouped_mm_reference", lambda *a: ran.append("reference"))
+    q, s = quantize_rows(x, "tensorwise")
+    wq, wq_t, ws = quantize_weight(torch.randn(1, 32, 16, device=DEVICE), "tensorwise")
+    mod.fp8_grouped_mm(q, s, wq_t, ws, _offs([8]), "tensorwise")
+    assert ran == []
+    if not ON_CUDA:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        mod.fp8_grouped_mm(q, s, wq_t, ws, _offs([8]), "tensorwise")
+        assert ran == ["reference"]
+
+
+def test_bad_inputs_name_the_problem():
+    q, s = quantize_rows_reference(torch.randn(8, 256), "tensorwise")
+    wq, wq_t, ws = quantize_weight_reference(torch.randn(2, 256, 16), "tensorwise")
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="not one of"):
+        fp8_grouped_mm(q, s, wq_t, ws, offs, "rowwise")
+    with pytest.raises(ValueError, match="int32"):
+        fp8_grouped_mm(q, s, wq_t, ws, offs.long(), "tensorwise")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_grouped_mm(q[:, :24], s, wq_t[:, :, :24], ws, offs, "tensorwise")
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_grouped_mm(q.float(), s, wq_t, ws, offs, "tensorwise")
+    with pytest.raises(ValueError, match=r"blockwise scales must be a_scale \(8, 2\)"):
+        fp8_grouped_mm(q, s, wq_t, ws, offs, "blockwise")
+
+
+def _experts(fp8, device):
+    from services.trainer.model.moe.experts import GroupedExperts
+
+    experts = GroupedExperts(4, 64, 32, fp8=fp8).to(device)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return experts
+
+
+def _experts_run(experts, x, counts, weights):
+    x = x.clone().requires_grad_()
+    out = experts(x, counts, weights)
+    out.square().sum().backward()
+    return out, x.grad, experts.w13.grad, experts.w2.grad
+
+
+def test_experts_on_cpu_accept_fp8_and_run_the_torch_path():
+    counts = torch.tensor([5, 0, 7, 4])
+    x, weights = torch.randn(18, 64), torch.rand(18)  # 2 tail rows
+    for got, want in zip(_experts_run(_experts("blockwise", "cpu"), x, counts, weights),
+                         _experts_run(_experts("", "cpu"), x, counts, weights)):
+        assert torch.equal(got, want)
+
+
+# ---- GPU only: a realistic shape, and no host sync
+
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU (Hopper for fp8 tensor cores)")
+
+
+@cuda_only
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_qwen3_shape_matches_reference_and_bf16(recipe):
+    E, K, N = 16, 2048, 1536
+    counts = torch.randint(0, 1024, (E,), generator=torch.Generator().manual_seed(1))
+    counts[3] = 0
+    offs = counts.cumsum(0).to(torch.int32).cuda()
+    M = int(counts.sum()) + 7
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16) * 0.02
+    xq, xs = quantize_rows(x, recipe)
+    wq, wq_t, ws = quantize_weight(w, recipe)
+    got = fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe)
+    want = fp8_grouped_mm_reference(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3 * want.float().abs().max().item())
+    bf16 = torch._grouped_mm(x, w, offs=offs)
+    rows = int(counts.sum())
+    assert _rel(got[:rows], bf16[:rows]) < 0.05
+
+
+@cuda_only
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_fp8_linear_forward_and_backward_never_wait_for_the_device(recipe):
+    E, K, N = 8, 512, 384
+    offs = torch.tensor([300, 0, 129, 500, 1, 64, 256, 70], device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(1400, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(E, K, N, device="cuda", requires_grad=True)
+    fp8_grouped_linear(x, w, offs, recipe).sum().backward()  # autotuning (which syncs) happens here
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fp8_grouped_linear(x, w, offs, recipe).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@cuda_only
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_experts_in_fp8_are_close_to_bf16(recipe):
+    counts = torch.tensor([300, 0, 129, 211], device="cuda")
+    x, weights = torch.randn(640, 64, device="cuda"), torch.rand(640, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _experts_run(_experts(recipe, "cuda"), x, counts, weights)
+        want = _experts_run(_experts("", "cuda"), x, counts, weights)
+    rows = int(counts.sum())
+    for name, a, b in zip(("out", "grad x", "grad w13", "grad w2"), got, want):
+        a, b = (a[:rows], b[:rows]) if name in ("out", "grad x") else (a, b)
+        assert _rel(a, b) < 0.08, name  # two FP8 GEMMs in a row (5% each, module docstring)
