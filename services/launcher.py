@@ -64,18 +64,19 @@ class ChildSpec:
 def child_specs(config_file: Path, cfg: Config, python: str = sys.executable) -> list[ChildSpec]:
     """The processes of a local run, in start order. compose/docker-compose.yml runs the same commands."""
     conf = ["--config", str(config_file)]
-    # RL (`rl.enabled`): rollout workers instead of the dataloader (the trainer reads their stream itself; see
-    # services/trainer/rl/rollouts.py). They register before they have weights, so they start with the services and
-    # the RL trainer starts once they are up; a crashed worker is a crashed service.
+    # RL (`rl.enabled`): rollout workers too, and the dataloader packs their stream instead of a corpus (see
+    # services/dataloader/rollout_source.py). Workers register before they have weights, so they start with the
+    # services and the RL trainer starts once they are up; a crashed worker is a crashed service.
     # `data.replicas` dataloaders run the same command: each claims a free replica index in the registry.
     replicas = cfg.data.replicas
-    data = [ChildSpec(f"rollout{i}", [python, "-m", "services.rl_rollout.worker", *conf], registers_as="rollout")
-            for i in range(cfg.rl.workers)] if cfg.rl.enabled else \
-        [ChildSpec(f"dataloader{i}" if replicas > 1 else "dataloader", [python, "-m", "services.dataloader.server",
-                                                                          *conf], registers_as="dataloader")
-         for i in range(replicas)]
+    workers = [ChildSpec(f"rollout{i}", [python, "-m", "services.rl_rollout.worker", *conf], registers_as="rollout")
+               for i in range(cfg.rl.workers)] if cfg.rl.enabled else []
+    data = [ChildSpec(f"dataloader{i}" if replicas > 1 else "dataloader", [python, "-m", "services.dataloader.server",
+                                                                           *conf], registers_as="dataloader")
+            for i in range(replicas)]
     trainer = "services.trainer.rl.train_rl" if cfg.rl.enabled else "services.trainer.train"
     return [
+        *workers,
         *data,
         ChildSpec("checkpointer", [python, "-m", "services.checkpointer.writer", *conf], registers_as="checkpointer"),
         # `python -m torch.distributed.run` is torchrun, without needing the venv's bin/ on PATH.

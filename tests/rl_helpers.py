@@ -40,3 +40,12 @@ def full_forward(model: MoETransformer, tokens: list[int]) -> tuple[torch.Tensor
         for h in hooks:
             h.remove()
     return logits.float().cpu(), torch.stack(taps) if taps else torch.zeros(0, len(tokens), 0, dtype=torch.int64)
+
+
+def micro_batches(groups, dp_size: int = 1, max_tokens: int = 4096, std_normalize: bool = True) -> list[list[dict]]:
+    """Trajectory groups (proto messages) as the dataloader serves them: per dp rank, its micro-batch dicts."""
+    from services.dataloader.rollout_source import pack_step
+
+    layers, top_k = groups[0].moe_layers, groups[0].top_k
+    per_rank = pack_step(groups, dp_size, max_tokens, std_normalize, layers, top_k)
+    return [[dict(mb.tensors) for mb in rank] for rank in per_rank]

@@ -83,6 +83,18 @@ def test_completion_tokens_are_the_actions_with_their_logprobs_rewards_versions_
     assert mb["cu_seqlens"].tolist() == [0, 4, 7]
 
 
+def test_grpo_advantages_are_group_centred_and_std_normalised():
+    g = rollout_pb2.TrajectoryGroup(group_id="g", prompt_tokens=[1], moe_layers=1, top_k=1)
+    for reward in (1.0, 0.0, 0.0, 0.0):
+        g.samples.add(tokens=[2], logprobs=[-1.0], routing=[0], reward=reward)
+    # mean 0.25, Bessel std sqrt((0.75² + 3·0.25²)/3) = 0.5
+    assert [s.advantage for s in group_samples(g, True, 1, 1)] == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert [s.advantage for s in group_samples(g, False, 1, 1)] == [0.75, -0.25, -0.25, -0.25]
+    for s in g.samples:
+        s.reward = 1.0
+    assert [s.advantage for s in group_samples(g, True, 1, 1)] == [0.0] * 4  # an all-equal group teaches nothing
+
+
 def test_advantages_are_normalised_within_each_group():
     rng = np.random.default_rng(0)
     samples = group_samples(make_group(rng, "g", samples=6), std_normalize=True, layers=LAYERS, top_k=TOP_K)

@@ -1,8 +1,9 @@
-"""RL end to end on CPU: a real rollout worker process and an in-process trainer doing GRPO steps.
+"""RL end to end on CPU: a real rollout worker process, an in-process dataloader service and trainer doing GRPO steps.
 
-The trainer publishes weights version 0, the worker pulls them, generates arithmetic groups and streams them; the trainer
-consumes groups, steps, and re-publishes (version 1, 2, ...). The worker must pick the new versions up, every consumed
-group must carry the version that generated it within the staleness bound, and the worker must exit cleanly on SIGTERM.
+The trainer publishes weights version 0, the worker pulls them, generates arithmetic groups and streams them; the
+dataloader packs each step's groups and the trainer pulls them through its client, steps, and re-publishes (version 1,
+2, ...). The worker must pick the new versions up, every trained sample must carry the version that generated it within
+the staleness bound, and the worker must exit cleanly on SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import yaml
 
 from services.common.config import load_config
 from services.common.registry import Registry
+from services.dataloader.client import DataClient
+from services.dataloader.server import DataLoaderServer
 from services.rl_rollout.publish import stream_key
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.rl.rollouts import RolloutReader
 from services.trainer.rl.step import rl_step
 from services.trainer.rl.weight_publisher import WeightPublisher
 
@@ -38,7 +40,7 @@ def run_config(tmp_path):
         "model": dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
                       moe_ffn_hidden_size=32, ffn_hidden_size=64),
         "run": dict(name=run, device="cpu", seed=11),
-        "rl": dict(task="arithmetic", difficulty=1, group_size=4, prompts_per_batch=2, max_new_tokens=4,
+        "rl": dict(enabled=True, task="arithmetic", difficulty=1, group_size=4, prompts_per_batch=2, max_new_tokens=4,
                    max_batch=8, max_seq_len=32, max_staleness=1, max_queued_groups=2, groups_per_step=2,
                    weight_dtype="fp32"),
     }
@@ -60,20 +62,25 @@ def test_worker_and_trainer_run_grpo_steps_with_versioned_weights(run_config):
     env = {**os.environ, "REDIS_URL": REDIS_URL, "PYTHONUNBUFFERED": "1"}
     worker = subprocess.Popen([sys.executable, "-m", "services.rl_rollout.worker", "--config", str(path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    dataloader = DataLoaderServer(cfg, registry).start()
     try:
-        reader = RolloutReader.from_registry(registry, cfg.rl.max_staleness, timeout=60)
+        registry.wait_for("rollout", 1, timeout=60)
         (record,) = registry.lookup("rollout")
         assert record["stream"] == stream_key(cfg.run.name)
+        data = DataClient.from_registry(registry, 0, 1, cfg, rank=0, world_size=1, timeout=60)
         seen_versions, history = [], []
         for version in range(STEPS):
-            groups = reader.next_groups(cfg.rl.groups_per_step, version, timeout_s=60)
-            for g in groups:
-                assert len(g.samples) == cfg.rl.group_size  # only whole groups ever reach the stream
-                assert version - cfg.rl.max_staleness <= g.version <= version
-            metrics = rl_step(model, optimizer, groups, cfg.rl, torch.device("cpu"), version=version)
+            micro_batches = data.next_step()
+            for mb in micro_batches:
+                trained = mb["versions"][mb["loss_mask"]]
+                assert bool((version - cfg.rl.max_staleness <= trained).all() and (trained <= version).all())
+            metrics = rl_step(model, optimizer, micro_batches, cfg.rl, torch.device("cpu"), version=version)
+            # only whole groups ever reach the stream, and the dataloader takes rl.groups_per_step of them
+            assert metrics["samples"] == cfg.rl.groups_per_step * cfg.rl.group_size
             history.append(metrics)
-            seen_versions += [g.version for g in groups]
+            seen_versions += metrics["policy_versions"]
             publisher.publish(version + 1, model.state_dict())
+        data.close()
         # The worker followed the trainer: later groups come from re-published weights, not only from version 0.
         assert max(seen_versions) >= STEPS - 1 - cfg.rl.max_staleness
         assert seen_versions == sorted(seen_versions)
@@ -95,3 +102,4 @@ def test_worker_and_trainer_run_grpo_steps_with_versioned_weights(run_config):
             worker.wait()
         beat.stop()
         publisher.stop()
+        dataloader.stop()

@@ -1,5 +1,5 @@
-"""An RL run is one command: `foldmoe train --config configs/rl_tiny.yaml` starts Redis, the checkpointer, two rollout
-workers and the RL trainer; streams reward, response length, clip fraction, KL, log-prob mismatch and staleness per
+"""An RL run is one command: `foldmoe train --config configs/rl_tiny.yaml` starts Redis, two rollout workers, the
+dataloader (packing their trajectory stream), the checkpointer and the RL trainer; streams reward, response length, clip fraction, KL, log-prob mismatch and staleness per
 step; lands checkpoints; stops every process; and a second run resumes from the newest checkpoint with weights that
 reproduce the rollout log-probs exactly."""
 
@@ -53,7 +53,7 @@ def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path
         assert first.rc == 0, first.stderr[-3000:]
         assert first.strays == []
         assert "trainer finished; every service stopped cleanly" in first.stderr
-        for name in ("rollout0", "rollout1", "checkpointer", "trainer"):
+        for name in ("rollout0", "rollout1", "dataloader", "checkpointer", "trainer"):
             assert f"started {name} " in first.stderr
         progress = [line for line in first.stdout.splitlines() if line.startswith("step ")]
         assert len(progress) == 4 and all(f" {w} " in progress[0] for w in ("reward", "len", "clip", "kl",
@@ -68,6 +68,7 @@ def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path
             assert 0.0 <= r["rollout_wait_frac"] <= 1.0
             assert r["rollout_wait_frac"] == pytest.approx(r["rollout_wait_s"] / r["step_time_s"])
             assert r["policy_versions"][-1] <= r["step"] - 1  # trained on weights it had published, never later ones
+            assert r["samples"] == 2 * 8  # rl.groups_per_step whole groups of rl.group_size
         assert logged[0]["policy_versions"] == [0] and logged[0]["logprob_mismatch"] < 1e-4
         # Both workers pulled weights and generated (a worker logs each version it loads).
         for name in ("rollout0", "rollout1"):
@@ -109,14 +110,18 @@ def test_an_rl_run_with_fewer_groups_per_step_than_trainer_ranks_is_refused(tmp_
     assert not (tmp_path / "run").exists()
 
 
-def test_rl_mode_starts_rollout_workers_instead_of_the_dataloader_and_the_rl_trainer(tmp_path):
+def test_rl_mode_starts_rollout_workers_the_dataloader_replicas_and_the_rl_trainer(tmp_path):
     from services.common.config import load_config
     from services.launcher import child_specs
 
     cfg = load_config("configs/rl_tiny.yaml", ["rl.workers=3"])
-    names = [s.name for s in child_specs(tmp_path / "config.yaml", cfg)]
-    assert names == ["rollout0", "rollout1", "rollout2", "checkpointer", "trainer"]
-    assert "services.trainer.rl.train_rl" in child_specs(tmp_path / "config.yaml", cfg)[-1].argv
+    specs = child_specs(tmp_path / "config.yaml", cfg)
+    assert [s.name for s in specs] == ["rollout0", "rollout1", "rollout2", "dataloader", "checkpointer", "trainer"]
+    assert "services.trainer.rl.train_rl" in specs[-1].argv
+    assert specs[3].registers_as == "dataloader" and "services.dataloader.server" in specs[3].argv
+    cfg = load_config("configs/rl_tiny.yaml", ["rl.workers=1", "data.replicas=2"])
+    assert [s.name for s in child_specs(tmp_path / "config.yaml", cfg)] == ["rollout0", "dataloader0", "dataloader1",
+                                                                          "checkpointer", "trainer"]
 
 
 def test_an_rl_run_on_two_data_parallel_trainer_ranks_trains_checkpoints_and_resumes(tmp_path):
@@ -129,7 +134,7 @@ def test_an_rl_run_on_two_data_parallel_trainer_ranks_trains_checkpoints_and_res
         assert len(progress) == 3  # rank 0 alone prints
         logged = records(tmp_path)
         assert [r["step"] for r in logged] == [1, 2, 3] and all(r["trainer_ranks"] == 2 for r in logged)
-        assert all(r["groups"] == 2 and 0.0 <= r["rollout_wait_frac"] <= 1.0 for r in logged)
+        assert all(r["samples"] == 2 * 8 and 0.0 <= r["rollout_wait_frac"] <= 1.0 for r in logged)
         assert logged[0]["policy_versions"] == [0] and logged[0]["logprob_mismatch"] < 1e-4
         assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [2, 3]
 

@@ -3,9 +3,9 @@
 The starting point is tests/rl_pretrained.py's checkpoint: it writes every answer as a number and a newline but samples
 the right one only ~39% of the time at temperature 1. The RL loop is the real one, run in-process and in lock-step so
 that it is deterministic: the trainer publishes weights version s (`WeightPublisher`), a `RolloutWorker` pulls them over
-ZMQ, generates and scores 32 prompts x 8 samples and streams the groups through Redis, the trainer reads them
-(`RolloutReader`, staleness bound 0: on-policy) and takes one `rl_step` (decoupled PPO-clip, GRPO advantages, routing
-replay) with AdamW. The launcher's RL path (worker processes, asynchronous) is tests/test_rl_launcher.py's.
+ZMQ, generates and scores 32 prompts x 8 samples and streams the groups through Redis, the dataloader service packs them
+(`DataLoaderServer`, staleness bound 0: on-policy), the trainer pulls the step through its `DataClient` and takes one
+`rl_step` (decoupled PPO-clip, GRPO advantages, routing replay) with AdamW. The launcher's RL path (worker processes, asynchronous) is tests/test_rl_launcher.py's.
 
 Two measures must rise. (1) The mean training reward, the number the run reports, over the last WINDOW steps against
 the first WINDOW; each window averages 40 x 256 samples, so its sampling noise is about 0.01 (per-step SD <= 0.05)
@@ -93,7 +93,8 @@ def test_grpo_raises_the_reward_of_a_pretrained_model(pretrained, tmp_path, one_
     from services.trainer import checkpointing
     from services.trainer.model.transformer import MoETransformer
     from services.trainer.optim import build_adamw, lr_at, set_lr
-    from services.trainer.rl.rollouts import RolloutReader
+    from services.dataloader.client import DataClient
+    from services.dataloader.server import DataLoaderServer
     from services.trainer.rl.step import rl_step
     from services.trainer.rl.weight_publisher import WeightPublisher
     from services.trainer.train import seed_everything, update_router_bias
@@ -114,7 +115,8 @@ def test_grpo_raises_the_reward_of_a_pretrained_model(pretrained, tmp_path, one_
     publisher.publish(0, model.state_dict())
     beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
     worker = RolloutWorker(cfg, registry, worker_id="rise-0")
-    reader = RolloutReader(REDIS_URL, worker.stream.key, cfg.rl.max_staleness)
+    dataloader = DataLoaderServer(cfg, registry).start()
+    data = DataClient.from_registry(registry, 0, 1, cfg, rank=0, world_size=1, timeout=60)
     rewards, t0 = [], time.perf_counter()
     try:
         for step in range(STEPS):
@@ -122,9 +124,10 @@ def test_grpo_raises_the_reward_of_a_pretrained_model(pretrained, tmp_path, one_
                 assert worker.policy.refresh(timeout_s=30)
                 assert worker.policy.version == step  # the rollout generates with the weights the trainer just published
                 worker.run_batch()
-            groups = reader.next_groups(cfg.rl.groups_per_step, step, timeout_s=30)
+            micro_batches = data.next_step()
             set_lr(optimizer, lr_at(step, cfg.optimizer, STEPS))
-            m = rl_step(model, optimizer, groups, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, version=step)
+            m = rl_step(model, optimizer, micro_batches, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
+                        version=step)
             update_router_bias(model, cfg)
             publisher.publish(step + 1, model.state_dict())
             assert m["staleness_max"] == 0 and m["logprob_mismatch"] < 1e-4  # on-policy, and the same log-probs
@@ -137,7 +140,8 @@ def test_grpo_raises_the_reward_of_a_pretrained_model(pretrained, tmp_path, one_
         worker.close()
         beat.stop()
         publisher.stop()
-        reader.close()
+        data.close()
+        dataloader.stop()
         redis.Redis.from_url(REDIS_URL).delete(stream_key(run))
 
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW

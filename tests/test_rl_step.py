@@ -1,5 +1,6 @@
-"""The RL step: trajectories round-trip through the wire format, routing replay makes the trainer evaluate the network
-that generated them, and a GRPO step moves probability towards rewarded samples independently of micro-batching."""
+"""The RL step on the dataloader's micro-batches: routing replay makes the trainer evaluate the network that generated
+the trajectories, a GRPO step moves probability towards rewarded samples independently of micro-batching, and samples
+outside the staleness bound are refused."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Engine, Request
 from services.rl_rollout.publish import encode_group
 from services.rl_rollout.sampling import SamplingParams
-from services.trainer.rl.rollouts import decode_group
-from services.trainer.rl.step import pack, rl_step, routing_replay, token_logprobs
-from tests.rl_helpers import tiny_model
+from services.trainer.rl.step import RLMicroBatch, rl_step, routing_replay, token_logprobs
+from tests.rl_helpers import micro_batches, tiny_model
 
 TOK = load_tokenizer("byte")
 TEMPERATURE = 1.0
@@ -29,32 +29,35 @@ def _groups(model, prompts=("12+7=", "3*4="), n=4, seed=0, version=0):
     for g, prompt in enumerate(prompts):
         cs = engine.generate([Request(TOK.encode(prompt), params, tag=i) for i in range(n)])
         rewards = [1.0 if i == 0 else 0.0 for i in range(n)]  # the first sample of each group is "correct"
-        msg = encode_group(f"w:{g}", "w", version, "test", prompt, {}, TEMPERATURE, cs, rewards)
-        out.append(decode_group(msg.SerializeToString()))
+        out.append(encode_group(f"w:{g}", "w", version, "test", prompt, {}, TEMPERATURE, cs, rewards))
     engine.close()
     return out
 
 
-def test_trajectory_groups_round_trip_through_the_wire_format():
+def _one_micro_batch(groups) -> RLMicroBatch:
+    (mb,), = micro_batches(groups, max_tokens=10_000)
+    return RLMicroBatch.from_data(mb)
+
+
+def test_a_micro_batch_carries_every_completion_token_with_its_routing_reward_and_version():
     model = tiny_model(seed=1)
-    group = _groups(model)[0]
-    assert group.version == 0 and group.temperature == TEMPERATURE and len(group.samples) == 4
-    s = group.samples[0]
-    assert s.routing.shape == (len(model.moe_layers()), len(s.prompt_tokens) + len(s.tokens) - 1, model.cfg.top_k)
-    assert s.logprobs.shape == (len(s.tokens),) and s.reward == 1.0
+    groups = _groups(model, version=3)
+    mb = _one_micro_batch(groups)
+    assert mb.routing.shape == (len(model.moe_layers()), len(mb.tokens), model.cfg.top_k)
+    assert int(mb.response.sum()) == sum(len(s.tokens) for g in groups for s in g.samples) == 2 * 4 * 6
+    assert set(mb.versions[mb.response].tolist()) == {3} and set(mb.versions[~mb.response].tolist()) == {-1}
+    assert float(mb.rewards[mb.response].sum()) == 2 * 6  # one rewarded sample of 6 tokens per group
 
 
 def test_replayed_routing_reproduces_the_rollout_logprobs_and_other_routing_does_not():
     model = tiny_model(seed=2)
-    groups = _groups(model)
-    adv = torch.zeros(len(groups), 4)
-    for mb in pack(groups, adv, max_tokens=10_000):
-        m = mb.response
-        with torch.no_grad():
-            replayed = token_logprobs(model, mb, TEMPERATURE)
-            torch.testing.assert_close(replayed[m], mb.rollout_logp[m], atol=1e-4, rtol=0)
-            wrong = dataclasses.replace(mb, routing=(mb.routing + 1) % model.cfg.num_experts)
-            assert (token_logprobs(model, wrong, TEMPERATURE)[m] - mb.rollout_logp[m]).abs().max() > 1e-2
+    mb = _one_micro_batch(_groups(model))
+    m = mb.response
+    with torch.no_grad():
+        replayed = token_logprobs(model, mb, TEMPERATURE)
+        torch.testing.assert_close(replayed[m], mb.rollout_logp[m], atol=1e-4, rtol=0)
+        wrong = dataclasses.replace(mb, routing=(mb.routing + 1) % model.cfg.num_experts)
+        assert (token_logprobs(model, wrong, TEMPERATURE)[m] - mb.rollout_logp[m]).abs().max() > 1e-2
     assert all(layer.router.replay_ids is None for layer in model.moe_layers())  # replay never leaks out
 
 
@@ -65,27 +68,32 @@ def test_replay_refuses_routing_recorded_for_another_model_shape():
             pass
 
 
-def _step(model, groups, lr=0.01, **cfg):
+def _step(model, groups, lr=0.01, version=1, **cfg):
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    return rl_step(model, opt, groups, RLConfig(**cfg), torch.device("cpu"), version=1)
+    rl = RLConfig(**cfg)
+    (data,) = micro_batches(groups, max_tokens=rl.micro_batch_tokens)
+    return rl_step(model, opt, data, rl, torch.device("cpu"), version=version)
 
 
 def test_a_grpo_step_raises_the_likelihood_of_rewarded_samples_and_lowers_the_others():
     model = tiny_model(seed=3)
     groups = _groups(model)
-    mbs = pack(groups, torch.zeros(2, 4), max_tokens=10_000)
+    mb = _one_micro_batch(groups)
     with torch.no_grad():
-        before = token_logprobs(model, mbs[0], TEMPERATURE)
+        before = token_logprobs(model, mb, TEMPERATURE)
     metrics = _step(model, groups, micro_batch_tokens=10_000)
     with torch.no_grad():
-        after = token_logprobs(model, mbs[0], TEMPERATURE)
-    # Per-sample summed log-prob change, in pack order (group-major, sample-minor).
-    seg = torch.repeat_interleave(torch.arange(8), (mbs[0].cu_seqlens[1:] - mbs[0].cu_seqlens[:-1]).long())
-    m = mbs[0].response
-    delta = torch.zeros(8).index_add_(0, seg[m], (after - before)[m]).view(2, 4)
-    assert bool((delta[:, 0] > 0).all()) and bool((delta[:, 1:] < 0).all()), delta
-    assert metrics["reward"] == pytest.approx(0.25)
-    assert metrics["response_length"] == 6 and metrics["staleness_max"] == 1
+        after = token_logprobs(model, mb, TEMPERATURE)
+    # Per-sample summed log-prob change, and each sample's reward
+    lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).long()
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    m = mb.response
+    delta = torch.zeros(len(lengths)).index_add_(0, seg[m], (after - before)[m])
+    rewarded = torch.zeros(len(lengths)).index_add_(0, seg[m], mb.rewards[m]) > 0
+    assert int(rewarded.sum()) == 2
+    assert bool((delta[rewarded] > 0).all()) and bool((delta[~rewarded] < 0).all()), delta
+    assert metrics["reward"] == pytest.approx(0.25) and metrics["samples"] == 8
+    assert metrics["response_length"] == 6 and metrics["staleness_max"] == 1 and metrics["policy_versions"] == [0]
     assert metrics["logprob_mismatch"] < 1e-4  # same fp32 weights, replayed routing: train and rollout agree
     assert metrics["clip_frac"] == 0.0  # first and only update: pi_theta == pi_old
 
@@ -96,7 +104,7 @@ def test_the_update_does_not_depend_on_how_samples_are_split_into_micro_batches(
     one, many = copy.deepcopy(base), copy.deepcopy(base)
     _step(one, groups, micro_batch_tokens=10_000)
     _step(many, groups, micro_batch_tokens=12)  # one sample per micro-batch
-    assert len(pack(groups, torch.zeros(2, 4), 12)) == 8
+    assert len(micro_batches(groups, max_tokens=12)[0]) == 8
     for (name, a), b in zip(one.named_parameters(), many.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
@@ -110,5 +118,15 @@ def test_groups_with_equal_rewards_give_no_policy_gradient():
     before = copy.deepcopy(model.state_dict())
     metrics = _step(model, groups)
     assert metrics["grad_norm"] == 0.0
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name]), name
+
+
+def test_samples_outside_the_staleness_bound_are_refused_not_trained_on():
+    model = tiny_model(seed=6)
+    before = copy.deepcopy(model.state_dict())
+    for generated, trainer in ((0, 3), (2, 1)):  # too stale for max_staleness=1; newer than the trainer
+        with pytest.raises(ValueError, match="disagree on the step"):
+            _step(model, _groups(model, version=generated), version=trainer, max_staleness=1)
     for name, t in model.state_dict().items():
         assert torch.equal(t, before[name]), name

@@ -1,8 +1,10 @@
-"""A rollout worker, then the checkpointer, killed with SIGKILL in the middle of an RL run do not end the run (issue #9's
-chaos test in RL mode, which has no dataloader; tests/test_ops_chaos.py kills the dataloader and the checkpointer of a
-pre-training run): the launcher restarts both, the replacement worker pulls the trainer's current weights, the trainer
-keeps getting groups within the staleness bound, and the run finishes with every step, every checkpoint committed and
-verified (checksums), and no process left behind."""
+"""A rollout worker, then the dataloader, then the checkpointer, killed with SIGKILL in the middle of an RL run do not end
+the run (issue #9's chaos test in RL mode; tests/test_ops_chaos.py kills the dataloader and the checkpointer of a
+pre-training run): the launcher restarts each, the replacement worker pulls the trainer's current weights, the trainer's
+dataloader client resumes the replacement dataloader from its last fully received step, the trainer keeps getting
+groups within the staleness bound and no trajectory group twice (every step consumes the stream entries after the
+previous step's last one, so the ids the steps record must only grow), and the run finishes with every step, every
+checkpoint committed and verified (checksums), and no process left behind."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from test_rl_launcher import forget_stream, records, rl_train  # noqa: E402
 
 from services.checkpointer.store import CheckpointStore  # noqa: E402
 
-STEPS = 8
+STEPS = 10
 
 
 def wait_for(what: str, cond, proc, timeout: float = 60.0):
@@ -35,7 +37,7 @@ def wait_for(what: str, cond, proc, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_worker_then_the_checkpointer_killed_mid_run_are_replaced_and_the_run_finishes(tmp_path):
+def test_a_worker_the_dataloader_then_the_checkpointer_killed_mid_run_are_replaced_and_the_run_finishes(tmp_path):
     run = f"rl-fault-{uuid.uuid4().hex[:8]}"
     proc, strays_file = rl_train(tmp_path, run, STEPS, "run.max_restarts=2", "checkpoint.keep_last=0", wait=False)
     try:
@@ -45,6 +47,11 @@ def test_a_worker_then_the_checkpointer_killed_mid_run_are_replaced_and_the_run_
         os.kill(victim, signal.SIGKILL)
         killed_at = len(records(tmp_path))
         wait_for("a step after the worker's restart", lambda: len(records(tmp_path)) > killed_at, proc, timeout=120)
+        dataloader = json.loads((tmp_path / "run" / "launcher.json").read_text())["children"]["dataloader"]
+        os.kill(dataloader, signal.SIGKILL)
+        dataloader_killed_at = len(records(tmp_path))
+        wait_for("a step after the dataloader's restart", lambda: len(records(tmp_path)) > dataloader_killed_at + 1,
+                 proc, timeout=120)
         checkpointer = json.loads((tmp_path / "run" / "launcher.json").read_text())["children"]["checkpointer"]
         os.kill(checkpointer, signal.SIGKILL)
         checkpointer_killed_at = len(records(tmp_path))
@@ -52,6 +59,7 @@ def test_a_worker_then_the_checkpointer_killed_mid_run_are_replaced_and_the_run_
     finally:
         forget_stream(run)
     assert killed_at < STEPS, "the run finished before the worker was killed; the test proves nothing"
+    assert dataloader_killed_at < STEPS - 1, "the run finished before the dataloader was killed"
     assert checkpointer_killed_at < STEPS, "the run finished before the checkpointer was killed"
     assert result.rc == 0, result.stderr[-3000:]
     assert result.strays == []
@@ -59,6 +67,10 @@ def test_a_worker_then_the_checkpointer_killed_mid_run_are_replaced_and_the_run_
     logged = records(tmp_path)
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
     assert all(r["staleness_max"] <= 1 for r in logged)
+    assert "dataloader was killed by SIGKILL; restarting it" in result.stderr
+    positions = [tuple(int(x) for x in r["rollout_position"].split("-")) for r in logged]
+    assert positions == sorted(set(positions)), positions  # no stream entry (group) in two steps
+    assert all(r["samples"] == 2 * 8 for r in logged)  # rl.groups_per_step whole groups each step
     # The replacement started from the trainer's weights of that moment, not from version 0.
     log = (tmp_path / "run" / "logs" / "rollout0.log").read_text().split("--- foldmoe: restart 1")[-1]
     assert "loaded weights version" in log and "loaded weights version 0 " not in log

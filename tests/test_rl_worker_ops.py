@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import redis
-import torch
 
+from proto import rollout_pb2
+from services.common import rollout_stream
 from services.common.config import load_config
 from services.common.registry import Registry
 from services.rl_rollout.publish import stream_key
 from services.rl_rollout.worker import RolloutWorker
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.rl.rollouts import RolloutReader
 from services.trainer.rl.weight_publisher import WeightPublisher
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,7 +67,6 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
     publisher.publish(1, model.state_dict())
     beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
     worker = RolloutWorker(cfg, registry, worker_id="rollout0")
-    reader = RolloutReader(REDIS_URL, worker.stream.key, max_staleness=1)
     try:
         (record,) = registry.lookup("rollout")
         assert record["metrics"] == worker.metrics.endpoint and record["metrics"].startswith("http://")
@@ -75,10 +74,15 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
         assert before[("foldmoe_rollout_samples_total", ())] == 0
         assert worker.policy.refresh(timeout_s=10)
         worker.run_batch()
-        groups = reader.next_groups(cfg.rl.prompts_per_batch, 1, timeout_s=10)
         got = scrape(record["metrics"])
+        entries = worker.stream.client.xrange(worker.stream.key)
+        groups = [rollout_pb2.TrajectoryGroup.FromString(fields[b"group"]) for _, fields in entries]
+        # the backlog the worker throttles on counts what the dataloader has not consumed yet
+        assert worker.stream.backlog() == len(entries) == cfg.rl.prompts_per_batch
+        rollout_stream.mark_read(worker.stream.client, worker.stream.key, entries[1][0].decode())
+        assert worker.stream.backlog() == len(entries) - 2 and worker.stream.backlog(limit=1) == 1  # counted up to the limit
     finally:
-        reader.close()
+        worker.stream.client.delete(rollout_stream.read_position_key(worker.stream.key))
         worker.close()
         beat.stop()
         publisher.stop()
@@ -90,7 +94,7 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
     assert got[("foldmoe_rollout_mean_reward", ())] == pytest.approx(sum(s.reward for s in samples) / len(samples))
     assert got[("foldmoe_rollout_weights_version", ())] == 1  # the newest published
     assert got[("foldmoe_rollout_staleness_versions", ())] == 0
-    assert torch.is_tensor(samples[0].logprobs)
+    assert all(len(s.logprobs) == len(s.tokens) for s in samples)
 
 
 def test_workers_without_an_id_claim_stable_slots_and_a_restart_takes_the_freed_one(run):

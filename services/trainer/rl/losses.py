@@ -1,4 +1,5 @@
-"""RL policy-gradient losses over response tokens: GRPO advantages and the PPO-clip objective.
+"""RL policy-gradient losses over response tokens: the PPO-clip objective (the GRPO advantages it weighs tokens by are
+computed per group by the dataloader: services/dataloader/rollout_source.py).
 
 Three policies meet here. pi_rollout generated the tokens (its log-probs come with the trajectories, computed by the
 rollout engine, possibly from weights a few versions old and in another precision). pi_old is the trainer's own
@@ -18,15 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-
-def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: rewards [groups, samples] -> advantages, centred on the group mean and (optionally) divided by the group
-    standard deviation (Bessel-corrected). A group whose samples all score the same gets zero advantage."""
-    centred = rewards - rewards.mean(dim=-1, keepdim=True)
-    if not std_normalize or rewards.shape[-1] < 2:
-        return centred
-    return centred / (rewards.std(dim=-1, keepdim=True) + eps)
 
 
 @dataclass

@@ -1,13 +1,16 @@
-"""One RL optimizer step on a batch of trajectory groups, with MoE routing replay.
+"""One RL optimizer step on the micro-batches the dataloader packed from trajectory groups, with MoE routing replay.
 
-Each sample is fed as prompt + completion minus its last token, packed with others into micro-batches (document-masked
-like pre-training); the log-prob of completion token j is read at position len(prompt) - 1 + j. While the policy
-log-probs are computed, every router's `replay_ids` is set to the experts the rollout chose for those very tokens, so the
-trainer evaluates the same sparse network that generated the sample: without replay, a tiny weight or precision
-difference flips top-k choices and the importance ratios of MoE models blow up (routing replay, as in GSPO/R3).
+The micro-batches come from the dataloader's rollout source (services/dataloader/rollout_source.py documents their
+tensors): each sample is one document, prompt + completion minus its last token, with the completion tokens as the
+actions (`loss_mask`), their rollout log-probs, the sample's GRPO advantage (computed per group by the dataloader),
+reward and policy version, and the experts the rollout chose. While the policy log-probs are computed, every router's
+`replay_ids` is set to those experts, so the trainer evaluates the same sparse network that generated the sample:
+without replay, a tiny weight or precision difference flips top-k choices and the importance ratios of MoE models blow
+up (routing replay, as in GSPO/R3).
 
-Over several trainer ranks the step is data parallel (see `rl_step`): each replica runs its share of the step's groups
-and the distributed optimizer of pre-training sums the gradients, with the loss normalised by the whole step's tokens.
+Over several trainer ranks the step is data parallel (see `rl_step`): each replica runs the micro-batches the dataloader
+dealt it and the distributed optimizer of pre-training sums the gradients, with the loss normalised by the whole step's
+tokens.
 """
 
 from __future__ import annotations
@@ -23,20 +26,29 @@ from torch import nn
 from services.common.config import RLConfig
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.parallel.groups import Axis, ParallelGroups, single_process
-from services.trainer.rl.losses import group_advantages, ppo_clip_loss
-from services.trainer.rl.rollouts import RolloutGroup
-from services.trainer.rl.shared import share
+from services.trainer.rl.losses import ppo_clip_loss
 
 
 @dataclass
 class RLMicroBatch:
     tokens: torch.Tensor  # [T] fed tokens
     position_ids: torch.Tensor  # [T]
-    cu_seqlens: torch.Tensor  # [S+1] int32
+    cu_seqlens: torch.Tensor  # [S+1] int32, one segment per sample
     targets: torch.Tensor  # [T] next token where it is a completion token, else IGNORE_INDEX
     rollout_logp: torch.Tensor  # [T] (0 where targets is ignored)
     advantages: torch.Tensor  # [T]
     routing: torch.Tensor  # [moe layers, T, top_k]
+    rewards: torch.Tensor  # [T] the sample's reward on its completion tokens
+    versions: torch.Tensor  # [T] int32, the policy version that generated the sample on its completion tokens, else -1
+
+    @classmethod
+    def from_data(cls, mb: dict[str, torch.Tensor]) -> "RLMicroBatch":
+        """From one micro-batch dict of the dataloader's RL source."""
+        mask = mb["loss_mask"]
+        return cls(mb["tokens"], mb["position_ids"], mb["cu_seqlens"],
+                   torch.where(mask, mb["labels"], torch.full_like(mb["labels"], IGNORE_INDEX)),
+                   mb["rollout_logprobs"], mb["advantages"], mb["routing_ids"].permute(1, 0, 2).long(),
+                   mb["rewards"], mb["versions"])
 
     @property
     def response(self) -> torch.Tensor:
@@ -46,42 +58,27 @@ class RLMicroBatch:
         return RLMicroBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def pack(groups: list[RolloutGroup], advantages: torch.Tensor, max_tokens: int) -> list[RLMicroBatch]:
-    """Samples in order into micro-batches of at most `max_tokens` fed tokens (a longer sample gets one of its own)."""
-    out, current, used = [], [], 0
-    for g, group in enumerate(groups):
-        for i, s in enumerate(group.samples):
-            n = len(s.prompt_tokens) + len(s.tokens) - 1
-            if current and used + n > max_tokens:
-                out.append(_collate(current))
-                current, used = [], 0
-            current.append((s, float(advantages[g, i])))
-            used += n
-    if current:
-        out.append(_collate(current))
-    return out
-
-
-def _collate(items) -> RLMicroBatch:
-    tokens, pos, targets, rollout, adv, routing, lens = [], [], [], [], [], [], []
-    for s, a in items:
-        seq = s.prompt_tokens + s.tokens
-        n, P = len(seq) - 1, len(s.prompt_tokens)
-        tokens.append(torch.tensor(seq[:-1]))
-        pos.append(torch.arange(n))
-        t = torch.full((n,), IGNORE_INDEX)
-        t[P - 1:] = torch.tensor(s.tokens)
-        targets.append(t)
-        r = torch.zeros(n)
-        r[P - 1:] = s.logprobs
-        rollout.append(r)
-        adv.append(torch.full((n,), a))
-        routing.append(s.routing)
-        lens.append(n)
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lens).cumsum(0)
-    return RLMicroBatch(torch.cat(tokens), torch.cat(pos), cu, torch.cat(targets), torch.cat(rollout), torch.cat(adv),
-                        torch.cat(routing, dim=1))
+def step_sums(micro_batches: list[RLMicroBatch], version: int, max_staleness: int) -> torch.Tensor:
+    """This rank's float64 sums behind the step's data metrics: [response tokens, samples, Σ reward, Σ reward²,
+    Σ response length, samples outside the staleness bound, then the samples of version `version - j` for
+    j = 0..max_staleness]."""
+    sums = torch.zeros(6 + max_staleness + 1, dtype=torch.float64)
+    for mb in micro_batches:
+        m = mb.response
+        lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).long()
+        sample = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[m]  # the sample of each action
+        actions = torch.bincount(sample, minlength=len(lengths))
+        first = torch.searchsorted(sample, torch.arange(len(lengths))[actions > 0])  # each sample's first action
+        rewards, stale = mb.rewards[m][first].double(), version - mb.versions[m][first].long()
+        inside = (stale >= 0) & (stale <= max_staleness)
+        sums[0] += float(m.sum())
+        sums[1] += len(rewards)
+        sums[2] += float(rewards.sum())
+        sums[3] += float((rewards * rewards).sum())
+        sums[4] += float(actions.sum())
+        sums[5] += float((~inside).sum())
+        sums[6:] += torch.bincount(stale[inside], minlength=max_staleness + 1).double()
+    return sums
 
 
 @contextmanager
@@ -113,36 +110,41 @@ def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
     return torch.log_softmax(logits, dim=-1).gather(1, mb.targets.clamp_min(0)[:, None]).squeeze(1)
 
 
-def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: RLConfig, device: torch.device,
-            clip_grad: float = 1.0, ref_model: nn.Module | None = None, autocast_dtype: torch.dtype | None = None,
-            version: int | None = None, lr: float | None = None) -> dict[str, Any]:
-    """Forward/backward over all groups, then one optimizer step; returns the step's metrics. `version` is the
-    version of the trainer's weights before this step (for the staleness metric).
+def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]], cfg: RLConfig,
+            device: torch.device, clip_grad: float = 1.0, ref_model: nn.Module | None = None,
+            autocast_dtype: torch.dtype | None = None, *, version: int, lr: float | None = None) -> dict[str, Any]:
+    """Forward/backward over this rank's micro-batches of the step (`data`, the dataloader client's `next_step`), then
+    one optimizer step; returns the step's metrics. `version` is the version of the trainer's weights before this step,
+    i.e. the step index: every sample must be within `cfg.max_staleness` versions of it (`step_sums`).
 
-    Data parallel: when `optimizer` is the DistributedOptimizer of a pure data-parallel layout, `groups` is the whole
-    step (the same list on every rank, `shared.py`) and this rank runs forward/backward on its `share` only. The step's
-    response-token count is all-reduced before any backward, so every rank divides its token-loss sums by the same
-    global count; the optimizer sums the gradients over the replicas, clips by the global norm (its `clip_grad`) and
-    steps with `lr`; the token sums behind the metrics are all-reduced. The result equals one process running every
-    group (tests/test_rl_parallel.py). The MoE aux loss, if the model is in training mode, is a per-micro-batch term
-    here as in one process (each micro-batch adds its own): it matches one process when the micro-batches do."""
+    Data parallel: when `optimizer` is the DistributedOptimizer of a pure data-parallel layout, `data` is this rank's
+    share of the step (the dataloader deals whole samples to the dp ranks). The step's response-token count and the
+    sums behind the data metrics are all-reduced before any backward, so every rank divides its token-loss sums by the
+    same global count; the optimizer sums the gradients over the replicas, clips by the global norm (its `clip_grad`)
+    and steps with `lr`; the token sums behind the loss metrics are all-reduced. The result equals one process running
+    every rank's micro-batches (tests/test_rl_parallel.py). The MoE aux loss, if the model is in training mode, is a
+    per-micro-batch term here as in one process (each micro-batch adds its own)."""
     if getattr(model.cfg, "capacity_factor", 0) > 0:
         raise ValueError("routing replay needs a dropless MoE (model.capacity_factor=0): capacity drops depend on the "
                          "batch, so replayed and rollout computations would differ")
-    temps = {g.temperature for g in groups}
-    if len(temps) != 1:
-        raise ValueError(f"groups sampled at different temperatures {sorted(temps)} cannot share a step")
-    temperature = temps.pop()
+    temps = {float(mb["temperature"]) for mb in data}
+    if len(temps) > 1:
+        raise ValueError(f"micro-batches sampled at different temperatures {sorted(temps)} cannot share a step")
+    temperature = temps.pop() if temps else 1.0
     dp = _data_parallel_axis(optimizer)
-    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
-    advantages = group_advantages(rewards, cfg.std_normalize)  # per group: a share's rows are its groups' rows
-    mine = share(range(len(groups)), dp.rank, dp.size)
-    packed = pack([groups[i] for i in mine], advantages[mine], cfg.micro_batch_tokens)
+    packed = [RLMicroBatch.from_data(mb) for mb in data]
     # counted on the host, before the copy: no device-to-host sync per micro-batch
-    local_tokens = torch.tensor([float(sum(int(mb.response.sum()) for mb in packed))], dtype=torch.float64,
-                                device=device)
+    data_sums = _sum_over(step_sums(packed, version, cfg.max_staleness).to(device), dp)
+    if data_sums[5] > 0:  # on every rank at once: the sums are global
+        raise ValueError(f"the dataloader served {int(data_sums[5])} samples of policy versions outside "
+                         f"[{version - cfg.max_staleness}, {version}] for step {version} (rl.max_staleness="
+                         f"{cfg.max_staleness}): it filters by the step it builds, so the trainer and the dataloader "
+                         "disagree on the step; resume both from the same checkpoint")
     micro_batches = [mb.to(device) for mb in packed]
-    step_tokens = int(_sum_over(local_tokens, dp)[0])
+    step_tokens, samples = int(data_sums[0]), max(int(data_sums[1]), 1)
+    reward_mean = float(data_sums[2]) / samples
+    reward_var = (float(data_sums[3]) - samples * reward_mean ** 2) / (samples - 1) if samples > 1 else 0.0
+    versions = [version - j for j in range(cfg.max_staleness + 1) if data_sums[6 + j] > 0]
 
     old, ref = [None] * len(micro_batches), [None] * len(micro_batches)
     with torch.no_grad():
@@ -175,18 +177,17 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
         optimizer.step()
-    lengths = [len(s.tokens) for g in groups for s in g.samples]
     per_token = max(step_tokens, 1)
     return {
-        "loss": totals["loss"] / per_token, "grad_norm": float(grad_norm), "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "response_length": sum(lengths) / len(lengths), "response_tokens": step_tokens,
+        "loss": totals["loss"] / per_token, "grad_norm": float(grad_norm), "reward": reward_mean,
+        "reward_std": max(reward_var, 0.0) ** 0.5, "samples": int(data_sums[1]),
+        "response_length": float(data_sums[4]) / samples, "response_tokens": step_tokens,
         "clip_frac": totals["clipped"] / per_token, "kl": totals["kl_sum"] / per_token,
         "logprob_mismatch": totals["mismatch_abs_sum"] / per_token,
         "rollout_kl": totals["mismatch_kl_sum"] / per_token,
         "tis_weight": totals["tis_weight_sum"] / per_token,
-        "policy_versions": sorted({g.version for g in groups}),
-        "staleness_max": max(version - g.version for g in groups) if version is not None else None,
+        "policy_versions": sorted(versions),
+        "staleness_max": version - min(versions) if versions else 0,
     }
 
 
