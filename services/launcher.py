@@ -1,10 +1,11 @@
 """Local launcher: Redis, the services and the trainer ranks as child processes of one command.
 
 Order of a run: Redis (the configured one, else an embedded one) -> the resolved config written to the run dir ->
-services (dataloader, checkpointer) -> wait until each has registered and its gRPC health says SERVING -> trainer
-ranks under torchrun, their output streamed to the terminal. The run ends when the trainer exits; then the services are
-stopped and Redis last. Ctrl-C, SIGTERM, a trainer failure or a service failing for good stops everything (process
-groups: SIGTERM, then SIGKILL after a grace period) and the launcher says which child failed, with the tail of its log.
+services (dataloader, checkpointer; in an RL run rollout workers too, and the dataloader packs their stream) -> wait
+until each has registered and its gRPC health says SERVING -> trainer ranks under torchrun, their output streamed to the
+terminal. The run ends when the trainer exits; then the services are stopped and Redis last. Ctrl-C, SIGTERM, a
+trainer failure or a service failing for good stops everything (process groups: SIGTERM, then SIGKILL after a grace
+period) and the launcher says which child failed, with the tail of its log.
 
 Restart policy: a service (a child that registers) that crashes while the trainer runs is restarted, at most
 `run.max_restarts` times per service, each restart logged with the crash's log tail. Its dead registry record is

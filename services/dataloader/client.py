@@ -6,7 +6,8 @@
     checkpoint["data"] = client.state()        # JSON-able; resuming from it replays nothing and skips nothing
 
 Each micro-batch dict holds tokens, labels, position_ids (int64[T]), cu_seqlens (int32[S+1]) and cp_size (an int64
-0-dim tensor: the context-parallel size the dataloader sized this micro-batch for, see `stream.py`).
+0-dim tensor: the context-parallel size the dataloader sized this micro-batch for, see `stream.py`); in an RL run also the
+tensors of `rollout_source.py` (loss_mask, rollout_logprobs, advantages, rewards, versions, routing_ids, temperature).
 
 Surviving a restart of the service: while waiting for a micro-batch the client checks every `LIVENESS_S` that the
 service still answers gRPC. When it does not (killed, host gone), the client looks the service up in the run's registry
@@ -198,7 +199,9 @@ class DataClient:
             if time.monotonic() > deadline:
                 raise DataError(f"no micro-batch from the dataloader at {self.zmq_endpoint} within "
                                 f"{self.timeout:.0f}s (waiting for step {self._next_step}) although it answers gRPC "
-                                f"at {self.grpc_endpoint}; see its log for what holds it up")
+                                f"at {self.grpc_endpoint}; see its log for what holds it up"
+                                + (" (an RL step waits for fresh trajectory groups: are the rollout workers running?)"
+                                   if self.on_demand else ""))
         kind, _, _ = wire.decode(frames := self._sock.recv_multipart(copy=False))
         if kind == "error":
             _, err, _ = wire.decode(frames, pb.DataErrorReply)
