@@ -1,6 +1,6 @@
 """An RL run is one command: `foldmoe train --config configs/rl_tiny.yaml` starts Redis, two rollout workers, the
-dataloader (packing their trajectory stream), the checkpointer and the RL trainer; streams reward, response length, clip fraction, KL, log-prob mismatch and staleness per
-step; lands checkpoints; stops every process; and a second run resumes from the newest checkpoint with weights that
+dataloader (packing their trajectory stream), the checkpointer and the RL trainer; streams reward, response length,
+clip fraction, KL, log-prob mismatch and staleness per step; lands checkpoints; stops every process; and a second run resumes from the newest checkpoint with weights that
 reproduce the rollout log-probs exactly."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A rollout worker, then the dataloader, then the checkpointer, killed with SIGKILL in the middle of an RL run do not end
-the run (issue #9's chaos test in RL mode; tests/test_ops_chaos.py kills the dataloader and the checkpointer of a
+"""A rollout worker, then the dataloader, then the checkpointer, killed with SIGKILL in the middle of an RL run do not
+end the run (issue #9's chaos test in RL mode; tests/test_ops_chaos.py kills the dataloader and the checkpointer of a
 pre-training run): the launcher restarts each, the replacement worker pulls the trainer's current weights, the trainer's
 dataloader client resumes the replacement dataloader from its last fully received step, the trainer keeps getting
 groups within the staleness bound and no trajectory group twice (every step consumes the stream entries after the

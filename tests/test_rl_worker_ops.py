@@ -80,7 +80,8 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
         # the backlog the worker throttles on counts what the dataloader has not consumed yet
         assert worker.stream.backlog() == len(entries) == cfg.rl.prompts_per_batch
         rollout_stream.mark_read(worker.stream.client, worker.stream.key, entries[1][0].decode())
-        assert worker.stream.backlog() == len(entries) - 2 and worker.stream.backlog(limit=1) == 1  # counted up to the limit
+        assert worker.stream.backlog() == len(entries) - 2
+        assert worker.stream.backlog(limit=1) == 1  # counted up to the limit
     finally:
         worker.stream.client.delete(rollout_stream.read_position_key(worker.stream.key))
         worker.close()
