@@ -48,9 +48,9 @@ def _variants():
                {"K": 2048, "BLOCKWISE": blockwise, "BLOCK_M": 16, "BLOCK_K": 128 if blockwise else 1024,
                 "FP8_MAX": 448.0, "EPS": 1e-12, "ROUND_FIRST": False}, 4)
         yield (fp8._quantize_weight_kernel,
-               {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "N": "i32",
+               {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "N": "i32",
                 "stride_se": "i32", "stride_sk": "i32", "stride_sn": "i32"},
-               {"BLOCKWISE": blockwise, "BLOCK": 128, "FP8_MAX": 448.0, "EPS": 1e-12, "ROUND_FIRST": False}, 8)
+               {"BLOCKWISE": blockwise, "TRANSPOSE": blockwise, "BLOCK": 128, "FP8_MAX": 448.0, "EPS": 1e-12, "ROUND_FIRST": False}, 8)
     for dt in ("bf16", "fp32"):
         yield (rows._scatter_rows_kernel,
                {"src_ptr": f"*{dt}", "row_id_map_ptr": "*i32", "weights_ptr": "*fp32", "dot_src_ptr": f"*{dt}",

@@ -14,7 +14,7 @@ Recipes (the scales are fp32, computed on the device from amaxes: amax / 448, e4
   the span of the tensor cores' own (reduced-precision on Hopper) fp8 accumulation to 128 products.
 
 `b` is the weight in "NK" layout (K contiguous): Hopper's fp8 wgmma reads both operands K-major. The quantiser writes
-each expert weight [K, N] in both layouts at once, so backward's dgrad (dX = dY @ W^T, contracting over N) finds
+each expert weight [K, N] in both layouts, so backward's dgrad (dX = dY @ W^T, contracting over N) finds
 its operand, W itself, already K-major, with the same scales (the 128x128 blocks transpose with it).
 
 No host sync: the groups are read from `offs` on the device. The grid is sized by an upper bound on the row tiles,
@@ -194,24 +194,31 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K: tl.constexpr, stride_xm, st
 
 
 @triton.jit
-def _quantize_weight_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, K, N, stride_se, stride_sk, stride_sn,
-                            BLOCKWISE: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                            EPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """One BLOCKxBLOCK block of one expert's [K, N] weight, written as [K, N] (q) and as [N, K] (qt)."""
+def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, K, N, stride_se, stride_sk, stride_sn,
+                            BLOCKWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr,
+                            FP8_MAX: tl.constexpr, EPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One BLOCKxBLOCK block of one expert's [K, N] weight, written [K, N], or [N, K] with TRANSPOSE (read
+    transposed, stored row by row: the same block's values, with the scale the first pass stored)."""
     nb, kb, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ks = kb * BLOCK + tl.arange(0, BLOCK)
     ns = nb * BLOCK + tl.arange(0, BLOCK)
-    mask = (ks < K)[:, None] & (ns < N)[None, :]
     base = e.to(tl.int64) * K * N
-    w = tl.load(w_ptr + base + ks[:, None] * N + ns[None, :], mask=mask, other=0.0).to(tl.float32)
-    if BLOCKWISE:
+    if TRANSPOSE:
+        mask = (ns < N)[:, None] & (ks < K)[None, :]
+        w = tl.load(w_ptr + base + ks[None, :] * N + ns[:, None], mask=mask, other=0.0).to(tl.float32)
+    else:
+        mask = (ks < K)[:, None] & (ns < N)[None, :]
+        w = tl.load(w_ptr + base + ks[:, None] * N + ns[None, :], mask=mask, other=0.0).to(tl.float32)
+    if BLOCKWISE and not TRANSPOSE:
         scale = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), EPS) / FP8_MAX
         tl.store(s_ptr + e * stride_se + kb * stride_sk + nb * stride_sn, scale)
-    else:  # the expert's scale, from its amax computed beforehand
-        scale = tl.load(s_ptr + e * stride_se)
+    else:  # the expert's scale (tensorwise: its amax computed beforehand, block strides 0) or the block's
+        scale = tl.load(s_ptr + e * stride_se + kb * stride_sk + nb * stride_sn)
     q = _to_e4m3(w / scale, q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
-    tl.store(q_ptr + base + ks[:, None] * N + ns[None, :], q, mask=mask)
-    tl.store(qt_ptr + base + ns[None, :] * K + ks[:, None], q, mask=mask)
+    if TRANSPOSE:
+        tl.store(q_ptr + base + ns[:, None] * K + ks[None, :], q, mask=mask)
+    else:
+        tl.store(q_ptr + base + ks[:, None] * N + ns[None, :], q, mask=mask)
 
 
 def quantize_rows(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,11 +266,14 @@ def quantize_weight(w: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torc
         scale = torch.empty(E, kb, nb, dtype=torch.float32, device=w.device)
     else:  # one fused abs-max reduction per expert
         scale = _scale_of(torch.linalg.vector_norm(w, ord=float("inf"), dim=(1, 2))).view(E, 1, 1)
-    if w.numel():
-        _quantize_weight_kernel[(nb, kb, E)](w, q, qt, scale, K, N, scale.stride(0), scale.stride(1),
-                                             scale.stride(2), BLOCKWISE=blockwise, BLOCK=SCALE_BLOCK,
-                                             FP8_MAX=FP8_MAX, EPS=EPS, ROUND_FIRST=TRITON_INTERPRETED,
-                                             num_warps=8)
+    strides = (scale.stride(0), scale.stride(1), scale.stride(2)) if blockwise else (scale.stride(0), 0, 0)
+    # Two passes, [K, N] then [N, K]: a transposed masked fp8 store from one pass miscompiled on sm_90 with Triton
+    # 3.6 (tests/test_kernels_fp8_grouped_mm.py caught it at N=192), and torch's fp8 transpose copy is slow.
+    for transpose, out in ((False, q), (True, qt)):
+        if w.numel():
+            _quantize_weight_kernel[(nb, kb, E)](w, out, scale, K, N, *strides, BLOCKWISE=blockwise,
+                                                 TRANSPOSE=transpose, BLOCK=SCALE_BLOCK, FP8_MAX=FP8_MAX, EPS=EPS,
+                                                 ROUND_FIRST=TRITON_INTERPRETED, num_warps=8)
     return q, qt, scale
 
 

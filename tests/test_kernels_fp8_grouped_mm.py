@@ -2,7 +2,8 @@
 torch references, and the FP8 linear's forward and gradients against the same math in fp32.
 
 Tolerances:
-- quantisers: bit-exact against the reference (same fp32 division, one round-to-nearest-even to e4m3).
+- quantisers: exact against the reference (same fp32 division, one round-to-nearest-even to e4m3), compared as
+  values: the GPU's conversion may give -0 where torch gives +0 for a value that underflows to zero.
 - grouped GEMM on the same quantised inputs: both accumulate in fp32 and round once to bf16, so within one bf16
   rounding of the output (rtol 1.6e-2) plus an fp32 summation-order slack (atol 1e-3 of the output's scale).
 - quantiser round trip: e4m3 keeps 3 mantissa bits, so |x - q*scale| <= 2^-4 |x| for normals and half a subnormal
@@ -35,25 +36,25 @@ def _rel(got, want):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("K", [256, 192])  # 192: a partial 1x128 block
-def test_row_quantiser_is_bit_exact_with_the_reference(recipe, K):
+def test_row_quantiser_is_exact_against_the_reference(recipe, K):
     x = torch.randn(37, K, device=DEVICE, dtype=torch.bfloat16) * 3
     x[5] = 0  # an all-zero row: a tiny scale, zeros out
     q, scale = quantize_rows(x, recipe)
     q_ref, scale_ref = quantize_rows_reference(x, recipe)
     assert q.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == scale_ref.shape
     torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(q.float(), q_ref.float())
     assert q[5].float().abs().max() == 0
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_weight_quantiser_is_bit_exact_and_writes_both_layouts(recipe):
+def test_weight_quantiser_is_exact_and_writes_both_layouts(recipe):
     w = torch.randn(3, 256, 192, device=DEVICE) * 0.02
     w[1, :128, :128] *= 100  # one outlier block: blockwise scales it alone, tensorwise the whole expert
     q, q_t, scale = quantize_weight(w, recipe)
     q_ref, _, scale_ref = quantize_weight_reference(w, recipe)
     torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(q.float(), q_ref.float())
     assert q_t.shape == (3, 192, 256) and q_t.is_contiguous()
     assert torch.equal(q_t.view(torch.uint8), q.transpose(1, 2).view(torch.uint8))
 
@@ -91,7 +92,8 @@ def test_reference_is_the_dequantised_product_expert_by_expert():
     w = torch.randn(2, 16, 32, device=DEVICE).to(FP8)
     ones_a, ones_b = torch.ones(20, 1, device=DEVICE), torch.ones(2, 1, 1, device=DEVICE)
     got = fp8_grouped_mm_reference(x, ones_a, w, ones_b, _offs([12, 6]), "tensorwise")
-    want = torch.cat([x[:12].float() @ w[0].float().T, x[12:18].float() @ w[1].float().T, torch.zeros(2, 16)])
+    want = torch.cat([x[:12].float() @ w[0].float().T, x[12:18].float() @ w[1].float().T,
+                      torch.zeros(2, 16, device=DEVICE)])
     torch.testing.assert_close(got.float(), want.to(got).float(), rtol=0, atol=0)
 
 
