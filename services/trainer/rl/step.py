@@ -8,6 +8,9 @@ difference flips top-k choices and the importance ratios of MoE models blow up (
 
 Over several trainer ranks the step is data parallel (see `rl_step`): each replica runs its share of the step's groups
 and the distributed optimizer of pre-training sums the gradients, with the loss normalised by the whole step's tokens.
+On folded layouts (TP with sequence parallelism, EP, ETP; not PP or CP) the replicas are the attention layout's DP
+axis and the policy forward is `folded.py`'s (vocab-parallel log-probs, replayed ids cut to each SP shard, fillers that
+keep an EP group's forwards paired).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from torch import nn
 
 from services.common.config import RLConfig
 from services.trainer.model.loss import IGNORE_INDEX
-from services.trainer.parallel.groups import Axis, ParallelGroups, single_process
+from services.trainer.parallel.groups import Axis
+from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, step_layout, with_fillers
 from services.trainer.rl.losses import group_advantages, ppo_clip_loss
 from services.trainer.rl.rollouts import RolloutGroup
 from services.trainer.rl.shared import share
@@ -102,7 +106,10 @@ def routing_replay(model: nn.Module, routing: torch.Tensor):
 def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
                    autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """log pi(target) at every position [T] fp32 (garbage where the target is ignored), under replayed routing and the
-    rollout's sampling temperature."""
+    rollout's sampling temperature. Under TP (vocab-parallel logits, sequence parallel) and for EP fillers:
+    `folded.folded_token_logprobs`."""
+    if needs_folded_forward(model, mb):
+        return folded_token_logprobs(model, mb, temperature, autocast_dtype)
     device = mb.tokens.device
     with routing_replay(model, mb.routing), torch.autocast(device.type, dtype=autocast_dtype,
                                                           enabled=autocast_dtype is not None):
@@ -119,8 +126,8 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
     """Forward/backward over all groups, then one optimizer step; returns the step's metrics. `version` is the
     version of the trainer's weights before this step (for the staleness metric).
 
-    Data parallel: when `optimizer` is the DistributedOptimizer of a pure data-parallel layout, `groups` is the whole
-    step (the same list on every rank, `shared.py`) and this rank runs forward/backward on its `share` only. The step's
+    Data parallel: when `optimizer` is the DistributedOptimizer of a layout (`folded.check_layout`), `groups` is the whole
+    step (the same list on every rank, `shared.py`) and this rank runs forward/backward on its DP `share` only. The step's
     response-token count is all-reduced before any backward, so every rank divides its token-loss sums by the same
     global count; the optimizer sums the gradients over the replicas, clips by the global norm (its `clip_grad`) and
     steps with `lr`; the token sums behind the metrics are all-reduced. The result equals one process running every
@@ -133,7 +140,8 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
     if len(temps) != 1:
         raise ValueError(f"groups sampled at different temperatures {sorted(temps)} cannot share a step")
     temperature = temps.pop()
-    dp = _data_parallel_axis(optimizer)
+    layout = step_layout(optimizer)  # folded layouts: see folded.py
+    dp, distributed = layout.dp, layout.world.size > 1
     rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
     advantages = group_advantages(rewards, cfg.std_normalize)  # per group: a share's rows are its groups' rows
     mine = share(range(len(groups)), dp.rank, dp.size)
@@ -141,7 +149,7 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
     # counted on the host, before the copy: no device-to-host sync per micro-batch
     local_tokens = torch.tensor([float(sum(int(mb.response.sum()) for mb in packed))], dtype=torch.float64,
                                 device=device)
-    micro_batches = [mb.to(device) for mb in packed]
+    micro_batches = with_fillers([mb.to(device) for mb in packed], model, layout, device)  # EP pairs forwards
     step_tokens = int(_sum_over(local_tokens, dp)[0])
 
     old, ref = [None] * len(micro_batches), [None] * len(micro_batches)
@@ -151,7 +159,7 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
         if ref_model is not None and cfg.kl_coef > 0:
             ref = [token_logprobs(ref_model, mb, temperature, autocast_dtype) for mb in micro_batches]
 
-    if dp.size > 1:
+    if distributed:
         optimizer.zero_grad()
         optimizer.begin_step(len(micro_batches))  # gradient reductions launch as the last backward completes buckets
     else:
@@ -168,7 +176,7 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
         sums += torch.tensor([float(terms.loss_sum.detach()), *(getattr(terms, k) for k in names[1:])],
                              dtype=torch.float64)
     totals = dict(zip(names, _sum_over(sums.to(device), dp).tolist()))
-    if dp.size > 1:
+    if distributed:
         if lr is None:
             raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
         grad_norm = optimizer.step(lr)  # sums the replicas' gradients, clips by the global norm
@@ -188,16 +196,6 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
         "policy_versions": sorted({g.version for g in groups}),
         "staleness_max": max(version - g.version for g in groups) if version is not None else None,
     }
-
-
-def _data_parallel_axis(optimizer: Any) -> Axis:
-    """The replicas this step is spread over: the DistributedOptimizer's DP axis, else this process alone."""
-    groups = getattr(optimizer, "groups", None)
-    if not isinstance(groups, ParallelGroups) or groups.world.size == 1:
-        return single_process().dp
-    if groups.dp.size != groups.world.size or groups.ep_etp.size != 1:
-        raise ValueError(f"the RL step runs pure data parallel (every rank holds the whole model), not {groups.layout}")
-    return groups.dp
 
 
 def _sum_over(t: torch.Tensor, axis: Axis) -> torch.Tensor:

@@ -10,16 +10,17 @@ Versions count optimizer steps: the weights after s steps are version s, so a ch
 a resumed trainer publishes from there. Data comes from the rollout stream through `rollouts.RolloutReader` (its module
 docstring says why not through the dataloader).
 
-`run.nproc=N` ranks train data parallel (pure DP: every rank holds the whole model; tp/cp/pp/ep/etp of the folded layout
-are refused). Rank 0 alone reads the stream and broadcasts each step's groups (`shared.py`); each rank trains on its
-share and the pre-training DistributedOptimizer sums the gradients (`step.py`); rank 0 alone publishes weights; every
-rank takes part in checkpoint saves, as in pre-training.
+`run.nproc=N` ranks train on a folded layout: data parallel, with `parallel.tp` (sequence parallel), `ep` and `etp` as
+in pre-training; pp and cp are refused (`validate_rl`, rl/folded.py says why). Rank 0 alone reads the stream and
+broadcasts each step's groups (`shared.py`); each DP replica trains on its share and the pre-training
+DistributedOptimizer reduces the gradients (`step.py`); every rank sends its shards of the updated weights to rank 0
+(`parallel/gather_weights.py`: full tensors, in the sync dtype, one at a time), which alone publishes them; every rank
+takes part in checkpoint saves, as in pre-training.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 
@@ -33,23 +34,30 @@ from services.trainer.metrics import MetricsLog
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, lr_at, set_lr
 from services.trainer.parallel.expert_parallel import sync_expert_load
-from services.trainer.parallel.groups import init_groups
+from services.trainer.parallel.gather_weights import WeightGather
+from services.trainer.parallel.groups import ParallelGroups, init_groups
 from services.trainer.parallel.parallelize import build_optimizer, parallelize
 from services.trainer.progress import StepPrinter
+from services.trainer.rl.folded import frozen_copy
 from services.trainer.rl.rollouts import RolloutReader
 from services.trainer.rl.shared import SharedRollouts
 from services.trainer.rl.step import rl_step
-from services.trainer.rl.weight_publisher import WeightPublisher
+from services.trainer.rl.weight_publisher import WeightPublisher, sync_dtype
 from services.trainer.train import init_runtime, seed_everything, update_router_bias
 
 
 def validate_rl(cfg: Config) -> None:
     """What an RL run needs beyond `config.validate`; the CLI calls it before starting any process."""
     rl, p = cfg.rl, cfg.parallel
-    if p.tp * p.cp * p.pp * p.ep * p.etp != 1:
-        raise ConfigError(f"RL training runs pure data parallel: `run.nproc` ranks each holding the whole model, with "
-                          f"`parallel.tp`, `cp`, `pp`, `ep` and `etp` all 1 (got tp={p.tp} cp={p.cp} pp={p.pp} "
-                          f"ep={p.ep} etp={p.etp}); set them to 1, and scale rollout with `rl.workers`")
+    if p.pp > 1:
+        raise ConfigError(f"RL training does not run pipeline parallel (`parallel.pp={p.pp}`): the policy loss is not "
+                          "part of the pipeline schedule (rl/folded.py); set `parallel.pp=1` and shard with "
+                          "`parallel.tp`, `ep`, `etp` and data parallelism")
+    if p.cp > 1 or any(c > 1 for c in p.cp_sizes):
+        raise ConfigError(f"RL training does not run context parallel (`parallel.cp={p.cp}`, `cp_sizes={p.cp_sizes}`): "
+                          "per-token log-probs are read on whole sequences (rl/folded.py); set `parallel.cp=1` and "
+                          "`parallel.cp_sizes=[]`")
+    dp = cfg.run.nproc // (p.tp * p.cp * p.pp)  # the data-parallel replicas; each trains on whole groups
     if rl.workers < 1:
         raise ConfigError(f"`rl.workers` must be at least 1 in an RL run, got {rl.workers}")
     if rl.group_size < 2:
@@ -57,9 +65,10 @@ def validate_rl(cfg: Config) -> None:
                           "every advantage is zero")
     if rl.groups_per_step < 1 or rl.rollout_timeout_s <= 0:
         raise ConfigError("`rl.groups_per_step` and `rl.rollout_timeout_s` must be positive")
-    if rl.groups_per_step < cfg.run.nproc:
-        raise ConfigError(f"`rl.groups_per_step={rl.groups_per_step}` is fewer than the {cfg.run.nproc} trainer ranks "
-                          "(`run.nproc`): each data-parallel rank trains on whole groups, so some would have none")
+    if rl.groups_per_step < dp:
+        raise ConfigError(f"`rl.groups_per_step={rl.groups_per_step}` is fewer than the {dp} data-parallel replicas "
+                          f"(`run.nproc={cfg.run.nproc}` / tp*cp*pp): each replica trains on whole groups, so some "
+                          "would have none")
     if cfg.model.capacity_factor > 0:
         raise ConfigError(f"RL needs a dropless MoE (`model.capacity_factor=0`, got {cfg.model.capacity_factor}): "
                           "routing replay cannot reproduce batch-dependent token drops")
@@ -89,16 +98,14 @@ class RLStepPrinter(StepPrinter):
             f"({100 * r['rollout_wait_frac']:.0f}% of the step) eta {eta:.0f}s")
 
 
-def reference_model(model: MoETransformer, cfg: Config) -> MoETransformer | None:
+def reference_model(model: MoETransformer, cfg: Config, groups: ParallelGroups | None = None
+                    ) -> MoETransformer | None:
     """A frozen copy of the initial policy for the KL term (only with `rl.kl_coef > 0`): `checkpoint.init_from`'s
     weights when set, else the seeded random init. Taken before a resume restores later weights: the reference is the
-    starting policy, whichever step the run resumes at."""
+    starting policy, whichever step the run resumes at. `groups`: the layout `model` is parallelized on."""
     if cfg.rl.kl_coef <= 0:
         return None
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
+    return frozen_copy(model, groups)  # a parallelized model's process groups stay shared
 
 
 def train_rl(cfg: Config) -> int:
@@ -115,9 +122,9 @@ def train_rl(cfg: Config) -> int:
     # is the starting policy (a resume then overwrites the policy's weights)
     checkpointing.init_from(cfg, model, rt.rank, force=cfg.rl.kl_coef > 0)
     if parallel:
-        parallelize(model, cfg, groups)  # pure DP (validate_rl): every rank keeps the whole model
+        parallelize(model, cfg, groups)  # the folded layout validate_rl accepts
     model.to(rt.device)
-    ref = reference_model(model, cfg)  # before the optimizer: the distributed one makes parameters views of its buckets
+    ref = reference_model(model, cfg, groups)  # before the optimizer: the distributed one makes parameters views of its buckets
     optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
     shard_groups = groups if parallel else None  # checkpoints name each rank's pieces as in pre-training
 
@@ -131,9 +138,11 @@ def train_rl(cfg: Config) -> int:
         raise checkpointing.CheckpointLoadError(str(e)) from None
     rollouts.discard_backlog()  # before the first publish: whatever is there was generated for another incarnation
     publisher, beat = None, None
+    gather = WeightGather(model, groups)  # every rank sends its shards; rank 0 gets full tensors
     if lead:
         publisher = WeightPublisher.from_config(cfg.rl, cfg.run.bind_host, cfg.run.advertise_host).start()
-        publisher.publish(start_step, model.state_dict())
+    publish(publisher, gather, start_step, sync_dtype(cfg.rl))
+    if lead:
         beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
     printer = RLStepPrinter(cfg.run.steps, start_step, enabled=lead)
     log = MetricsLog(cfg.run.metrics_file if lead else None)
@@ -151,8 +160,7 @@ def train_rl(cfg: Config) -> int:
             if parallel:
                 sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
             load = update_router_bias(model, cfg, groups.dp.size)  # the bias moves the rollout's routing: policy
-            if publisher is not None:
-                publisher.publish(step + 1, model.state_dict())
+            publish(publisher, gather, step + 1, sync_dtype(cfg.rl))  # collective: every rank sends its shards
             stall = checkpointing.save(saver, cfg, model, optimizer, rollouts, step + 1, shard_groups) \
                 if checkpointing.due(cfg, step + 1) else 0.0
             step_time = time.perf_counter() - t0
@@ -179,6 +187,14 @@ def train_rl(cfg: Config) -> int:
         rollouts.close()
     printer.done()
     return 0
+
+
+def publish(publisher: WeightPublisher | None, gather: WeightGather, version: int, dtype: torch.dtype) -> None:
+    """Version `version` of the full weights, cast to `dtype` before they travel, to the rank holding the publisher
+    (collective: every rank must call it)."""
+    state = gather.state_dict(dtype)
+    if publisher is not None:
+        publisher.publish(version, state)
 
 
 def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
