@@ -1,4 +1,4 @@
-"""The RL step on a folded layout: which layouts it runs, and the policy forward under TP (sequence parallel) and EP/ETP.
+"""The RL step on a folded layout: which layouts it runs; the policy forward under TP (sequence parallel) and EP/ETP.
 
 What changes against one process, and why:
 - **Data parallel axis** is the attention layout's DP (`groups.dp`): TP peers hold the same groups (the same share);
@@ -83,7 +83,7 @@ def frozen_copy(model: nn.Module, groups: ParallelGroups | None = None) -> nn.Mo
 
 
 def _ep_spans_replicas(groups: ParallelGroups) -> bool:
-    """Whether some EP×ETP group holds ranks of different DP replicas (a property of the layout, the same on all ranks)."""
+    """Whether some EP×ETP group holds ranks of different DP replicas (a layout property: the same on all ranks)."""
     layout = groups.layout
     dp_of = [coordinates(layout, r, ATTENTION_AXES)["dp"] for r in range(layout.world)]
     return any(len({dp_of[r] for r in members}) > 1 for members in rank_layout(layout)["ep_etp"])
@@ -161,7 +161,7 @@ def _padding_excluded(model: nn.Module, local_pad_ids: torch.Tensor | None, fill
 
 def folded_token_logprobs(model: nn.Module, mb: Any, temperature: float,
                           autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`step.token_logprobs` on a TP (sequence-parallel) model, or for a filler micro-batch: [T] fp32 on every TP rank."""
+    """`step.token_logprobs` on a TP (sequence-parallel) model or for a filler micro-batch: [T] fp32 on each TP rank."""
     from services.trainer.rl.step import routing_replay
 
     group = getattr(model, "tensor_parallel_group", None)

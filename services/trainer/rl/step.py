@@ -126,9 +126,9 @@ def rl_step(model: nn.Module, optimizer: Any, groups: list[RolloutGroup], cfg: R
     """Forward/backward over all groups, then one optimizer step; returns the step's metrics. `version` is the
     version of the trainer's weights before this step (for the staleness metric).
 
-    Data parallel: when `optimizer` is the DistributedOptimizer of a layout (`folded.check_layout`), `groups` is the whole
-    step (the same list on every rank, `shared.py`) and this rank runs forward/backward on its DP `share` only. The step's
-    response-token count is all-reduced before any backward, so every rank divides its token-loss sums by the same
+    Data parallel: when `optimizer` is the DistributedOptimizer of a layout (`folded.check_layout`), `groups` is the
+    whole step (the same list on every rank, `shared.py`) and this rank runs forward/backward on its DP `share`. The
+    step's response-token count is all-reduced before any backward, so every rank divides its token-loss sums by the same
     global count; the optimizer sums the gradients over the replicas, clips by the global norm (its `clip_grad`) and
     steps with `lr`; the token sums behind the metrics are all-reduced. The result equals one process running every
     group (tests/test_rl_parallel.py). The MoE aux loss, if the model is in training mode, is a per-micro-batch term

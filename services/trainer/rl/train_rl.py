@@ -124,7 +124,8 @@ def train_rl(cfg: Config) -> int:
     if parallel:
         parallelize(model, cfg, groups)  # the folded layout validate_rl accepts
     model.to(rt.device)
-    ref = reference_model(model, cfg, groups)  # before the optimizer: the distributed one makes parameters views of its buckets
+    # before the optimizer: the distributed one makes parameters views of its buckets
+    ref = reference_model(model, cfg, groups)
     optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
     shard_groups = groups if parallel else None  # checkpoints name each rank's pieces as in pre-training
 

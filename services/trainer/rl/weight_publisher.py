@@ -3,7 +3,7 @@
 `publish(version, state_dict)` copies the full tensors to host memory in the sync dtype (bf16 by default; integer buffers
 keep theirs), cuts them into chunks of about `chunk_bytes`, and serves them from a background thread over a ZMQ ROUTER
 socket; the exchange is `proto/rollout.proto` (WeightsRequest / WeightsManifest / WeightsChunk / WeightsError). A
-sharded trainer gathers full tensors before calling it (`parallel/gather_weights.py`, already in the sync dtype). Workers pull (the
+sharded trainer gathers full tensors before calling it (`parallel/gather_weights.py`, already cast). Workers pull (the
 trainer never pushes), so a worker that starts late, or restarts, gets the current weights, and no worker can slow the
 trainer down: the trainer's cost is the one host copy. The worker side is `services/rl_rollout/weights.py`; the two
 share only the proto messages. With FOLDMOE_AUTH_TOKEN set, requests without it are answered with a `WeightsError`
