@@ -89,25 +89,47 @@ def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path
         forget_stream(run)
 
 
-def test_an_rl_run_on_a_folded_layout_is_refused_before_any_process_starts(tmp_path, capsys):
+@pytest.mark.parametrize("layout, reason", [("parallel.pp=2", "does not run pipeline parallel"),
+                                            ("parallel.cp=2", "does not run context parallel")])
+def test_an_rl_run_with_pipeline_or_context_parallelism_is_refused_before_any_process_starts(tmp_path, capsys, layout,
+                                                                                            reason):
     from services.cli import main
 
-    code = main(["train", "--config", "configs/rl_tiny.yaml", "run.nproc=2", "parallel.ep=2",
+    code = main(["train", "--config", "configs/rl_tiny.yaml", "run.nproc=2", layout,
                  f"run.dir={tmp_path / 'run'}", f"data.corpus=[{tmp_path / 'no-such-corpus'}]"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "RL training runs pure data parallel" in err and "ep=2" in err
+    assert f"RL training {reason} (`{layout}`" in err
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
-def test_an_rl_run_with_fewer_groups_per_step_than_trainer_ranks_is_refused(tmp_path, capsys):
+def test_an_rl_run_with_fewer_groups_per_step_than_data_parallel_replicas_is_refused(tmp_path, capsys):
     from services.cli import main
 
     code = main(["train", "--config", "configs/rl_tiny.yaml", "run.nproc=2", "rl.groups_per_step=1",
                  f"run.dir={tmp_path / 'run'}", f"data.corpus=[{tmp_path / 'no-such-corpus'}]"])
     assert code == 2
-    assert "`rl.groups_per_step=1` is fewer than the 2 trainer ranks" in capsys.readouterr().err
+    assert "`rl.groups_per_step=1` is fewer than the 2 data-parallel replicas" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_rl_run_on_two_expert_parallel_trainer_ranks_publishes_gathered_weights_the_workers_reproduce(tmp_path):
+    run = f"rl-ep2-{uuid.uuid4().hex[:8]}"
+    try:
+        done = rl_train(tmp_path, run, 3, "run.nproc=2", "parallel.ep=2")
+        assert done.rc == 0, done.stderr[-3000:]
+        assert done.strays == []
+        logged = records(tmp_path)
+        assert [r["step"] for r in logged] == [1, 2, 3] and all(r["trainer_ranks"] == 2 for r in logged)
+        # The workers generated with the weights rank 0 gathered from both ranks' expert shards: the trainer's
+        # log-probs of their samples (same version) agree with the workers' own.
+        for r in logged:
+            if r["policy_versions"] == [r["step"] - 1]:
+                assert r["logprob_mismatch"] < 1e-4, r
+        assert logged[0]["policy_versions"] == [0]
+        assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [2, 3]
+    finally:
+        forget_stream(run)
 
 
 def test_rl_mode_starts_rollout_workers_the_dataloader_replicas_and_the_rl_trainer(tmp_path):

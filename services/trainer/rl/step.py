@@ -11,6 +11,9 @@ up (routing replay, as in GSPO/R3).
 Over several trainer ranks the step is data parallel (see `rl_step`): each replica runs the micro-batches the dataloader
 dealt it and the distributed optimizer of pre-training sums the gradients, with the loss normalised by the whole step's
 tokens.
+On folded layouts (TP with sequence parallelism, EP, ETP; not PP or CP) the replicas are the attention layout's DP
+axis and the policy forward is `folded.py`'s (vocab-parallel log-probs, replayed ids cut to each SP shard, fillers that
+keep an EP group's forwards paired).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from torch import nn
 
 from services.common.config import RLConfig
 from services.trainer.model.loss import IGNORE_INDEX
-from services.trainer.parallel.groups import Axis, ParallelGroups, single_process
+from services.trainer.parallel.groups import Axis
+from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, step_layout, with_fillers
 from services.trainer.rl.losses import ppo_clip_loss
 
 
@@ -99,7 +103,10 @@ def routing_replay(model: nn.Module, routing: torch.Tensor):
 def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
                    autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """log pi(target) at every position [T] fp32 (garbage where the target is ignored), under replayed routing and the
-    rollout's sampling temperature."""
+    rollout's sampling temperature. Under TP (vocab-parallel logits, sequence parallel) and for EP fillers:
+    `folded.folded_token_logprobs`."""
+    if needs_folded_forward(model, mb):
+        return folded_token_logprobs(model, mb, temperature, autocast_dtype)
     device = mb.tokens.device
     with routing_replay(model, mb.routing), torch.autocast(device.type, dtype=autocast_dtype,
                                                           enabled=autocast_dtype is not None):
@@ -117,10 +124,10 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     one optimizer step; returns the step's metrics. `version` is the version of the trainer's weights before this step,
     i.e. the step index: every sample must be within `cfg.max_staleness` versions of it (`step_sums`).
 
-    Data parallel: when `optimizer` is the DistributedOptimizer of a pure data-parallel layout, `data` is this rank's
-    share of the step (the dataloader deals whole samples to the dp ranks). The step's response-token count and the
-    sums behind the data metrics are all-reduced before any backward, so every rank divides its token-loss sums by the
-    same global count; the optimizer sums the gradients over the replicas, clips by the global norm (its `clip_grad`)
+    Data parallel: when `optimizer` is the DistributedOptimizer of a layout (`folded.check_layout`), `data` is this
+    rank's share of the step (the dataloader deals whole samples to the dp ranks; the TP ranks of a replica get the
+    same). The step's response-token count and the sums behind the data metrics are all-reduced over dp before any
+    backward, so every rank divides its token-loss sums by the same global count; the optimizer sums the gradients over the replicas, clips by the global norm (its `clip_grad`)
     and steps with `lr`; the token sums behind the loss metrics are all-reduced. The result equals one process running
     every rank's micro-batches (tests/test_rl_parallel.py). The MoE aux loss, if the model is in training mode, is a
     per-micro-batch term here as in one process (each micro-batch adds its own)."""
@@ -131,7 +138,8 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     if len(temps) > 1:
         raise ValueError(f"micro-batches sampled at different temperatures {sorted(temps)} cannot share a step")
     temperature = temps.pop() if temps else 1.0
-    dp = _data_parallel_axis(optimizer)
+    layout = step_layout(optimizer)  # folded layouts: see folded.py
+    dp, distributed = layout.dp, layout.world.size > 1
     packed = [RLMicroBatch.from_data(mb) for mb in data]
     # counted on the host, before the copy: no device-to-host sync per micro-batch
     data_sums = _sum_over(step_sums(packed, version, cfg.max_staleness).to(device), dp)
@@ -140,7 +148,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
                          f"[{version - cfg.max_staleness}, {version}] for step {version} (rl.max_staleness="
                          f"{cfg.max_staleness}): it filters by the step it builds, so the trainer and the dataloader "
                          "disagree on the step; resume both from the same checkpoint")
-    micro_batches = [mb.to(device) for mb in packed]
+    micro_batches = with_fillers([mb.to(device) for mb in packed], model, layout, device)  # EP pairs forwards
     step_tokens, samples = int(data_sums[0]), max(int(data_sums[1]), 1)
     reward_mean = float(data_sums[2]) / samples
     reward_var = (float(data_sums[3]) - samples * reward_mean ** 2) / (samples - 1) if samples > 1 else 0.0
@@ -153,7 +161,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         if ref_model is not None and cfg.kl_coef > 0:
             ref = [token_logprobs(ref_model, mb, temperature, autocast_dtype) for mb in micro_batches]
 
-    if dp.size > 1:
+    if distributed:
         optimizer.zero_grad()
         optimizer.begin_step(len(micro_batches))  # gradient reductions launch as the last backward completes buckets
     else:
@@ -170,7 +178,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         sums += torch.tensor([float(terms.loss_sum.detach()), *(getattr(terms, k) for k in names[1:])],
                              dtype=torch.float64)
     totals = dict(zip(names, _sum_over(sums.to(device), dp).tolist()))
-    if dp.size > 1:
+    if distributed:
         if lr is None:
             raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
         grad_norm = optimizer.step(lr)  # sums the replicas' gradients, clips by the global norm
@@ -189,16 +197,6 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         "policy_versions": sorted(versions),
         "staleness_max": version - min(versions) if versions else 0,
     }
-
-
-def _data_parallel_axis(optimizer: Any) -> Axis:
-    """The replicas this step is spread over: the DistributedOptimizer's DP axis, else this process alone."""
-    groups = getattr(optimizer, "groups", None)
-    if not isinstance(groups, ParallelGroups) or groups.world.size == 1:
-        return single_process().dp
-    if groups.dp.size != groups.world.size or groups.ep_etp.size != 1:
-        raise ValueError(f"the RL step runs pure data parallel (every rank holds the whole model), not {groups.layout}")
-    return groups.dp
 
 
 def _sum_over(t: torch.Tensor, axis: Axis) -> torch.Tensor:

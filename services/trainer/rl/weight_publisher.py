@@ -3,7 +3,7 @@
 `publish(version, state_dict)` copies the full tensors to host memory in the sync dtype (bf16 by default; integer buffers
 keep theirs), cuts them into chunks of about `chunk_bytes`, and serves them from a background thread over a ZMQ ROUTER
 socket; the exchange is `proto/rollout.proto` (WeightsRequest / WeightsManifest / WeightsChunk / WeightsError). A
-sharded trainer gathers full tensors before calling it; a single rank passes `model.state_dict()`. Workers pull (the
+sharded trainer gathers full tensors before calling it (`parallel/gather_weights.py`, already cast). Workers pull (the
 trainer never pushes), so a worker that starts late, or restarts, gets the current weights, and no worker can slow the
 trainer down: the trainer's cost is the one host copy. The worker side is `services/rl_rollout/weights.py`; the two
 share only the proto messages. With FOLDMOE_AUTH_TOKEN set, requests without it are answered with a `WeightsError`
@@ -22,6 +22,11 @@ from proto import rollout_pb2 as pb
 from services.common import net, wire
 
 Chunk = tuple[list[pb.WeightPiece], list[torch.Tensor]]
+
+
+def sync_dtype(rl) -> torch.dtype:
+    """The dtype floating weights travel in, from the `rl` config section's `weight_dtype`."""
+    return torch.bfloat16 if rl.weight_dtype == "bf16" else torch.float32
 
 
 def chunk_state(state: dict[str, torch.Tensor], chunk_bytes: int) -> list[Chunk]:
@@ -63,8 +68,7 @@ class WeightPublisher:
     def from_config(cls, rl, host: str = "127.0.0.1", advertise: str = "") -> "WeightPublisher":
         """From the `rl` config section (`weight_dtype`, `weight_chunk_mb`); `host`, `advertise`: `run.bind_host`,
         `run.advertise_host`."""
-        dtype = torch.bfloat16 if rl.weight_dtype == "bf16" else torch.float32
-        return cls(host, dtype=dtype, chunk_bytes=int(rl.weight_chunk_mb * 2**20), advertise=advertise)
+        return cls(host, dtype=sync_dtype(rl), chunk_bytes=int(rl.weight_chunk_mb * 2**20), advertise=advertise)
 
     def start(self) -> "WeightPublisher":
         self._sock = self._ctx.socket(zmq.ROUTER)

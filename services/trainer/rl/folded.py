@@ -1,0 +1,192 @@
+"""The RL step on a folded layout: which layouts it runs; the policy forward under TP (sequence parallel) and EP/ETP.
+
+What changes against one process, and why:
+- **Data parallel axis** is the attention layout's DP (`groups.dp`): TP peers hold the same groups (the same share);
+  EP/ETP do not split data (experts are sharded, tokens are dispatched to them). Token counts and metric sums are
+  all-reduced over DP; gradients are reduced by the DistributedOptimizer as in pre-training (dense over DP×CP, experts
+  over EDP), which also clips by the global norm.
+- **Log-probs under TP** come from the vocab-parallel output layer: each rank holds logits of its vocabulary slice and
+  `vocab_parallel_token_logprobs` all-reduces three [T] vectors; full-vocabulary logits never exist.
+- **Sequence parallelism** (required for MoE under TP) splits each micro-batch's tokens over TP, so a micro-batch is
+  padded to a multiple of tp with a separate padding document (it attends to nothing real, its log-probs are dropped)
+  and the replayed expert ids are cut to each rank's token shard, as the MoE layer's input is. The padding tokens pass
+  through the routers: their load is taken back out of `tokens_per_expert` (the bias update sees real tokens only), but
+  the micro-batch aux/z losses, if on, see up to tp-1 padding tokens more than one process would.
+- **EP/ETP with routing replay**: replayed ids are global expert ids, exactly what the router's top-k produces, so the
+  EP dispatchers route them unchanged to the ranks holding those experts.
+- **Equal forward counts**: when an EP group spans different DP replicas, its all-to-alls pair the ranks' forwards, so
+  every rank must run as many micro-batches as the busiest one; the others add *filler* micro-batches (one token per SP
+  rank, no response token, aux loss off, load restored), whose gradient is exactly zero.
+
+Not supported (`check_layout` refuses them): pipeline parallelism, because the policy loss (PPO-clip on per-token
+log-probs, with old/reference log-probs from extra forward passes) would have to run inside the pipeline schedule's
+last stage, which computes the pre-training cross-entropy only; and context parallelism, because the log-prob of each
+completion token is read at its position of the whole sequence while CP zigzag-shards sequences, and the vocab-parallel
+log-probs would need the CP gather of per-token values that the schedule does not do.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.model.moe.router import expert_counts
+from services.trainer.parallel.differentiable import group_size, local_token_shard
+from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
+from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
+
+
+def check_layout(groups: ParallelGroups) -> None:
+    """Raise ValueError naming the axis when the RL step cannot run on `groups`' layout (see the module docstring)."""
+    layout = groups.layout
+    if layout.pp > 1:
+        raise ValueError(f"the RL step does not run pipeline parallel (pp={layout.pp}): its policy loss is not part of "
+                         f"the pipeline schedule; use tp/ep/etp and data parallelism instead ({layout})")
+    if layout.cp > 1 or any(c > 1 for c in layout.cp_sizes):
+        raise ValueError(f"the RL step does not run context parallel (cp={layout.cp}, cp_sizes={layout.cp_sizes}): "
+                         f"per-token log-probs are read on whole sequences; use tp/ep/etp and data parallelism instead")
+
+
+def step_layout(optimizer: Any) -> ParallelGroups:
+    """The layout the step runs on: the DistributedOptimizer's groups (checked), else one process."""
+    groups = getattr(optimizer, "groups", None)
+    if not isinstance(groups, ParallelGroups) or groups.world.size == 1:
+        return single_process()
+    check_layout(groups)
+    return groups
+
+
+def process_group_memo(groups: ParallelGroups | None) -> dict[int, Any]:
+    """A `copy.deepcopy` memo that keeps process groups shared: a parallelized model (hooks, dispatchers and routers
+    hold groups) can then be copied, e.g. into the frozen reference policy."""
+    if groups is None:
+        return {}
+    axes = [getattr(groups, f) for f in ("tp", "cp", "dp", "dp_cp", "pp", "etp", "ep", "edp", "ep_etp", "world")]
+    axes += list(groups.cp_by_size.values())
+    return {id(a.group): a.group for a in axes if a.group is not None}
+
+
+def frozen_copy(model: nn.Module, groups: ParallelGroups | None = None) -> nn.Module:
+    ref = copy.deepcopy(model, process_group_memo(groups)).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+# ---------------------------------------------------------------- equal forward counts across an EP group
+
+
+def _ep_spans_replicas(groups: ParallelGroups) -> bool:
+    """Whether some EP×ETP group holds ranks of different DP replicas (a layout property: the same on all ranks)."""
+    layout = groups.layout
+    dp_of = [coordinates(layout, r, ATTENTION_AXES)["dp"] for r in range(layout.world)]
+    return any(len({dp_of[r] for r in members}) > 1 for members in rank_layout(layout)["ep_etp"])
+
+
+def with_fillers(micro_batches: list, model: nn.Module, groups: ParallelGroups, device: torch.device) -> list:
+    """`micro_batches` plus fillers up to the largest count over the world, when EP pairs different replicas."""
+    if groups.world.size == 1 or not _ep_spans_replicas(groups):
+        return micro_batches
+    count = torch.tensor([len(micro_batches)], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=groups.world.group)
+    return micro_batches + [_filler(model, device) for _ in range(int(count) - len(micro_batches))]
+
+
+def _filler(model: nn.Module, device: torch.device):
+    from services.trainer.rl.step import RLMicroBatch
+
+    n = max(_sp_size(model), 1)
+    k, layers = model.cfg.top_k, len(model.moe_layers())
+    mb = RLMicroBatch(tokens=torch.zeros(n, dtype=torch.int64, device=device),
+                      position_ids=torch.arange(n, device=device),
+                      cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=device),
+                      targets=torch.full((n,), IGNORE_INDEX, dtype=torch.int64, device=device),
+                      rollout_logp=torch.zeros(n, device=device), advantages=torch.zeros(n, device=device),
+                      routing=torch.arange(k, device=device).expand(layers, n, k).clone(),
+                      rewards=torch.zeros(n, device=device),
+                      versions=torch.full((n,), -1, dtype=torch.int32, device=device))
+    mb.is_filler = True
+    return mb
+
+
+# ---------------------------------------------------------------- the policy forward
+
+
+def _sp_size(model: nn.Module) -> int:
+    group = getattr(model, "tensor_parallel_group", None)
+    return group_size(group) if getattr(model, "sequence_parallel", False) else 1
+
+
+def needs_folded_forward(model: nn.Module, mb: Any) -> bool:
+    return getattr(model, "tensor_parallel_group", None) is not None or getattr(mb, "is_filler", False)
+
+
+def _padded(mb, pad: int):
+    """(tokens, position_ids, cu_seqlens, routing) with `pad` padding tokens as one more document at the end."""
+    if pad == 0:
+        return mb.tokens, mb.position_ids, mb.cu_seqlens, mb.routing
+    dev = mb.tokens.device
+    tokens = torch.cat([mb.tokens, mb.tokens.new_zeros(pad)])
+    pos = torch.cat([mb.position_ids, torch.arange(pad, device=dev, dtype=mb.position_ids.dtype)])
+    cu = torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1:] + pad])
+    L, _, k = mb.routing.shape
+    filler_ids = torch.arange(k, device=dev, dtype=mb.routing.dtype).expand(L, pad, k)
+    return tokens, pos, cu, torch.cat([mb.routing, filler_ids], dim=1)
+
+
+@contextmanager
+def _padding_excluded(model: nn.Module, local_pad_ids: torch.Tensor | None, filler: bool):
+    """Keep padding and fillers out of the routers' load (and fillers out of the aux loss)."""
+    layers = model.moe_layers()
+    saved = [(m.router.tokens_per_expert.clone(), m.aux_loss_scale) for m in layers] if filler else None
+    if filler:
+        for m in layers:
+            m.aux_loss_scale = 0.0
+    try:
+        yield
+    finally:
+        if filler:
+            for m, (load, scale) in zip(layers, saved):
+                m.router.tokens_per_expert.copy_(load)
+                m.aux_loss_scale = scale
+        elif local_pad_ids is not None:
+            with torch.no_grad():
+                for m, ids in zip(layers, local_pad_ids):
+                    m.router.tokens_per_expert -= expert_counts(ids, m.router.num_experts).float()
+
+
+def folded_token_logprobs(model: nn.Module, mb: Any, temperature: float,
+                          autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`step.token_logprobs` on a TP (sequence-parallel) model or for a filler micro-batch: [T] fp32 on each TP rank."""
+    from services.trainer.rl.step import routing_replay
+
+    group = getattr(model, "tensor_parallel_group", None)
+    sp = _sp_size(model)
+    T = mb.tokens.shape[0]
+    pad = (-T) % sp
+    tokens, pos, cu, routing = _padded(mb, pad)
+    local_pad = None
+    if sp > 1:  # the MoE layers see this rank's token shard: so do the replayed ids
+        is_pad = torch.arange(T + pad, device=tokens.device) >= T
+        local_mask = local_token_shard(is_pad, group)
+        routing = torch.stack([local_token_shard(ids, group) for ids in routing])
+        local_pad = routing[:, local_mask] if pad else None
+    elif pad:
+        local_pad = routing[:, T:]
+    filler = getattr(mb, "is_filler", False)
+    with routing_replay(model, routing), _padding_excluded(model, local_pad, filler), \
+            torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        logits = model(tokens, pos, cu)
+    logits = logits[:T].float()
+    if temperature > 0:
+        logits = logits / temperature
+    labels = mb.targets.clamp_min(0)
+    if isinstance(model.loss_fn, VocabParallelCrossEntropy):
+        return vocab_parallel_token_logprobs(logits, labels, model.loss_fn)
+    return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)

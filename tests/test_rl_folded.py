@@ -1,0 +1,152 @@
+"""RL steps on folded layouts (TP with sequence parallelism, EP, ETP) reproduce one process on the same trajectories.
+
+The trajectory groups are fixed: generated once by the rollout engine from the tiny model (completions, the routing it
+chose for every token, its log-probs) with seeded rewards, as in tests/test_rl_parallel.py. Every layout runs two
+`rl_step`s with the pre-training DistributedOptimizer, each DP replica on the micro-batches the dataloader's RL source
+deals it (`pack_step` for the layout's dp size; the TP ranks of a replica get the same), against one process running
+`rl_step` with torch's AdamW on the dp_size=1 micro-batches of the same groups, and after each step the full weights are gathered to rank 0 by `WeightGather` (the publish path). Layouts:
+
+- 2 ranks: TP2 (vocab-parallel log-probs, sequence-parallel padding: the samples' 9- and 10-token sequences are odd and
+  even) and EP2 (= DP2: the EP all-to-alls pair two replicas with different shares, so one adds filler micro-batches);
+- 4 ranks: TP2·EP2 (DP2; EP inside each TP pair) and EP2·ETP2 (DP4: fillers again, and ETP's partial sums).
+
+Two scenarios each: "replay_kl" (one sample per micro-batch, recomputed old log-probs with truncated importance
+weights, KL to a reference model copied from the parallelized policy; the MoE aux loss is on where TP is off — with TP
+the padding tokens would join the micro-batch aux statistics, see rl/folded.py) and "packed" (several samples per
+micro-batch, ratio against the rollout log-probs). Compared: every metric of every step and every weight after every
+step. Tolerance (fp32): 1e-5 relative L2 for weights, 1e-5 relative plus 1e-7 absolute for scalar metrics — the
+parallel sides sum in other orders (TP row-parallel partial sums, all-reduced softmax statistics), nothing more.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.common.config import Config
+from services.trainer.optim import build_adamw, set_lr
+from services.trainer.rl.step import rl_step
+from services.trainer.rl.train_rl import reference_model
+from tests.parallel_harness import spawn_ranks
+from tests.rl_helpers import micro_batches, tiny_model, tiny_model_config
+from tests.test_rl_parallel import METRICS, MODEL_SEED, _steps
+
+RTOL = 1e-5
+ATOL = 1e-7
+TIMEOUT_S = 300.0
+LAYOUTS = {2: [dict(tp=2), dict(ep=2)], 4: [dict(tp=2, ep=2), dict(ep=2, etp=2)]}
+SCENARIOS = {
+    "replay_kl": dict(micro_batch_tokens=1, recompute_logprobs=True, tis_cap=2.0, kl_coef=0.05),
+    "packed": dict(micro_batch_tokens=40, recompute_logprobs=False, kl_coef=0.0),
+}
+
+
+def _aux(layout: dict, scenario: str) -> float:
+    return 1e-2 if scenario == "replay_kl" and layout.get("tp", 1) == 1 else 0.0
+
+
+def _config(layout: dict, scenario: str) -> Config:
+    cfg = Config()
+    cfg.model = tiny_model_config(aux_loss_coeff=_aux(layout, scenario))
+    for k, v in SCENARIOS[scenario].items():
+        setattr(cfg.rl, k, v)
+    cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad, cfg.optimizer.eps = 1e-3, 0.1, 0.05, 1e-6
+    cfg.parallel.grad_bucket_mb = 0.05
+    for k, v in layout.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _model(aux: float):
+    return tiny_model(seed=MODEL_SEED, aux_loss_coeff=aux).train()
+
+
+def _reference(aux: float, scenario: str, steps: list[list]) -> dict:
+    cfg = _config(dict(), scenario)
+    cfg.model.aux_loss_coeff = aux
+    model = _model(aux)
+    ref = reference_model(model, cfg)
+    opt = build_adamw(model, cfg.optimizer)
+    metrics, weights = [], []
+    for step, step_groups in enumerate(steps):
+        set_lr(opt, cfg.optimizer.lr)
+        (data,) = micro_batches(step_groups, dp_size=1, max_tokens=cfg.rl.micro_batch_tokens)
+        metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
+                               version=step, lr=cfg.optimizer.lr))
+        weights.append({n: t.clone() for n, t in model.state_dict().items()})
+    return {"metrics": metrics, "weights": weights}
+
+
+def _worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
+    from services.trainer.parallel.gather_weights import WeightGather
+    from services.trainer.parallel.groups import init_groups
+    from services.trainer.parallel.parallelize import build_optimizer, parallelize
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    out = {}
+    try:
+        for layout in LAYOUTS[world]:
+            for scenario in SCENARIOS:
+                cfg = _config(layout, scenario)
+                groups = init_groups(cfg)
+                model = parallelize(_model(cfg.model.aux_loss_coeff), cfg, groups)
+                ref = reference_model(model, cfg, groups)
+                opt = build_optimizer(model, cfg, groups)
+                gather = WeightGather(model, groups)
+                metrics, weights = [], []
+                for step, step_groups in enumerate(steps):
+                    data = micro_batches(step_groups, dp_size=groups.dp.size,
+                                         max_tokens=cfg.rl.micro_batch_tokens)[groups.dp.rank]
+                    metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
+                                           ref, version=step, lr=cfg.optimizer.lr))
+                    weights.append(gather.state_dict())
+                out[(str(layout), scenario)] = {"metrics": metrics, "weights": weights}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return _steps()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, list):
+        return a == b
+    return abs(a - b) <= ATOL + RTOL * abs(b) if b is not None else a is None
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_folded_rl_steps_match_one_process_metrics_and_published_weights(world, steps, tmp_path):
+    ranks = spawn_ranks(_worker, (world, steps, str(tmp_path)), world, str(tmp_path), timeout_s=TIMEOUT_S)
+    refs = {}
+    for layout in LAYOUTS[world]:
+        for scenario in SCENARIOS:
+            aux = _aux(layout, scenario)
+            ref = refs.setdefault((aux, scenario), _reference(aux, scenario, steps))
+            key = (str(layout), scenario)
+            for r, rank in enumerate(ranks):
+                for step, (mr, mp_) in enumerate(zip(ref["metrics"], rank[key]["metrics"], strict=True)):
+                    for k in METRICS:
+                        assert _close(mp_[k], mr[k]), f"{key} rank {r} step {step}: {k} {mp_[k]} != {mr[k]}"
+            for step, (wr, wp) in enumerate(zip(ref["weights"], ranks[0][key]["weights"], strict=True)):
+                assert list(wp) == list(wr), f"{key}: published names differ from the single-process state_dict"
+                for name, t in wr.items():
+                    err = _rel_err(wp[name], t)
+                    assert err <= RTOL, f"{key} step {step}: weight {name} differs by {err:.2e} (relative)"
+            assert all(rank[key]["weights"] == [None] * len(steps) for rank in ranks[1:])
+            # the scenario exercises what it claims: clipping, and (replay_kl) a KL term and stale old log-probs
+            assert all(m["grad_norm"] > 0.05 for m in ref["metrics"])
+            if scenario == "replay_kl":
+                assert ref["metrics"][1]["kl"] > 0 and ref["metrics"][1]["logprob_mismatch"] > 1e-4
