@@ -13,6 +13,10 @@ compares them at the end. For example, the MoE data path on torch ops vs the Tri
 
     --variant "torch model.moe_kernels=[]" --variant "kernels" --variant "kernels+router model.moe_kernels=[permutation,activation,router]" \
     --variant "kernels+moe_act model.recompute=[moe_act]" --variant "kernels+moe model.recompute=[moe]"
+
+FP8: `--variant "bf16" --variant "fp8_tensorwise model.fp8=tensorwise"` puts the routed experts (Triton kernel) and the
+dense linears (Transformer Engine, which must then be installed) in FP8; the variant's model is built on the GPU, so it
+runs the same paths as training.
 """
 
 from __future__ import annotations

@@ -54,11 +54,15 @@ class ModelConfig:
     # Qwen3 shape, bench/RESULTS.md; not under tensor parallelism, where the vocabulary is split over ranks and the
     # vocab-parallel cross-entropy on logits is used).
     moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation", "cross_entropy"])
-    # FP8 (e4m3) for the routed experts' grouped GEMMs on CUDA (kernels/fp8_grouped_mm.py): "" (off: bf16
-    # torch._grouped_mm), "tensorwise" (a scale per activation row and per expert weight) or "blockwise" (DeepSeek-V3:
-    # 1x128 activation and 128x128 weight blocks). Forward and dgrad in FP8, wgrad in bf16; master weights, router,
-    # norms, attention and the output layer keep their precision. On CPU it is accepted and the experts run the
-    # bf16/fp32 torch path. Needs hidden_size and moe_ffn_hidden_size / parallel.etp to be multiples of 16.
+    # FP8 GEMMs on CUDA: "" (off), "tensorwise" or "blockwise" (DeepSeek-V3: 1x128 activation, 128x128 weight blocks).
+    # Routed experts: our Triton grouped GEMM (kernels/fp8_grouped_mm.py; tensorwise = a scale per activation row and
+    # per expert weight; forward and dgrad in FP8, wgrad in bf16). Dense linears (attention q/k/v/o, dense and shared
+    # SwiGLU MLPs): Transformer Engine, an optional dependency (services/trainer/model/fp8_linear.py; tensorwise = TE's
+    # per-tensor current scaling; forward, dgrad and wgrad in FP8); on a machine with CUDA it must be installed or the
+    # model build fails naming the fix. Master weights, router, norms, attention core and output layer keep their
+    # precision. On CPU it is accepted and everything runs the bf16/fp32 torch path. Needs hidden_size, the q/k/v/o
+    # widths, ffn_hidden_size and shared_expert_ffn_hidden_size (per parallel.tp rank), and moe_ffn_hidden_size (per
+    # parallel.etp rank) to be multiples of 16.
     fp8: Literal["", "tensorwise", "blockwise"] = ""
     # Activation memory (services/trainer/model/recompute.py). Recompute in backward instead of keeping: "norm",
     # "attn_core", "moe_act" (expert activation), "moe" (whole MoE layer), "layer" (whole decoder block).
@@ -305,6 +309,21 @@ def _check_choices(key: str, values: list[str], allowed: tuple[str, ...]) -> Non
     _check(len(set(values)) == len(values), f"`{key}` lists an entry twice: {values}")
 
 
+def _check_fp8_dense_widths(m: ModelConfig, tp: int) -> None:
+    """Transformer Engine's FP8 GEMMs need every dense projection's in and out features, as one TP rank holds them,
+    to be multiples of 16 (services/trainer/model/fp8_linear.py)."""
+    widths = {"`model.num_heads` x head dim (the q/o projections)": m.num_heads * m.kv_channels,
+              "`model.num_kv_heads` x head dim (the k/v projections)": m.num_kv_heads * m.kv_channels}
+    if m.first_k_dense:
+        widths["`model.ffn_hidden_size`"] = m.ffn_hidden_size
+    if m.shared_expert_ffn_hidden_size:
+        widths["`model.shared_expert_ffn_hidden_size`"] = m.shared_expert_ffn_hidden_size
+    for name, width in widths.items():
+        _check(width % (16 * tp) == 0,
+               f"`model.fp8={m.fp8}` runs the dense linears in FP8 (Transformer Engine), which needs {name} = {width} "
+               f"/ `parallel.tp={tp}` to be a multiple of 16; change the sizes or set model.fp8=''")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Reject impossible values; with `world_size`, also the parallel layout."""
     m, p, d, o = cfg.model, cfg.parallel, cfg.data, cfg.optimizer
@@ -335,6 +354,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                f"`model.fp8={m.fp8}` needs `model.hidden_size={m.hidden_size}` and `model.moe_ffn_hidden_size="
                f"{m.moe_ffn_hidden_size}` / `parallel.etp={p.etp}` to be multiples of 16 (16-byte e4m3 rows); "
                "change the sizes or set model.fp8=''")
+        _check_fp8_dense_widths(m, p.tp)
     _check_choices("model.offload", m.offload, ("attn", "moe", "layer"))
     for outer, inner in (("layer", ("norm", "attn_core", "moe_act", "moe")), ("moe", ("moe_act",))):
         redundant = [name for name in inner if outer in m.recompute and name in m.recompute]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
+from services.trainer.model.fp8_linear import FP8Linear
 from services.trainer.model.rope import apply_rope, rope_frequencies
 
 
@@ -60,10 +61,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.kv_channels
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # nn.Linear layers (names, shapes, state_dict as nn.Linear's) whose matmuls run in FP8 on CUDA with `model.fp8`.
+        self.q_proj = FP8Linear(cfg.hidden_size, self.num_heads * self.head_dim, fp8=cfg.fp8)
+        self.k_proj = FP8Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, fp8=cfg.fp8)
+        self.v_proj = FP8Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, fp8=cfg.fp8)
+        self.o_proj = FP8Linear(self.num_heads * self.head_dim, cfg.hidden_size, fp8=cfg.fp8)
         # Qwen3's QK-norm: RMSNorm of every query and key head over head_dim (one scale shared by all heads), before RoPE.
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None

@@ -13,6 +13,10 @@ they get the same hook, with or without sequence parallelism.
 The embedding and output layer are split over the vocabulary; the loss is a vocab-parallel cross-entropy in fp32, so
 no rank ever materialises full-vocabulary logits.
 
+With `model.fp8` the sharded projections are `FP8Linear`s (services/trainer/model/fp8_linear.py): their own forward
+runs on the rank's shard, in FP8 through Transformer Engine on CUDA, with TE in its non-parallel mode; the region
+hooks here do all the communication, in the activations' dtype, exactly as without FP8.
+
 Sharded parameters carry `tensor_parallel_dim` (the dim split over TP) so checkpointing and tests can reassemble them;
 parameters whose gradient a hook all-reduces over TP carry `sequence_parallel=True`.
 """

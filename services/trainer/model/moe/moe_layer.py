@@ -41,7 +41,7 @@ class MoELayer(nn.Module):
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size,
                                       fused_activation="activation" in cfg.moe_kernels, fp8=cfg.fp8)
-        self.shared_expert = (SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_ffn_hidden_size)
+        self.shared_expert = (SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_ffn_hidden_size, fp8=cfg.fp8)
                               if cfg.shared_expert_ffn_hidden_size else None)
         # Replaced by an EP dispatcher when parallelized.
         self.dispatcher = LocalDispatcher(cfg.num_experts, fused="permutation" in cfg.moe_kernels)
