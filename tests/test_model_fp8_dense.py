@@ -111,7 +111,7 @@ def test_fp8_on_cpu_gives_exactly_the_unset_models_loss_and_gradients(recipe):
     plain, fp8 = MoETransformer(tiny_cfg("")), MoETransformer(tiny_cfg(recipe))
     plain.init_weights(0)
     fp8.load_state_dict(plain.state_dict())
-    batch = packed_batch(37, 264)  # 37 tokens: not a multiple of 8, which the CUDA path pads
+    batch = packed_batch(37, 264)  # 37 tokens: not a multiple of 16, which the CUDA path pads
     (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(plain, batch), loss_and_grads(fp8, batch)
     assert torch.equal(loss_a, loss_b)
     assert grads_a.keys() == grads_b.keys() and len(grads_a) == len(list(plain.parameters()))
@@ -211,7 +211,7 @@ def _linear_run(fp8: str, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tenso
 
 
 @gpu_te
-@pytest.mark.parametrize("rows", [4096, 4093])  # 4093: not a multiple of 8, padded for TE and cut off again
+@pytest.mark.parametrize("rows", [4096, 4093])  # 4093: not a multiple of 16, padded for TE and cut off again
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_gpu_fp8_linear_forward_and_grads_are_close_to_bf16(recipe, rows):
     _te()

@@ -34,8 +34,9 @@ same gathered tokens on every rank; row-parallel partial sums are dequantised by
 high-precision reduce-scatter).
 
 Shapes: TE's FP8 GEMMs need the feature dims to be multiples of 16 (config.validate checks every dense projection,
-per TP rank) and the token count a multiple of 8: rows are zero-padded up to a multiple of 8 here (zero rows change
-no amax and add nothing to dW) and cut off again.
+per TP rank) and the token count a multiple of 16 (it is the leading dimension of the wgrad GEMM: with 8, as TE's
+forward alone would allow, the backward failed an H100 test): rows are zero-padded up to a multiple of 16 here (zero
+rows change no amax and add nothing to dW) and cut off again.
 
 TE is optional: this module never imports it at import time. On a CPU-only machine (or for CPU tensors) `model.fp8`
 leaves the dense linears on `F.linear`. On a machine with CUDA and `model.fp8` set but no importable TE, building the
@@ -56,7 +57,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 RECIPES = ("tensorwise", "blockwise")
-ROW_MULTIPLE = 8  # TE: the product of the input's leading dims must be a multiple of 8 for an FP8 GEMM
+ROW_MULTIPLE = 16  # TE: the token count is the wgrad GEMM's leading dim, which FP8 needs a multiple of 16 (seen on an H100)
 FEATURE_MULTIPLE = 16  # TE: in_features and out_features multiples of 16 (16-byte e4m3 rows)
 
 
