@@ -111,7 +111,8 @@ def main() -> None:
     model.init_weights(cfg.run.seed)
     if parallel:
         parallelize(model, cfg, groups)
-    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload)
+    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload, cfg.model.recompute_layers,
+                        cfg.model.offload_layers)
     model.to(rt.device)
     optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
     cuda = rt.device.type == "cuda"

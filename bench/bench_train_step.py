@@ -78,7 +78,8 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     with torch.device(device):  # parameters allocated on the device, buffers (RoPE frequencies) computed there
         model = MoETransformer(cfg.model)
     model.load_state_dict(weights)
-    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload)
+    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload, cfg.model.recompute_layers,
+                        cfg.model.offload_layers)
     opt = build_adamw(model, cfg.optimizer)
     tokens = cfg.data.seq_len * cfg.data.micro_batch_size * cfg.data.grad_accum
     torch.cuda.reset_peak_memory_stats()

@@ -44,11 +44,12 @@ def train_step(model):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(storages.values()), load
 
 
-def models(recompute=(), offload=()):
-    plain = MoETransformer(ModelConfig(**CFG))
+def models(recompute=(), offload=(), recompute_layers=(), offload_layers=(), num_layers=2):
+    plain = MoETransformer(ModelConfig(**{**CFG, "num_layers": num_layers}))
     plain.init_weights(0)
     policy = copy.deepcopy(plain)
-    return plain, apply_memory_policy(policy, list(recompute), list(offload))
+    return plain, apply_memory_policy(policy, list(recompute), list(offload), list(recompute_layers),
+                                      list(offload_layers))
 
 
 def assert_same_step(got, want):
@@ -80,6 +81,19 @@ def test_recompute_and_offload_combine():
     want, got = train_step(plain), train_step(policy)
     assert_same_step(got, want)
     assert got[2] < train_step(models(recompute=["norm", "moe_act"])[1])[2]
+
+
+@pytest.mark.parametrize("key", ["recompute", "offload"])
+def test_the_policy_applies_to_the_listed_layers_only(key):
+    """Per layer: recomputing/offloading one of three MoE layers keeps the gradients and saves less than doing all
+    three, more than doing none."""
+    kind = {"recompute": ["moe"], "offload": ["moe"]}[key]
+    plain, one = models(**{key: kind, f"{key}_layers": [1]}, num_layers=3)
+    _, every = models(**{key: kind}, num_layers=3)
+    want, got, all_layers = train_step(plain), train_step(one), train_step(every)
+    assert_same_step(got, want)
+    assert all_layers[2] < got[2] < want[2], (all_layers[2], got[2], want[2])
+    assert ["forward" in vars(block.mlp) for block in one.layers.values()] == [False, True, False]  # wrapped: layer 1
 
 
 def test_a_discarded_output_is_rebuilt_once_for_all_its_consumers_in_backward():
@@ -123,7 +137,10 @@ def test_in_recompute_is_true_only_while_backward_reruns_a_checkpointed_forward(
     ("model.recompute=[layer,norm]", "already recomputes"),
     ("model.recompute=[moe,moe_act]", "already recomputes"),
     ("model.moe_kernels=[gemm]", "unknown entries"),
+    ("model.recompute=[moe] model.recompute_layers=[0,9]", r"names layers \[9\], outside 0..3"),
+    ("model.offload=[attn] model.offload_layers=[1,1]", "lists a layer twice"),
+    ("model.recompute_layers=[1]", "which is empty"),
 ])
 def test_config_rejects_what_it_cannot_apply(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, override.split())

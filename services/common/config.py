@@ -69,6 +69,9 @@ class ModelConfig:
     recompute: list[str] = field(default_factory=list)
     # Keep these modules' saved activations in pinned host memory until backward: "attn", "moe", "layer".
     offload: list[str] = field(default_factory=list)
+    # The decoder layers (ids 0..num_layers-1) `recompute` / `offload` apply to; empty: every layer.
+    recompute_layers: list[int] = field(default_factory=list)
+    offload_layers: list[int] = field(default_factory=list)
 
     @property
     def kv_channels(self) -> int:
@@ -359,6 +362,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for outer, inner in (("layer", ("norm", "attn_core", "moe_act", "moe")), ("moe", ("moe_act",))):
         redundant = [name for name in inner if outer in m.recompute and name in m.recompute]
         _check(not redundant, f"`model.recompute` has {outer!r}, which already recomputes {redundant}: drop them")
+    for key, ids, policy in (("recompute", m.recompute_layers, m.recompute), ("offload", m.offload_layers, m.offload)):
+        bad = sorted({i for i in ids if not 0 <= i < m.num_layers})
+        _check(not bad, f"`model.{key}_layers` names layers {bad}, outside 0..{m.num_layers - 1} (`model.num_layers="
+                        f"{m.num_layers}`)")
+        _check(len(set(ids)) == len(ids), f"`model.{key}_layers={ids}` lists a layer twice")
+        _check(not ids or policy, f"`model.{key}_layers={ids}` selects layers for `model.{key}`, which is empty: "
+                                  f"set `model.{key}` (e.g. {'[moe]' if key == 'recompute' else '[attn]'}) or drop it")
     _check(d.seq_len > 1 and d.micro_batch_size > 0 and d.grad_accum > 0,
            "`data.seq_len` must be > 1 and `data.micro_batch_size`, `data.grad_accum` positive")
     _check(o.lr > 0 and o.min_lr >= 0 and o.min_lr <= o.lr, f"need 0 <= `optimizer.min_lr` <= `optimizer.lr` > 0")

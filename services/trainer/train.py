@@ -73,7 +73,8 @@ def train(cfg: Config) -> int:
     checkpointing.init_from(cfg, model, rt.rank)  # checkpoint.init_from's weights, unless there is a run to resume
     if parallel:
         parallelize(model, cfg, groups)
-    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload)  # after parallelize: it wraps the swapped cores
+    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload, cfg.model.recompute_layers,
+                        cfg.model.offload_layers)  # after parallelize: it wraps the swapped cores
     model.to(rt.device)
     optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
 

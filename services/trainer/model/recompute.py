@@ -1,7 +1,9 @@
 """Activation memory: recompute chosen modules in backward instead of keeping what they save, or keep it on the host.
 
-`apply_memory_policy(model, recompute, offload)` applies `model.recompute` / `model.offload` to a built (and, if so,
-parallelized) model, in place, without changing parameter names: it replaces the chosen modules' `forward` on the
+`apply_memory_policy(model, recompute, offload, recompute_layers, offload_layers)` applies `model.recompute` /
+`model.offload` to a built (and, if so, parallelized) model's decoder blocks (all of them, or the layer ids listed in
+`model.recompute_layers` / `model.offload_layers`: e.g. recompute only the first layers of a pipeline stage, whose
+activations live longest under 1F1B), in place, without changing parameter names: it replaces the chosen modules' `forward` on the
 instance. Call it once, after parallelization (context parallelism swaps `attn.core` and this wraps whatever is
 there) and after any `copy.deepcopy` of the model (the wrappers hold the module they were applied to).
 
@@ -170,30 +172,35 @@ def _recomputed_norm(norm: nn.Module) -> Callable:
     return run
 
 
-def apply_memory_policy(model: nn.Module, recompute: list[str], offload: list[str]) -> nn.Module:
-    """Apply `model.recompute` and `model.offload` (validated by the config) to every decoder block of `model`."""
+def apply_memory_policy(model: nn.Module, recompute: list[str], offload: list[str],
+                        recompute_layers: list[int] | None = None, offload_layers: list[int] | None = None) -> nn.Module:
+    """Apply `model.recompute` and `model.offload` (validated by the config) to the decoder blocks of `model`: to those
+    whose layer id (the global one, also on a pipeline stage) is in `recompute_layers` / `offload_layers`, or to every
+    block when that list is empty or None (`model.recompute_layers`, `model.offload_layers`)."""
     from services.trainer.model.moe.moe_layer import MoELayer
-    from services.trainer.model.transformer import Block
 
-    for block in (m for m in model.modules() if isinstance(m, Block)):
-        if "norm" in recompute:
+    for layer_id, block in model.layers.items():
+        layer = int(layer_id)
+        rec = recompute if not recompute_layers or layer in recompute_layers else []
+        off = offload if not offload_layers or layer in offload_layers else []
+        if "norm" in rec:
             for norm in (block.attn_norm, block.mlp_norm):
                 norm.forward = _recomputed_norm(norm)
-        if "attn_core" in recompute:
+        if "attn_core" in rec:
             block.attn.core = checkpointed(block.attn.core)
         if isinstance(block.mlp, MoELayer):
-            block.mlp.experts.recompute_activation = "moe_act" in recompute
-            if "moe" in recompute:
+            block.mlp.experts.recompute_activation = "moe_act" in rec
+            if "moe" in rec:
                 block.mlp.forward = checkpointed(block.mlp.forward)
-        if "norm" in recompute:  # the norms' consumers: drop their copies of the norm outputs
+        if "norm" in rec:  # the norms' consumers: drop their copies of the norm outputs
             block.attn.forward = _dropping_discarded_around(block.attn.forward)
             block.mlp.forward = _dropping_discarded_around(block.mlp.forward)
-        if "attn" in offload:
+        if "attn" in off:
             block.attn.forward = offloaded(block.attn.forward)
-        if "moe" in offload and isinstance(block.mlp, MoELayer):
+        if "moe" in off and isinstance(block.mlp, MoELayer):
             block.mlp.forward = offloaded(block.mlp.forward)
-        if "layer" in recompute:
+        if "layer" in rec:
             block.forward = checkpointed(block.forward)
-        if "layer" in offload:
+        if "layer" in off:
             block.forward = offloaded(block.forward)
     return model
