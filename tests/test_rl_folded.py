@@ -10,6 +10,8 @@ deals it (`pack_step` for the layout's dp size; the TP ranks of a replica get th
   even) and EP2 (= DP2: the EP all-to-alls pair two replicas with different shares, so one adds filler micro-batches);
 - 4 ranks: TP2·EP2 (DP2; EP inside each TP pair) and EP2·ETP2 (DP4: fillers again, and ETP's partial sums).
 
+Pipeline layouts run through the same harness (`run_and_compare`) in tests/test_rl_pipeline.py.
+
 Two scenarios each: "replay_kl" (one sample per micro-batch, recomputed old log-probs with truncated importance
 weights, KL to a reference model copied from the parallelized policy; the MoE aux loss is on where TP is off — with TP
 the padding tokens would join the micro-batch aux statistics, see rl/folded.py) and "packed" (several samples per
@@ -81,7 +83,7 @@ def _reference(aux: float, scenario: str, steps: list[list]) -> dict:
     return {"metrics": metrics, "weights": weights}
 
 
-def _worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
+def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_dir: str) -> None:
     from services.trainer.parallel.gather_weights import WeightGather
     from services.trainer.parallel.groups import init_groups
     from services.trainer.parallel.parallelize import build_optimizer, parallelize
@@ -91,7 +93,7 @@ def _worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
                             timeout=timedelta(seconds=TIMEOUT_S))
     out = {}
     try:
-        for layout in LAYOUTS[world]:
+        for layout in layouts:
             for scenario in SCENARIOS:
                 cfg = _config(layout, scenario)
                 groups = init_groups(cfg)
@@ -127,11 +129,12 @@ def _close(a, b) -> bool:
     return abs(a - b) <= ATOL + RTOL * abs(b) if b is not None else a is None
 
 
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_folded_rl_steps_match_one_process_metrics_and_published_weights(world, steps, tmp_path):
-    ranks = spawn_ranks(_worker, (world, steps, str(tmp_path)), world, str(tmp_path), timeout_s=TIMEOUT_S)
+def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir: str) -> None:
+    """Run `layouts` on `world` gloo ranks (`_worker`) and compare every rank's metrics and rank 0's gathered weights
+    with one process."""
+    ranks = spawn_ranks(_worker, (world, layouts, steps, out_dir), world, out_dir, timeout_s=TIMEOUT_S)
     refs = {}
-    for layout in LAYOUTS[world]:
+    for layout in layouts:
         for scenario in SCENARIOS:
             aux = _aux(layout, scenario)
             ref = refs.setdefault((aux, scenario), _reference(aux, scenario, steps))
@@ -150,3 +153,8 @@ def test_folded_rl_steps_match_one_process_metrics_and_published_weights(world, 
             assert all(m["grad_norm"] > 0.05 for m in ref["metrics"])
             if scenario == "replay_kl":
                 assert ref["metrics"][1]["kl"] > 0 and ref["metrics"][1]["logprob_mismatch"] > 1e-4
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_folded_rl_steps_match_one_process_metrics_and_published_weights(world, steps, tmp_path):
+    run_and_compare(world, LAYOUTS[world], steps, str(tmp_path))

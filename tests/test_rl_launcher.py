@@ -89,10 +89,8 @@ def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path
         forget_stream(run)
 
 
-@pytest.mark.parametrize("layout, reason", [("parallel.pp=2", "does not run pipeline parallel"),
-                                            ("parallel.cp=2", "does not run context parallel")])
-def test_an_rl_run_with_pipeline_or_context_parallelism_is_refused_before_any_process_starts(tmp_path, capsys, layout,
-                                                                                            reason):
+@pytest.mark.parametrize("layout, reason", [("parallel.cp=2", "does not run context parallel")])
+def test_an_rl_run_with_context_parallelism_is_refused_before_any_process_starts(tmp_path, capsys, layout, reason):
     from services.cli import main
 
     code = main(["train", "--config", "configs/rl_tiny.yaml", "run.nproc=2", layout,
@@ -127,6 +125,29 @@ def test_an_rl_run_on_two_expert_parallel_trainer_ranks_publishes_gathered_weigh
             if r["policy_versions"] == [r["step"] - 1]:
                 assert r["logprob_mismatch"] < 1e-4, r
         assert logged[0]["policy_versions"] == [0]
+        assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [2, 3]
+    finally:
+        forget_stream(run)
+
+
+def test_an_rl_run_on_two_pipeline_stages_with_a_reference_model_trains_and_publishes_weights_the_workers_reproduce(
+        tmp_path):
+    run = f"rl-pp2-{uuid.uuid4().hex[:8]}"
+    try:
+        done = rl_train(tmp_path, run, 3, "run.nproc=2", "parallel.pp=2", "rl.kl_coef=0.01")
+        assert done.rc == 0, done.stderr[-3000:]
+        assert done.strays == []
+        logged = records(tmp_path)
+        assert [r["step"] for r in logged] == [1, 2, 3] and all(r["trainer_ranks"] == 2 for r in logged)
+        for r in logged:
+            # rank 0 (the first stage) logs: the loss sums, computed on the last stage, reached it
+            assert r["tis_weight"] > 0.5 and r["grad_norm"] > 0 and r["kl"] >= 0, r
+            # the workers generated with the weights rank 0 gathered from both stages: the trainer's log-probs of
+            # their samples (same version, each stage replaying its own layer's routing) agree with the workers' own
+            if r["policy_versions"] == [r["step"] - 1]:
+                assert r["logprob_mismatch"] < 1e-4, r
+        assert logged[0]["policy_versions"] == [0] and logged[0]["kl"] < 1e-6  # the reference is the initial policy
+        assert logged[-1]["kl"] > 0
         assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [2, 3]
     finally:
         forget_stream(run)

@@ -5,6 +5,11 @@ norm, output layer and loss on the last), so parameter names stay the single-dev
 renaming. Between stages travel hidden states [T_local, h] (T_local / tp with sequence parallelism) forward and their
 gradients backward; both sides know the shape from the micro-batch's token count, so no shapes are exchanged.
 
+The schedules (`one_f_one_b`, and `forward_only` for passes without gradients) move hidden states and know nothing of
+the loss: the caller supplies the stage's forward of one micro-batch (`StageForward`), which on the last stage turns
+the model's output into the loss (pre-training: the model's cross-entropy, `forward_backward_pipeline`; RL: the
+policy loss on per-token log-probs, rl/pipelined.py).
+
 MoE aux losses need no plumbing: each MoE layer attaches its aux-loss gradient to its output (`AttachAuxLoss`), so the
 backward of a stage started from the received activation gradient also back-propagates that stage's aux losses.
 """
@@ -12,6 +17,7 @@ backward of a stage started from the received activation gradient also back-prop
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,11 +66,34 @@ def apply_pipeline(model: nn.Module, pp_group: ProcessGroup | None, pp_layers: l
 # ---------------------------------------------------------------- point-to-point
 
 
+# (micro-batch index, the hidden states received from the previous stage, None on the first) -> the stage's output:
+# hidden states for the next stage, or on the last stage whatever the caller computes from the model's output (the
+# micro-batch's summed loss when training; e.g. per-token log-probs in a forward-only pass).
+StageForward = Callable[[int, torch.Tensor | None], torch.Tensor]
+
+
 @dataclass
-class _Peers:
+class StageLink:
+    """This stage's neighbours and what travels between them: the hidden states of micro-batch i, [tokens[i] / sp, h]
+    (sp: the TP size when sequence parallelism splits them along tokens, else 1), forward, and their gradients
+    backward. Both sides know the shape from the micro-batch's token count, so no shapes are exchanged."""
+
     group: ProcessGroup | None  # None: a single stage
     rank: int
     size: int
+    tokens: list[int]  # per micro-batch, as the stage's model sees them (whole, before any sequence-parallel split)
+    sp: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, model_stage: nn.Module, tokens: list[int], device: torch.device, pp_group: ProcessGroup | None,
+           sequence_parallel_size: int = 1) -> "StageLink":
+        hidden_size = next(b for b in model_stage.layers.values()).attn_norm.weight.shape[0]
+        dtype = next(model_stage.parameters()).dtype
+        return cls(pp_group, group_rank(pp_group), group_size(pp_group), list(tokens), sequence_parallel_size,
+                   hidden_size, dtype, device)
 
     @property
     def first(self) -> bool:
@@ -74,15 +103,56 @@ class _Peers:
     def last(self) -> bool:
         return self.rank == self.size - 1
 
+    def buffer(self, i: int) -> torch.Tensor:
+        if self.tokens[i] % self.sp:
+            raise ValueError(f"micro-batch {i} has {self.tokens[i]} tokens, not divisible by the sequence-parallel "
+                             f"size {self.sp}")
+        return torch.empty(self.tokens[i] // self.sp, self.hidden_size, dtype=self.dtype, device=self.device)
 
-def _exchange(peers: _Peers, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]]) -> None:
-    """Post every send and receive of one schedule slot together, then wait: neighbours that both send before they
-    receive cannot deadlock."""
-    ops = [dist.P2POp(dist.isend, t, group=peers.group, group_peer=peers.rank + d) for t, d in send]
-    ops += [dist.P2POp(dist.irecv, t, group=peers.group, group_peer=peers.rank + d) for t, d in recv]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    def exchange(self, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]]) -> None:
+        """Post every send and receive of one schedule slot together, then wait: neighbours that both send before they
+        receive cannot deadlock."""
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.rank + d) for t, d in send]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.rank + d) for t, d in recv]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def recv_forward(self, i: int) -> torch.Tensor | None:
+        if self.first:
+            return None
+        buf = self.buffer(i)
+        self.exchange([], [(buf, -1)])
+        return buf
+
+    def send_forward(self, out: torch.Tensor | None) -> None:
+        if not self.last:
+            self.exchange([(out, +1)], [])
+
+    def recv_backward(self, i: int) -> torch.Tensor | None:
+        if self.last:
+            return None
+        buf = self.buffer(i)
+        self.exchange([], [(buf, +1)])
+        return buf
+
+    def send_backward(self, grad: torch.Tensor | None) -> None:
+        if not self.first:
+            self.exchange([(grad, -1)], [])
+
+    def send_forward_recv_backward(self, out: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        if self.last:
+            return None
+        buf = self.buffer(i)
+        self.exchange([(out, +1)], [(buf, +1)])
+        return buf
+
+    def send_backward_recv_forward(self, grad: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        if self.first:
+            return None
+        buf = self.buffer(i)
+        self.exchange([(grad, -1)], [(buf, -1)])
+        return buf
 
 
 # ---------------------------------------------------------------- the 1F1B schedule
@@ -91,34 +161,18 @@ def _exchange(peers: _Peers, send: list[tuple[torch.Tensor, int]], recv: list[tu
 class _StageRunner:
     """Forward/backward of one micro-batch on this stage, keeping what backward needs until it runs."""
 
-    def __init__(self, model, micro_batches, step_tokens, device, autocast_dtype, peers, token_divisor):
-        self.model, self.mbs, self.step_tokens = model, micro_batches, step_tokens
-        self.device, self.autocast_dtype, self.peers = device, autocast_dtype, peers
-        self.token_divisor = token_divisor
-        self.dtype = next(model.parameters()).dtype
-        self.hidden_size = next(b for b in model.layers.values()).attn_norm.weight.shape[0]
+    def __init__(self, stage_forward: StageForward, link: StageLink, step_tokens: int):
+        self.stage_forward, self.link, self.step_tokens = stage_forward, link, step_tokens
         self.inputs: dict[int, torch.Tensor | None] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.loss = torch.zeros((), device=device)
-
-    def hidden_buffer(self, i: int) -> torch.Tensor:
-        tokens = self.mbs[i]["tokens"].shape[0]
-        if tokens % self.token_divisor:
-            raise ValueError(f"micro-batch {i} has {tokens} tokens, not divisible by the sequence-parallel size "
-                             f"{self.token_divisor}")
-        return torch.empty(tokens // self.token_divisor, self.hidden_size, dtype=self.dtype, device=self.device)
+        self.loss = torch.zeros((), device=link.device)
 
     def forward(self, i: int, hidden: torch.Tensor | None) -> torch.Tensor | None:
-        mb = self.mbs[i]
         if hidden is not None:
             hidden.requires_grad_(True)
-        bind_micro_batch(self.model, mb)
-        labels = mb["labels"] if self.peers.last else None
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = self.model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden,
-                             labels=labels)
+        out = self.stage_forward(i, hidden)
         self.inputs[i] = hidden
-        if self.peers.last:
+        if self.link.last:
             loss_sum = out
             self.loss += loss_sum.detach()
             self.outputs[i] = loss_sum / self.step_tokens
@@ -132,73 +186,73 @@ class _StageRunner:
         return None if hidden is None else hidden.grad
 
 
-def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tensor]], step_tokens: int,
-                              device: torch.device, autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None,
-                              sequence_parallel_size: int = 1) -> torch.Tensor:
-    """`step.forward_backward` for a pipeline stage: 1F1B over the micro-batches; returns the summed token loss on the
-    last stage (zero elsewhere).
+def one_f_one_b(stage_forward: StageForward, link: StageLink, step_tokens: int) -> torch.Tensor:
+    """Forward and backward of every micro-batch of `link.tokens` through the pipeline; `stage_forward` returns the
+    micro-batch's summed loss on the last stage, which the schedule divides by `step_tokens` before its backward.
+    Returns the summed loss on the last stage (zero elsewhere).
 
     Stage s runs min(P-1-s, M) warm-up forwards, then alternates one forward with one backward, then drains the
     backwards: at most P-s micro-batches' activations are alive on stage s, instead of M with all-forward-then-backward.
+    """
+    run = _StageRunner(stage_forward, link, step_tokens)
+    M = len(link.tokens)
+    warmup = min(link.size - 1 - link.rank, M)
+    for i in range(warmup):
+        link.send_forward(run.forward(i, link.recv_forward(i)))
+    steady = M - warmup
+    hidden = link.recv_forward(warmup) if steady else None
+    for j in range(steady):
+        fwd, bwd = warmup + j, j
+        out = run.forward(fwd, hidden)
+        grad = link.send_forward_recv_backward(out, bwd)
+        grad_in = run.backward(bwd, grad)
+        if j == steady - 1:
+            link.send_backward(grad_in)
+        else:
+            hidden = link.send_backward_recv_forward(grad_in, fwd + 1)
+    for bwd in range(steady, M):
+        link.send_backward(run.backward(bwd, link.recv_backward(bwd)))
+    return run.loss
+
+
+def forward_only(stage_forward: StageForward, link: StageLink) -> list[torch.Tensor | None]:
+    """Every micro-batch of `link.tokens` forward through the pipeline, in order, without autograd: the last stage's
+    outputs of `stage_forward` (e.g. per-token log-probs), None on the other stages. Nothing is kept for a backward, so
+    no stage holds more than one micro-batch's activations."""
+    outs: list[torch.Tensor | None] = []
+    with torch.no_grad():
+        for i in range(len(link.tokens)):
+            out = stage_forward(i, link.recv_forward(i))
+            if link.last:
+                outs.append(out)
+            else:
+                link.send_forward(out.contiguous())
+                outs.append(None)
+    return outs
+
+
+# ---------------------------------------------------------------- pre-training
+
+
+def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tensor]], step_tokens: int,
+                              device: torch.device, autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None,
+                              sequence_parallel_size: int = 1) -> torch.Tensor:
+    """`step.forward_backward` for a pipeline stage: 1F1B (`one_f_one_b`) over the micro-batches with the model's
+    cross-entropy as the last stage's loss; returns the summed token loss on the last stage (zero elsewhere).
+
     Micro-batches must already be CP-sharded (`context_parallel.shard_micro_batch`); `sequence_parallel_size` is the TP
     size when sequence parallelism splits the hidden states along tokens (1 otherwise). With one stage (`pp_group`
     None) this is plain gradient accumulation, so it also serves runs without pipeline parallelism.
     """
-    peers = _Peers(pp_group, group_rank(pp_group), group_size(pp_group))
     mbs = [to_device(mb, device) for mb in micro_batches]
-    run = _StageRunner(model_stage, mbs, step_tokens, device, autocast_dtype, peers, sequence_parallel_size)
-    M = len(mbs)
-    warmup = min(peers.size - 1 - peers.rank, M)
+    link = StageLink.of(model_stage, [mb["tokens"].shape[0] for mb in mbs], device, pp_group, sequence_parallel_size)
 
-    def recv_forward(i):
-        if peers.first:
-            return None
-        buf = run.hidden_buffer(i)
-        _exchange(peers, [], [(buf, -1)])
-        return buf
+    def stage_forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        mb = mbs[i]
+        bind_micro_batch(model_stage, mb)
+        labels = mb["labels"] if link.last else None
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            return model_stage(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"),
+                               hidden=hidden, labels=labels)
 
-    def send_forward(out):
-        if not peers.last:
-            _exchange(peers, [(out, +1)], [])
-
-    def recv_backward(i):
-        if peers.last:
-            return None
-        buf = run.hidden_buffer(i)
-        _exchange(peers, [], [(buf, +1)])
-        return buf
-
-    def send_backward(grad):
-        if not peers.first:
-            _exchange(peers, [(grad, -1)], [])
-
-    def send_forward_recv_backward(out, i):
-        if peers.last:
-            return None
-        buf = run.hidden_buffer(i)
-        _exchange(peers, [(out, +1)], [(buf, +1)])
-        return buf
-
-    def send_backward_recv_forward(grad, i):
-        if peers.first:
-            return None
-        buf = run.hidden_buffer(i)
-        _exchange(peers, [(grad, -1)], [(buf, -1)])
-        return buf
-
-    for i in range(warmup):
-        send_forward(run.forward(i, recv_forward(i)))
-    steady = M - warmup
-    hidden = recv_forward(warmup) if steady else None
-    for j in range(steady):
-        fwd, bwd = warmup + j, j
-        out = run.forward(fwd, hidden)
-        grad = send_forward_recv_backward(out, bwd)
-        grad_in = run.backward(bwd, grad)
-        if j == steady - 1:
-            send_backward(grad_in)
-        else:
-            hidden = send_backward_recv_forward(grad_in, fwd + 1)
-    for bwd in range(steady, M):
-        send_backward(run.backward(bwd, recv_backward(bwd)))
-    return run.loss
+    return one_f_one_b(stage_forward, link, step_tokens)

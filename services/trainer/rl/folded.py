@@ -1,4 +1,4 @@
-"""The RL step on a folded layout: which layouts it runs; the policy forward under TP (sequence parallel) and EP/ETP.
+"""The RL step on a folded layout: which layouts it runs; the policy forward under TP (sequence parallel), EP/ETP, PP.
 
 What changes against one process, and why:
 - **Data parallel axis** is the attention layout's DP (`groups.dp`): TP peers hold the same groups (the same share);
@@ -17,18 +17,23 @@ What changes against one process, and why:
 - **Equal forward counts**: when an EP group spans different DP replicas, its all-to-alls pair the ranks' forwards, so
   every rank must run as many micro-batches as the busiest one; the others add *filler* micro-batches (one token per SP
   rank, no response token, aux loss off, load restored), whose gradient is exactly zero.
+- **Pipeline parallelism** runs the policy forward of each micro-batch through the pre-training schedules
+  (rl/pipelined.py): forward-only passes for the old and reference log-probs, which stay on the last stage, then 1F1B
+  with the policy loss as the last stage's loss. Each stage's MoE layers replay the recorded rows of their own layer ids
+  (rl/replay.py); fillers carry routing for every MoE layer of the whole model, as the rollout records it. The loss
+  sums exist on the last stage only and are summed over the pp group, so every rank reports the same metrics. The
+  reference model is `frozen_copy` of the stage: the same layers, the same (shared) process groups.
 
-Not supported (`check_layout` refuses them): pipeline parallelism, because the policy loss (PPO-clip on per-token
-log-probs, with old/reference log-probs from extra forward passes) would have to run inside the pipeline schedule's
-last stage, which computes the pre-training cross-entropy only; and context parallelism, because the log-prob of each
-completion token is read at its position of the whole sequence while CP zigzag-shards sequences, and the vocab-parallel
-log-probs would need the CP gather of per-token values that the schedule does not do.
+Not supported (`check_layout` refuses it): context parallelism, because the log-prob of each completion token is read
+at its position of the whole sequence while CP zigzag-shards sequences, and the vocab-parallel log-probs would need the
+CP gather of per-token values that the schedule does not do.
 """
 
 from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,17 +45,16 @@ from services.trainer.model.moe.router import expert_counts
 from services.trainer.parallel.differentiable import group_size, local_token_shard
 from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
+from services.trainer.rl.replay import owned_routing, recorded_moe_layers, routing_replay
 
 
 def check_layout(groups: ParallelGroups) -> None:
     """Raise ValueError naming the axis when the RL step cannot run on `groups`' layout (see the module docstring)."""
     layout = groups.layout
-    if layout.pp > 1:
-        raise ValueError(f"the RL step does not run pipeline parallel (pp={layout.pp}): its policy loss is not part of "
-                         f"the pipeline schedule; use tp/ep/etp and data parallelism instead ({layout})")
     if layout.cp > 1 or any(c > 1 for c in layout.cp_sizes):
         raise ValueError(f"the RL step does not run context parallel (cp={layout.cp}, cp_sizes={layout.cp_sizes}): "
-                         f"per-token log-probs are read on whole sequences; use tp/ep/etp and data parallelism instead")
+                         "per-token log-probs are read on whole sequences; use tp/ep/etp/pp and data parallelism "
+                         "instead")
 
 
 def step_layout(optimizer: Any) -> ParallelGroups:
@@ -101,8 +105,8 @@ def with_fillers(micro_batches: list, model: nn.Module, groups: ParallelGroups, 
 def _filler(model: nn.Module, device: torch.device):
     from services.trainer.rl.step import RLMicroBatch
 
-    n = max(_sp_size(model), 1)
-    k, layers = model.cfg.top_k, len(model.moe_layers())
+    n = max(sp_size(model), 1)
+    k, layers = model.cfg.top_k, recorded_moe_layers(model.cfg)  # as recorded: every MoE layer of the whole model
     mb = RLMicroBatch(tokens=torch.zeros(n, dtype=torch.int64, device=device),
                       position_ids=torch.arange(n, device=device),
                       cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=device),
@@ -118,7 +122,7 @@ def _filler(model: nn.Module, device: torch.device):
 # ---------------------------------------------------------------- the policy forward
 
 
-def _sp_size(model: nn.Module) -> int:
+def sp_size(model: nn.Module) -> int:
     group = getattr(model, "tensor_parallel_group", None)
     return group_size(group) if getattr(model, "sequence_parallel", False) else 1
 
@@ -142,7 +146,8 @@ def _padded(mb, pad: int):
 
 @contextmanager
 def _padding_excluded(model: nn.Module, local_pad_ids: torch.Tensor | None, filler: bool):
-    """Keep padding and fillers out of the routers' load (and fillers out of the aux loss)."""
+    """Keep padding and fillers out of the routers' load (and fillers out of the aux loss). `local_pad_ids`: the
+    padding tokens' replayed ids [this model's MoE layers, pad tokens of this rank, k]."""
     layers = model.moe_layers()
     saved = [(m.router.tokens_per_expert.clone(), m.aux_loss_scale) for m in layers] if filler else None
     if filler:
@@ -161,13 +166,24 @@ def _padding_excluded(model: nn.Module, local_pad_ids: torch.Tensor | None, fill
                     m.router.tokens_per_expert -= expert_counts(ids, m.router.num_experts).float()
 
 
-def folded_token_logprobs(model: nn.Module, mb: Any, temperature: float,
-                          autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`step.token_logprobs` on a TP (sequence-parallel) model or for a filler micro-batch: [T] fp32 on each TP rank."""
-    from services.trainer.rl.step import routing_replay
+@dataclass
+class PolicyInput:
+    """One RL micro-batch as the policy forward feeds it to this rank's model (whole, or a pipeline stage): padded with
+    a separate document to a multiple of the sequence-parallel size, the replayed ids cut to this rank's token shard."""
 
+    mb: Any  # the RLMicroBatch (targets, response mask)
+    tokens: torch.Tensor  # [T + pad]
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    routing: torch.Tensor  # [MoE layers of the whole model, (T + pad) / sp, k]
+    local_pad: torch.Tensor | None  # the padding tokens' ids among them, for this model's MoE layers
+    filler: bool
+
+
+def policy_input(model: nn.Module, mb: Any) -> PolicyInput:
+    """`mb` (an RLMicroBatch or a filler) for this rank's model: `PolicyInput`'s padding and token shard."""
     group = getattr(model, "tensor_parallel_group", None)
-    sp = _sp_size(model)
+    sp = sp_size(model)
     T = mb.tokens.shape[0]
     pad = (-T) % sp
     tokens, pos, cu, routing = _padded(mb, pad)
@@ -176,17 +192,35 @@ def folded_token_logprobs(model: nn.Module, mb: Any, temperature: float,
         is_pad = torch.arange(T + pad, device=tokens.device) >= T
         local_mask = local_token_shard(is_pad, group)
         routing = torch.stack([local_token_shard(ids, group) for ids in routing])
-        local_pad = routing[:, local_mask] if pad else None
+        local_pad = owned_routing(model, routing)[:, local_mask] if pad else None
     elif pad:
-        local_pad = routing[:, T:]
-    filler = getattr(mb, "is_filler", False)
-    with routing_replay(model, routing), _padding_excluded(model, local_pad, filler), \
-            torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        logits = model(tokens, pos, cu)
-    logits = logits[:T].float()
+        local_pad = owned_routing(model, routing)[:, T:]
+    return PolicyInput(mb, tokens, pos, cu, routing, local_pad, getattr(mb, "is_filler", False))
+
+
+@contextmanager
+def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype | None):
+    """What the model's forward of `p` runs under: replayed routing, padding kept out of the load, autocast."""
+    with routing_replay(model, p.routing), _padding_excluded(model, p.local_pad, p.filler), \
+            torch.autocast(p.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        yield
+
+
+def logits_to_logprobs(model: nn.Module, logits: torch.Tensor, p: PolicyInput, temperature: float) -> torch.Tensor:
+    """log pi(target) [T] fp32 from the output layer's logits of `p` (this rank's vocabulary slice under TP)."""
+    logits = logits[:p.mb.tokens.shape[0]].float()
     if temperature > 0:
         logits = logits / temperature
-    labels = mb.targets.clamp_min(0)
+    labels = p.mb.targets.clamp_min(0)
     if isinstance(model.loss_fn, VocabParallelCrossEntropy):
         return vocab_parallel_token_logprobs(logits, labels, model.loss_fn)
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None]).squeeze(1)
+
+
+def folded_token_logprobs(model: nn.Module, mb: Any, temperature: float,
+                          autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`step.token_logprobs` on a TP (sequence-parallel) model or for a filler micro-batch: [T] fp32 on each TP rank."""
+    p = policy_input(model, mb)
+    with policy_forward(model, p, autocast_dtype):
+        logits = model(p.tokens, p.position_ids, p.cu_seqlens)
+    return logits_to_logprobs(model, logits, p, temperature)

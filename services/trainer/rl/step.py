@@ -11,14 +11,14 @@ up (routing replay, as in GSPO/R3).
 Over several trainer ranks the step is data parallel (see `rl_step`): each replica runs the micro-batches the dataloader
 dealt it and the distributed optimizer of pre-training sums the gradients, with the loss normalised by the whole step's
 tokens.
-On folded layouts (TP with sequence parallelism, EP, ETP; not PP or CP) the replicas are the attention layout's DP
+On folded layouts (TP with sequence parallelism, EP, ETP, PP; not CP) the replicas are the attention layout's DP
 axis and the policy forward is `folded.py`'s (vocab-parallel log-probs, replayed ids cut to each SP shard, fillers that
-keep an EP group's forwards paired).
+keep an EP group's forwards paired); with pipeline stages it runs through the pipeline schedules and the policy loss
+in the last stage (`pipelined.py`).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +28,11 @@ from torch import nn
 
 from services.common.config import RLConfig
 from services.trainer.model.loss import IGNORE_INDEX
-from services.trainer.parallel.groups import Axis
+from services.trainer.parallel.groups import Axis, ParallelGroups
 from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, step_layout, with_fillers
-from services.trainer.rl.losses import ppo_clip_loss
+from services.trainer.rl.losses import PolicyLoss, ppo_clip_loss
+from services.trainer.rl.pipelined import pipeline_logprobs, pipeline_policy_backward
+from services.trainer.rl.replay import routing_replay
 
 
 @dataclass
@@ -85,21 +87,6 @@ def step_sums(micro_batches: list[RLMicroBatch], version: int, max_staleness: in
     return sums
 
 
-@contextmanager
-def routing_replay(model: nn.Module, routing: torch.Tensor):
-    """Make every MoE layer use the recorded expert ids [moe layers, T, k] (in `model.moe_layers()` order)."""
-    layers = model.moe_layers()
-    if routing.shape[0] != len(layers):
-        raise ValueError(f"recorded routing covers {routing.shape[0]} MoE layers, the model has {len(layers)}")
-    try:
-        for layer, ids in zip(layers, routing):
-            layer.router.replay_ids = ids
-        yield
-    finally:
-        for layer in layers:
-            layer.router.replay_ids = None
-
-
 def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
                    autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """log pi(target) at every position [T] fp32 (garbage where the target is ignored), under replayed routing and the
@@ -127,10 +114,12 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     Data parallel: when `optimizer` is the DistributedOptimizer of a layout (`folded.check_layout`), `data` is this
     rank's share of the step (the dataloader deals whole samples to the dp ranks; the TP ranks of a replica get the
     same). The step's response-token count and the sums behind the data metrics are all-reduced over dp before any
-    backward, so every rank divides its token-loss sums by the same global count; the optimizer sums the gradients over the replicas, clips by the global norm (its `clip_grad`)
-    and steps with `lr`; the token sums behind the loss metrics are all-reduced. The result equals one process running
-    every rank's micro-batches (tests/test_rl_parallel.py). The MoE aux loss, if the model is in training mode, is a
-    per-micro-batch term here as in one process (each micro-batch adds its own)."""
+    backward, so every rank divides its token-loss sums by the same global count; the optimizer sums the gradients
+    over the replicas, clips by the global norm (its `clip_grad`) and steps with `lr`; the token sums behind the loss
+    metrics are all-reduced (over pp too: with pipeline stages they are computed on the last one). The result equals
+    one process running every rank's micro-batches (tests/test_rl_parallel.py, test_rl_folded.py, test_rl_pipeline.py).
+    The MoE aux loss, if the model is in training mode, is a per-micro-batch term here as in one process (each
+    micro-batch adds its own)."""
     if getattr(model.cfg, "capacity_factor", 0) > 0:
         raise ValueError("routing replay needs a dropless MoE (model.capacity_factor=0): capacity drops depend on the "
                          "batch, so replayed and rollout computations would differ")
@@ -157,27 +146,34 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     old, ref = [None] * len(micro_batches), [None] * len(micro_batches)
     with torch.no_grad():
         if cfg.recompute_logprobs:
-            old = [token_logprobs(model, mb, temperature, autocast_dtype) for mb in micro_batches]
+            old = _all_logprobs(model, micro_batches, temperature, autocast_dtype, layout)
         if ref_model is not None and cfg.kl_coef > 0:
-            ref = [token_logprobs(ref_model, mb, temperature, autocast_dtype) for mb in micro_batches]
+            ref = _all_logprobs(ref_model, micro_batches, temperature, autocast_dtype, layout)
 
     if distributed:
         optimizer.zero_grad()
         optimizer.begin_step(len(micro_batches))  # gradient reductions launch as the last backward completes buckets
     else:
         optimizer.zero_grad(set_to_none=True)
-    names = ("loss", "clipped", "kl_sum", "mismatch_abs_sum", "mismatch_kl_sum", "tis_weight_sum")
-    sums = torch.zeros(len(names), dtype=torch.float64)
-    for mb, old_lp, ref_lp in zip(micro_batches, old, ref):
+    sums = torch.zeros(len(_LOSS_SUMS), dtype=torch.float64)
+
+    def policy_loss(i: int, logp: torch.Tensor) -> torch.Tensor:
+        """Micro-batch i's summed policy loss from its per-token log-probs; its metric sums go into `sums`."""
+        mb, old_lp, ref_lp = micro_batches[i], old[i], ref[i]
         m = mb.response
-        logp = token_logprobs(model, mb, temperature, autocast_dtype)
         terms = ppo_clip_loss(logp[m], mb.rollout_logp[m], mb.advantages[m], cfg.clip_eps_low, cfg.clip_eps_high,
                               old_logp=None if old_lp is None else old_lp[m], tis_cap=cfg.tis_cap,
                               ref_logp=None if ref_lp is None else ref_lp[m], kl_coef=cfg.kl_coef)
-        (terms.loss_sum / max(step_tokens, 1)).backward()
-        sums += torch.tensor([float(terms.loss_sum.detach()), *(getattr(terms, k) for k in names[1:])],
-                             dtype=torch.float64)
-    totals = dict(zip(names, _sum_over(sums.to(device), dp).tolist()))
+        sums.add_(_loss_sums(terms))
+        return terms.loss_sum
+
+    if layout.pp.size > 1:  # the loss runs in the pipeline's last stage (rl/pipelined.py)
+        pipeline_policy_backward(model, micro_batches, policy_loss, step_tokens, temperature, autocast_dtype, layout)
+    else:
+        for i, mb in enumerate(micro_batches):
+            (policy_loss(i, token_logprobs(model, mb, temperature, autocast_dtype)) / max(step_tokens, 1)).backward()
+    # the loss sums live on the last pipeline stage (zeros on the others), on each of its TP ranks alike
+    totals = dict(zip(_LOSS_SUMS, _sum_over(sums.to(device), layout.pp, dp).tolist()))
     if distributed:
         if lr is None:
             raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
@@ -199,7 +195,24 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     }
 
 
-def _sum_over(t: torch.Tensor, axis: Axis) -> torch.Tensor:
-    if axis.size > 1:
-        dist.all_reduce(t, group=axis.group)
+_LOSS_SUMS = ("loss", "clipped", "kl_sum", "mismatch_abs_sum", "mismatch_kl_sum", "tis_weight_sum")
+
+
+def _loss_sums(terms: PolicyLoss) -> torch.Tensor:
+    return torch.tensor([float(terms.loss_sum.detach()), *(getattr(terms, k) for k in _LOSS_SUMS[1:])],
+                        dtype=torch.float64)
+
+
+def _all_logprobs(model: nn.Module, micro_batches: list[RLMicroBatch], temperature: float,
+                  autocast_dtype: torch.dtype | None, layout: ParallelGroups) -> list[torch.Tensor | None]:
+    """`token_logprobs` of every micro-batch; through the pipeline when pp > 1 (then on its last stage only)."""
+    if layout.pp.size > 1:
+        return pipeline_logprobs(model, micro_batches, temperature, autocast_dtype, layout)
+    return [token_logprobs(model, mb, temperature, autocast_dtype) for mb in micro_batches]
+
+
+def _sum_over(t: torch.Tensor, *axes: Axis) -> torch.Tensor:
+    for axis in axes:
+        if axis.size > 1:
+            dist.all_reduce(t, group=axis.group)
     return t.cpu()

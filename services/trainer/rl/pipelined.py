@@ -1,0 +1,69 @@
+"""The RL step's forward passes on a pipeline stage (`parallel.pp > 1`), through the pre-training pipeline schedules.
+
+Each stage runs rl/folded.py's policy forward on the layers it owns: the micro-batch padded for sequence parallelism,
+the replayed expert ids cut to the rank's token shard, and each of the stage's MoE layers taking the recorded row of
+its layer id (rl/replay.py). Hidden states travel between stages as in pre-training (`pipeline.StageLink`). The last
+stage turns its logits into per-token log-probs under the rollout temperature (vocab-parallel under TP):
+
+- `pipeline_logprobs`: forward only (`pipeline.forward_only`, no autograd), for the old and reference log-probs. They
+  stay on the last stage: only its loss reads them.
+- `pipeline_policy_backward`: 1F1B (`pipeline.one_f_one_b`) with the caller's policy loss of a micro-batch's log-probs
+  as the last stage's loss (the schedule divides it by the step's response tokens before its backward).
+
+The policy loss and its metric sums therefore exist on the last stage only; `rl_step` sums them over the pp group (the
+other stages hold zeros), so every rank reports the same metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.trainer.parallel.groups import ParallelGroups
+from services.trainer.parallel.pipeline import StageForward, StageLink, forward_only, one_f_one_b
+from services.trainer.rl.folded import PolicyInput, logits_to_logprobs, policy_forward, policy_input, sp_size
+
+
+def _stage(model: nn.Module, micro_batches: list, layout: ParallelGroups) -> tuple[list[PolicyInput], StageLink]:
+    inputs = [policy_input(model, mb) for mb in micro_batches]
+    device = inputs[0].tokens.device if inputs else torch.device("cpu")
+    link = StageLink.of(model, [p.tokens.shape[0] for p in inputs], device, layout.pp.group, sp_size(model))
+    return inputs, link
+
+
+def _stage_forward(model: nn.Module, inputs: list[PolicyInput], link: StageLink, autocast_dtype: torch.dtype | None,
+                   last_stage: Callable[[int, torch.Tensor], torch.Tensor]) -> StageForward:
+    """The policy forward of micro-batch i on this stage; on the last stage, `last_stage(i, logits)` of its output."""
+
+    def forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        p = inputs[i]
+        with policy_forward(model, p, autocast_dtype):
+            out = model(p.tokens, p.position_ids, p.cu_seqlens, hidden=hidden)
+        return last_stage(i, out) if link.last else out
+
+    return forward
+
+
+def pipeline_logprobs(model: nn.Module, micro_batches: list, temperature: float, autocast_dtype: torch.dtype | None,
+                      layout: ParallelGroups) -> list[torch.Tensor | None]:
+    """`step.token_logprobs` of every micro-batch through the pipeline, without gradients: [T] fp32 on the last stage
+    (on each of its TP ranks), None on the other stages. Every stage of the pp group must call it."""
+    inputs, link = _stage(model, micro_batches, layout)
+    fwd = _stage_forward(model, inputs, link, autocast_dtype,
+                         lambda i, logits: logits_to_logprobs(model, logits, inputs[i], temperature))
+    return forward_only(fwd, link)
+
+
+def pipeline_policy_backward(model: nn.Module, micro_batches: list, policy_loss: Callable[[int, torch.Tensor], Any],
+                             step_tokens: int, temperature: float, autocast_dtype: torch.dtype | None,
+                             layout: ParallelGroups) -> None:
+    """Forward and backward of every micro-batch through the pipeline (1F1B); `policy_loss(i, logp)` is the summed
+    policy loss of micro-batch i from its per-token log-probs [T] (called on the last stage only), each divided by
+    `step_tokens` before its backward. Every stage of the pp group must call it."""
+    inputs, link = _stage(model, micro_batches, layout)
+    fwd = _stage_forward(model, inputs, link, autocast_dtype,
+                         lambda i, logits: policy_loss(i, logits_to_logprobs(model, logits, inputs[i], temperature)))
+    one_f_one_b(fwd, link, max(step_tokens, 1))
