@@ -93,7 +93,6 @@ class ParallelConfig:
     cp_sizes: list[int] = field(default_factory=list)  # allowed dynamic CP sizes; empty: only `cp`
     distributed_optimizer: bool = True
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty: split evenly
-    virtual_stages: int = 1
     grad_bucket_mb: float = 25.0
 
 
