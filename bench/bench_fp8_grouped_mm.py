@@ -20,15 +20,14 @@ Prints one table; records nothing (bench/RESULTS.md is written by hand). Exits w
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_kernels import time_ms  # noqa: E402
 from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, fp8_grouped_linear, fp8_grouped_mm,  # noqa: E402
                                     quantize_rows, quantize_weight)
 
@@ -39,21 +38,6 @@ SHAPES = {
     "qwen3-down": (128, 1024, 768, 2048, False),
     "mixtral": (8, 4096, 4096, 14336, False),
 }
-
-
-def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def token_counts(E: int, per_expert: int, uneven: bool) -> torch.Tensor:

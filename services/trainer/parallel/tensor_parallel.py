@@ -155,11 +155,10 @@ class VocabParallelOutput(nn.Module):
         return F.linear(x, self.weight)
 
 
-class _VocabParallelCE(torch.autograd.Function):
-    """Σ over tokens of -log softmax(logits)[label], with the vocabulary split over `group`; fp32 throughout.
-
-    Three all-reduces of [T] vectors (max, Σexp, target logit) replace a gather of [T, V] logits.
-    """
+class _VocabParallelTokenLogprobs(torch.autograd.Function):
+    """log softmax(logits)[label] per token [T] fp32, the vocabulary split over `group`: three all-reduces of [T]
+    vectors (max, Σexp, target logit) replace a gather of [T, V] logits. Positions labelled IGNORE_INDEX give 0 and
+    no gradient. The cross-entropy loss and RL's policy log-probs are both this."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: ProcessGroup):
@@ -176,65 +175,33 @@ class _VocabParallelCE(torch.autograd.Function):
         idx = local.clamp(0, x.shape[-1] - 1)
         target = shifted.gather(1, idx[:, None]).squeeze(1) * here
         dist.all_reduce(target, group=group)
-        loss = ((sum_exp.log() - target) * valid).sum()
         ctx.save_for_backward(exp.div_(sum_exp[:, None]), idx, here, valid)
         ctx.logits_dtype = logits.dtype
-        return loss
+        return (target - sum_exp.log()) * valid
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        softmax, idx, here, valid = ctx.saved_tensors
-        g = softmax.clone()
-        g.scatter_add_(1, idx[:, None], -here.to(g.dtype)[:, None])
-        g.mul_(valid.to(g.dtype)[:, None] * grad)
+        softmax, idx, here, valid = ctx.saved_tensors  # d log p(y) / d z_v = 1[v = y] - softmax_v
+        g = softmax.neg_()
+        g.scatter_add_(1, idx[:, None], here.to(g.dtype)[:, None])
+        g.mul_((grad.float() * valid)[:, None])
         return g.to(ctx.logits_dtype), None, None, None
 
 
 class VocabParallelCrossEntropy:
-    """Drop-in for `cross_entropy_sum(logits, labels)` when logits are this rank's vocab slice."""
+    """Drop-in for `cross_entropy_sum(logits, labels)` when logits are this rank's vocab slice: Σ -log p(label)."""
 
     def __init__(self, group: ProcessGroup, vocab_start: int):
         self.group, self.vocab_start = group, vocab_start
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _VocabParallelCE.apply(logits, labels, self.vocab_start, self.group)
-
-
-class _VocabParallelTokenLogprobs(torch.autograd.Function):
-    """log softmax(logits)[label] per token [T] fp32, the vocabulary split over `group` (RL's policy log-probs): the
-    same three [T] all-reduces as the loss, never [T, V] logits on one rank. Every label must be a real token id."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: ProcessGroup):
-        x = logits.float()
-        row_max = x.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = x - row_max[:, None]
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-        local = labels - vocab_start
-        here = (local >= 0) & (local < x.shape[-1])
-        idx = local.clamp(0, x.shape[-1] - 1)
-        target = shifted.gather(1, idx[:, None]).squeeze(1) * here
-        dist.all_reduce(target, group=group)
-        ctx.save_for_backward(exp.div_(sum_exp[:, None]), idx, here)
-        ctx.logits_dtype = logits.dtype
-        return target - sum_exp.log()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        softmax, idx, here = ctx.saved_tensors  # d log p(y) / d z_v = 1[v = y] - softmax_v
-        g = softmax.neg_()
-        g.scatter_add_(1, idx[:, None], here.to(g.dtype)[:, None])
-        g.mul_(grad.float()[:, None])
-        return g.to(ctx.logits_dtype), None, None, None
+        return -_VocabParallelTokenLogprobs.apply(logits, labels, self.vocab_start, self.group).sum()
 
 
 def vocab_parallel_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, loss_fn: VocabParallelCrossEntropy
                                   ) -> torch.Tensor:
     """Per-token log-probs of `labels` [T] from this rank's vocab slice of the logits [T, V/tp] (the model's
-    vocab-parallel `loss_fn` names the group and the slice). Labels must be token ids (clamp ignored positions)."""
+    vocab-parallel `loss_fn` names the group and the slice); 0 where a label is IGNORE_INDEX."""
     return _VocabParallelTokenLogprobs.apply(logits, labels, loss_fn.vocab_start, loss_fn.group)
 
 
