@@ -23,13 +23,26 @@ import torch
 
 @dataclass
 class PolicyLoss:
+    """The summed loss (with grad) and its metric sums, which stay on the loss's device (no host sync per micro-batch:
+    read `stats` once per step; the float properties sync, for tests and one-off use)."""
+
+    STATS = ("clipped", "kl_sum", "mismatch_abs_sum", "mismatch_kl_sum", "tis_weight_sum")
+
     loss_sum: torch.Tensor  # Σ per-token loss (with grad); divide by the step's response tokens
     tokens: int
-    clipped: float  # tokens whose gradient the clip removed
-    kl_sum: float  # Σ k3 KL to the reference (0 without one)
-    mismatch_abs_sum: float  # Σ |log pi_train - log pi_rollout| (pi_train = pi_old when given, else pi_theta)
-    mismatch_kl_sum: float  # Σ k3 estimate of KL(pi_rollout || pi_train) over the rollout's own samples
-    tis_weight_sum: float  # Σ truncated importance weights (tokens when not used)
+    # float64 [5], in STATS order: tokens whose gradient the clip removed; Σ k3 KL to the reference (0 without one);
+    # Σ |log pi_train - log pi_rollout| (pi_train = pi_old when given, else pi_theta); Σ k3 estimate of
+    # KL(pi_rollout || pi_train) over the rollout's own samples; Σ truncated importance weights (tokens when not used)
+    stats: torch.Tensor
+
+    def _stat(self, name: str) -> float:
+        return float(self.stats[self.STATS.index(name)])
+
+    clipped = property(lambda self: self._stat("clipped"))
+    kl_sum = property(lambda self: self._stat("kl_sum"))
+    mismatch_abs_sum = property(lambda self: self._stat("mismatch_abs_sum"))
+    mismatch_kl_sum = property(lambda self: self._stat("mismatch_kl_sum"))
+    tis_weight_sum = property(lambda self: self._stat("tis_weight_sum"))
 
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -60,7 +73,6 @@ def ppo_clip_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: to
     with torch.no_grad():
         train = base if old_logp is not None else logp.detach()
         was_clipped = ((advantages > 0) & (ratio > 1 + clip_high)) | ((advantages < 0) & (ratio < 1 - clip_low))
-        return PolicyLoss(
-            loss_sum=loss_sum, tokens=logp.numel(), clipped=float(was_clipped.sum()),
-            kl_sum=float(kl.detach().sum()), mismatch_abs_sum=float((train - rollout_logp).abs().sum()),
-            mismatch_kl_sum=float(k3(train - rollout_logp).sum()), tis_weight_sum=float(weight.sum()))
+        stats = torch.stack([was_clipped.sum(), kl.detach().sum(), (train - rollout_logp).abs().sum(),
+                             k3(train - rollout_logp).sum(), weight.sum()]).double()
+        return PolicyLoss(loss_sum=loss_sum, tokens=logp.numel(), stats=stats)

@@ -155,7 +155,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         optimizer.begin_step(len(micro_batches))  # gradient reductions launch as the last backward completes buckets
     else:
         optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(len(_LOSS_SUMS), dtype=torch.float64)
+    sums = torch.zeros(len(_LOSS_SUMS), dtype=torch.float64, device=device)  # on the device: read once, after backward
 
     def policy_loss(i: int, logp: torch.Tensor) -> torch.Tensor:
         """Micro-batch i's summed policy loss from its per-token log-probs; its metric sums go into `sums`."""
@@ -173,7 +173,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         for i, mb in enumerate(micro_batches):
             (policy_loss(i, token_logprobs(model, mb, temperature, autocast_dtype)) / max(step_tokens, 1)).backward()
     # the loss sums live on the last pipeline stage (zeros on the others), on each of its TP ranks alike
-    totals = dict(zip(_LOSS_SUMS, _sum_over(sums.to(device), layout.pp, dp).tolist()))
+    totals = dict(zip(_LOSS_SUMS, _sum_over(sums, layout.pp, dp).tolist()))
     if distributed:
         if lr is None:
             raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
@@ -195,12 +195,11 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     }
 
 
-_LOSS_SUMS = ("loss", "clipped", "kl_sum", "mismatch_abs_sum", "mismatch_kl_sum", "tis_weight_sum")
+_LOSS_SUMS = ("loss", *PolicyLoss.STATS)
 
 
 def _loss_sums(terms: PolicyLoss) -> torch.Tensor:
-    return torch.tensor([float(terms.loss_sum.detach()), *(getattr(terms, k) for k in _LOSS_SUMS[1:])],
-                        dtype=torch.float64)
+    return torch.cat([terms.loss_sum.detach().double()[None], terms.stats])
 
 
 def _all_logprobs(model: nn.Module, micro_batches: list[RLMicroBatch], temperature: float,
