@@ -109,6 +109,33 @@ def test_the_update_does_not_depend_on_how_samples_are_split_into_micro_batches(
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_recompute_and_offload_leave_the_rl_update_unchanged():
+    """The memory policies RL allows (validate_rl refuses "moe" and "layer": their recompute would route afresh)."""
+    from services.trainer.model.recompute import apply_memory_policy
+
+    base = tiny_model(seed=6)
+    groups = _groups(base)
+    plain, lean = copy.deepcopy(base), copy.deepcopy(base)
+    apply_memory_policy(lean, ["norm", "attn_core", "moe_act"], ["attn"])
+    want, got = _step(plain, groups), _step(lean, groups)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == (v if isinstance(v, list) else pytest.approx(v, rel=1e-6, abs=1e-9)), k
+    for (name, a), b in zip(plain.named_parameters(), lean.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-7, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("recompute", [["moe"], ["layer"]])
+def test_an_rl_run_refuses_recompute_that_would_rerun_the_router(recompute):
+    from services.common.config import Config, ConfigError
+    from services.trainer.rl.train_rl import validate_rl
+
+    cfg = Config()
+    cfg.rl.enabled, cfg.model.recompute = True, recompute
+    with pytest.raises(ConfigError, match="outside routing replay"):
+        validate_rl(cfg)
+
+
 def test_groups_with_equal_rewards_give_no_policy_gradient():
     model = tiny_model(seed=5)
     groups = _groups(model)

@@ -39,6 +39,7 @@ from services.dataloader.client import DataClient
 from services.dataloader.errors import DataError
 from services.trainer import checkpointing
 from services.trainer.metrics import MetricsLog
+from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, lr_at, set_lr
 from services.trainer.parallel.expert_parallel import sync_expert_load
@@ -60,6 +61,11 @@ def validate_rl(cfg: Config) -> None:
                           "per-token log-probs are read on whole sequences (rl/folded.py); set `parallel.cp=1` and "
                           "`parallel.cp_sizes=[]`")
     dp = cfg.run.nproc // (p.tp * p.cp * p.pp)  # the data-parallel replicas; each trains on whole groups
+    rerouted = [name for name in cfg.model.recompute if name in ("moe", "layer")]
+    if rerouted:
+        raise ConfigError(f"RL training cannot recompute {rerouted} (`model.recompute={cfg.model.recompute}`): the "
+                          "router would run again in backward, outside routing replay, and could pick other experts "
+                          "than the rollout did; recompute 'norm', 'attn_core' or 'moe_act', or use `model.offload`")
     if rl.workers < 1:
         raise ConfigError(f"`rl.workers` must be at least 1 in an RL run, got {rl.workers}")
     if rl.group_size < 2:
@@ -128,6 +134,9 @@ def train_rl(cfg: Config) -> int:
     model.to(rt.device)
     # before the optimizer: the distributed one makes parameters views of its buckets
     ref = reference_model(model, cfg, groups)
+    # after the reference copy (the wrappers hold the module they wrap); validate_rl refused what replay cannot redo
+    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload, cfg.model.recompute_layers,
+                        cfg.model.offload_layers)
     optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
     shard_groups = groups if parallel else None  # checkpoints name each rank's pieces as in pre-training
 
