@@ -57,7 +57,7 @@ def stream_key():
     key = f"test-dl-rl-{uuid.uuid4().hex[:10]}"
     yield key
     client = redis.Redis.from_url(REDIS_URL)
-    client.delete(key, rollout_stream.read_position_key(key))
+    client.delete(key, rollout_stream.read_position_key(key), rollout_stream.step_key(key))
 
 
 def publish(key, groups):
@@ -169,6 +169,27 @@ def test_only_groups_fresh_enough_for_the_step_are_used_and_the_others_are_count
     assert again.state()["stream"] == states[2]
     with pytest.raises(DataError, match="fewer than 2 trajectory groups fresh enough for step 3"):
         again.next_step()
+
+
+def test_the_workers_backlog_leaves_out_groups_too_stale_for_the_next_step(stream_key):
+    """Otherwise a backlog of stale groups, which the dataloader will only drop, would stop the workers while the
+    dataloader waits for fresh groups: the run would stall (seen in an RL chaos run)."""
+    rng = np.random.default_rng(7)
+    cfg = rl_cfg(stream_key, "rl.groups_per_step=1", "rl.max_staleness=1")
+    client = redis.Redis.from_url(REDIS_URL)
+    publish(stream_key, [make_group(rng, "g0", version=0)])
+    stream = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
+    stream.next_step()  # step 0 consumed g0; the next step is 1
+    assert int(client.get(rollout_stream.step_key(stream_key))) == 1
+    publish(stream_key, [make_group(rng, f"s{i}", version=0) for i in range(3)])  # usable by step 1 (v >= 0)
+    assert rollout_stream.unread(client, stream_key, 100, max_staleness=1) == 3
+    stream.next_step()  # step 1 takes s0; s1, s2 are too stale for step 2 and later
+    publish(stream_key, [make_group(rng, "f0", version=2), make_group(rng, "f1", version=1)])
+    assert rollout_stream.unread(client, stream_key, 100) == 4  # everything after the read position
+    assert rollout_stream.unread(client, stream_key, 100, max_staleness=1) == 2  # only what step 2 could use
+    assert rollout_stream.unread(client, stream_key, 1, max_staleness=1) == 1  # counted up to the limit
+    stream.next_step()  # step 2 drops s1, s2 and takes f0
+    assert stream.state()["stream"]["dropped_stale"] == 2
 
 
 def test_service_builds_each_step_only_when_asked_serves_every_action_once_and_trims(stream_key, registry):

@@ -131,9 +131,9 @@ class TrajectoryLog:
         reply = self.client.xread({self.key: after}, count=count)
         return [(i.decode(), f[b"group"]) for _, entries in reply or [] for i, f in entries]
 
-    def mark_read(self, entry_id: str) -> None:
+    def mark_read(self, entry_id: str, next_step: int) -> None:
         if entry_id != START and self._resolve():
-            rollout_stream.mark_read(self.client, self.key, entry_id)
+            rollout_stream.mark_read(self.client, self.key, entry_id, next_step)
 
     def trim_through(self, entry_id: str) -> None:
         if entry_id == START or not self._resolve():
@@ -301,7 +301,7 @@ class RolloutStepStream(StepStream):
         per_rank = pack_step(groups, self.dp_size, self.rl.micro_batch_tokens, self.rl.std_normalize, self.layers,
                              self.top_k, self.dp_ranks)
         self.tokens += sum(mb.real_tokens for rank in per_rank for mb in rank)
-        self.log.mark_read(self.node.after)
+        self.log.mark_read(self.node.after, self.node.step)
         step = Step(self.step, per_rank, before)
         self.step += 1
         step.state_after = self.state()

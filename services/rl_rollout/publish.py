@@ -42,10 +42,10 @@ class TrajectoryStream:
     def publish(self, group: pb.TrajectoryGroup) -> bytes:
         return self.client.xadd(self.key, {"group": group.SerializeToString(), "version": group.policy_version})
 
-    def backlog(self, limit: int = 1 << 16) -> int:
+    def backlog(self, limit: int = 1 << 16, max_staleness: int | None = None) -> int:
         """Groups published and not yet consumed, counted up to `limit` (the dataloader keeps consumed entries a few
-        steps: services/common/rollout_stream.py)."""
-        return rollout_stream.unread(self.client, self.key, limit)
+        steps: services/common/rollout_stream.py); with `max_staleness`, only those its next step could still use."""
+        return rollout_stream.unread(self.client, self.key, limit, max_staleness)
 
     def close(self) -> None:
         self.client.close()

@@ -96,7 +96,9 @@ class RolloutWorker:
     def run(self, max_groups: int | None = None) -> None:
         while not self.stop.is_set() and (max_groups is None or self.groups_published < max_groups):
             # Throttle first, refresh second: weights are pulled right before they are used, not before a wait.
-            while self.stream.backlog(self.cfg.rl.max_queued_groups) >= self.cfg.rl.max_queued_groups:
+            # Groups too stale for the dataloader's next step are not backlog (services/common/rollout_stream.py).
+            rl = self.cfg.rl
+            while self.stream.backlog(rl.max_queued_groups, rl.max_staleness) >= rl.max_queued_groups:
                 if self.stop.wait(0.1):
                     return
             if not self.policy.refresh():

@@ -33,6 +33,7 @@ import time
 import torch
 from redis import RedisError
 
+from services.common import rollout_stream
 from services.common.config import Config, ConfigError, load_config
 from services.common.registry import Registry, RegistryError, redis_url
 from services.dataloader.client import DataClient
@@ -211,6 +212,7 @@ def discard_backlog(registry: Registry, timeout: float) -> int:
     stream = registry.wait_for("rollout", 1, timeout=timeout)[0]["stream"]
     waiting = int(registry.client.xlen(stream))
     registry.client.xtrim(stream, maxlen=0, approximate=False)
+    registry.client.delete(rollout_stream.step_key(stream))  # a previous incarnation's step: the workers' filter
     return waiting
 
 
