@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import launcher_harness as harness  # noqa: E402
 
 from services.checkpointer.store import CheckpointStore  # noqa: E402
+from services.common import rollout_stream  # noqa: E402
 
 METRICS = ("reward", "response_length", "clip_frac", "kl", "logprob_mismatch", "staleness_max", "rollout_wait_frac")
 
@@ -43,7 +44,9 @@ def records(tmp_path: Path) -> list[dict]:
 def forget_stream(run: str) -> None:
     """With an external Redis (REDIS_URL) the run's stream outlives the run; an embedded Redis goes with it."""
     if os.environ.get("REDIS_URL"):
-        redis.Redis.from_url(os.environ["REDIS_URL"]).delete(f"foldmoe:{run}:rl:trajectories")
+        stream = f"foldmoe:{run}:rl:trajectories"
+        redis.Redis.from_url(os.environ["REDIS_URL"]).delete(stream, rollout_stream.read_position_key(stream),
+                                                             rollout_stream.step_key(stream))
 
 
 def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path):
