@@ -49,3 +49,20 @@ def micro_batches(groups, dp_size: int = 1, max_tokens: int = 4096, std_normaliz
     layers, top_k = groups[0].moe_layers, groups[0].top_k
     per_rank = pack_step(groups, dp_size, max_tokens, std_normalize, layers, top_k)
     return [[dict(mb.tensors) for mb in rank] for rank in per_rank]
+
+
+def single_process_rl_steps(model: MoETransformer, cfg, steps):
+    """The one-process reference of the RL parity tests: `rl_step` with torch's AdamW and a reference model copied
+    from `model`, on each step's groups as the dataloader serves one rank; yields each step's metrics, after the step
+    (the caller reads the updated model then)."""
+    from services.trainer.optim import build_adamw, set_lr
+    from services.trainer.rl.step import rl_step
+    from services.trainer.rl.train_rl import reference_model
+
+    ref = reference_model(model, cfg)
+    opt = build_adamw(model, cfg.optimizer)
+    for step, groups in enumerate(steps):
+        set_lr(opt, cfg.optimizer.lr)
+        (data,) = micro_batches(groups, dp_size=1, max_tokens=cfg.rl.micro_batch_tokens)
+        yield rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref, version=step,
+                      lr=cfg.optimizer.lr)

@@ -30,11 +30,10 @@ import torch
 import torch.distributed as dist
 
 from services.common.config import Config
-from services.trainer.optim import build_adamw, set_lr
 from services.trainer.rl.step import rl_step
 from services.trainer.rl.train_rl import reference_model
 from tests.parallel_harness import spawn_ranks
-from tests.rl_helpers import micro_batches, tiny_model, tiny_model_config
+from tests.rl_helpers import micro_batches, single_process_rl_steps, tiny_model, tiny_model_config
 from tests.test_rl_parallel import METRICS, MODEL_SEED, _steps
 
 RTOL = 1e-5
@@ -71,14 +70,9 @@ def _reference(aux: float, scenario: str, steps: list[list]) -> dict:
     cfg = _config(dict(), scenario)
     cfg.model.aux_loss_coeff = aux
     model = _model(aux)
-    ref = reference_model(model, cfg)
-    opt = build_adamw(model, cfg.optimizer)
     metrics, weights = [], []
-    for step, step_groups in enumerate(steps):
-        set_lr(opt, cfg.optimizer.lr)
-        (data,) = micro_batches(step_groups, dp_size=1, max_tokens=cfg.rl.micro_batch_tokens)
-        metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
-                               version=step, lr=cfg.optimizer.lr))
+    for m in single_process_rl_steps(model, cfg, steps):
+        metrics.append(m)
         weights.append({n: t.clone() for n, t in model.state_dict().items()})
     return {"metrics": metrics, "weights": weights}
 

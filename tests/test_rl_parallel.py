@@ -31,11 +31,10 @@ from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Engine, Request
 from services.rl_rollout.publish import encode_group
 from services.rl_rollout.sampling import SamplingParams
-from services.trainer.optim import build_adamw, set_lr
 from services.trainer.rl.step import rl_step
 from services.trainer.rl.train_rl import reference_model
 from tests.parallel_harness import spawn_ranks
-from tests.rl_helpers import micro_batches, tiny_model, tiny_model_config
+from tests.rl_helpers import micro_batches, single_process_rl_steps, tiny_model, tiny_model_config
 
 RTOL = 1e-5
 ATOL = 1e-7  # for scalar metrics that are zero up to rounding (the first step's loss: ratio 1, advantages sum to 0)
@@ -92,14 +91,9 @@ def _steps() -> list[list]:
 def _reference(scenario: str, steps: list[list]) -> dict:
     cfg = _config(scenario)
     model = _model(scenario)
-    ref = reference_model(model, cfg)
-    opt = build_adamw(model, cfg.optimizer)
     metrics, grads = [], []
-    for step, groups in enumerate(steps):
-        set_lr(opt, cfg.optimizer.lr)
-        (data,) = micro_batches(groups, dp_size=1, max_tokens=cfg.rl.micro_batch_tokens)
-        metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
-                               version=step, lr=cfg.optimizer.lr))
+    for m in single_process_rl_steps(model, cfg, steps):
+        metrics.append(m)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # clipped in place by rl_step
     return {"metrics": metrics, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
