@@ -8,10 +8,20 @@
 The model, its sharding, memory policy and optimizer are built as in `services/trainer/train.py` (the folded path on
 several ranks, the plain AdamW step on one); the dataloader service is replaced by random tokens packed into a few
 documents per sequence, identical on the TP/CP/PP peers of a data-parallel rank and different across DP ranks. After
-`--warmup` untimed and `--steps` timed steps, `--profile-steps` steps run under torch.profiler: on CUDA the device time
-of NCCL kernels is summed by collective (kernel name), on CPU/gloo the host-side time of gloo's collectives (its
-worker threads' record_functions; gloo has no reduce-scatter here: the trainer all-reduces instead).
-Rank 0 prints one table (and one JSON line to `--json`); comm figures are the mean over ranks.
+`--warmup` untimed and `--steps` timed steps, `--profile-steps` steps run under torch.profiler, and their figures are
+per step of that profiled window (its wall time, profiler overhead included, is the "% of step" denominator):
+
+- on CUDA, from each rank's device kernels (bench/trace_summary.py): per collective (NCCL kernel name) the summed kernel
+  time and the EXPOSED time, when that collective's kernels run and no compute/copy kernel does (waits for slower
+  peers included), plus the exposed time of all NCCL kernels together; and the step-time breakdown: device time per
+  kernel category (expert GEMM, dense GEMM, attention, optimizer, memcpy/memset, elementwise+other; each the union of
+  its kernels, so categories on different streams overlap), device busy (union of all kernels) and idle (step − busy).
+- on CPU/gloo, the host-side time of gloo's collectives (its worker threads' record_functions; gloo has no
+  reduce-scatter here: the trainer all-reduces instead). There are no device kernels, so exposed time and the
+  breakdown are n/a.
+
+Rank 0 prints one table (and one JSON line to `--json`); profiled figures are the mean over ranks, the median step is
+the slowest rank's.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.trace_summary import COMM_CATEGORIES, COMPUTE_CATEGORIES, summarize  # noqa: E402
 from services.common.config import load_config  # noqa: E402
 from services.trainer.metrics import datasheet_peak, flops_per_token  # noqa: E402
 from services.trainer.model.recompute import apply_memory_policy  # noqa: E402
@@ -40,11 +51,6 @@ from services.trainer.parallel.parallelize import build_optimizer, forward_backw
 from services.trainer.step import count_loss_tokens, forward_backward  # noqa: E402
 from services.trainer.train import init_runtime, seed_everything, update_router_bias  # noqa: E402
 
-CATEGORIES = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce", "other")
-# CUDA: NCCL kernel names (ncclDevKernel_AllGather_RING_LL, ncclKernel_AllReduce_..., ncclDevKernel_SendRecv).
-# all_to_all_single runs as SendRecv kernels, and so do the pipeline's and CP ring's isend/irecv.
-NCCL_KEYS = {"all_to_all": ("alltoall", "sendrecv"), "all_gather": ("allgather",),
-             "reduce_scatter": ("reducescatter",), "all_reduce": ("allreduce",)}
 # CPU/gloo: gloo's record_functions in its worker threads (gloo:all_to_all, gloo:all_gather, gloo:all_reduce, gloo:send,
 # ...): the collective from start to end, waiting for peers included. The c10d::* ops on the main thread only enqueue.
 # Send/recv (PP, CP ring) fall under "other", timed from post to completion: they overlap compute and can exceed a step.
@@ -73,24 +79,59 @@ def synthetic_step(cfg, dp_rank: int, step: int) -> list[dict[str, torch.Tensor]
     return out
 
 
-def comm_breakdown(prof, cuda: bool) -> tuple[dict[str, float], float]:
-    """(µs per category summed over the profiled steps, device busy µs (union of kernel intervals; 0 on CPU))."""
-    sums = dict.fromkeys(CATEGORIES, 0.0)
-    spans = []
-    for e in prof.events():
+def gloo_comm(events) -> dict[str, float]:
+    """CPU/gloo: µs per collective of gloo's worker-thread record_functions, summed over the profiled steps."""
+    sums = dict.fromkeys(COMM_CATEGORIES, 0.0)
+    for e in events:
         name = e.name.lower().replace("_", "")
-        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
-            spans.append((e.time_range.start, e.time_range.end))
-        if (cuda and e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in name) or (
-                not cuda and name.startswith("gloo:")):
-            cat = next((c for c, keys in (NCCL_KEYS if cuda else GLOO_KEYS).items() if any(k in name for k in keys)),
-                       "other")
-            sums[cat] += e.time_range.elapsed_us()
-    busy, end = 0.0, float("-inf")
-    for s, t in sorted(spans):
-        busy += max(0.0, t - max(s, end))
-        end = max(end, t)
-    return sums, busy
+        if name.startswith("gloo:"):
+            sums[next((c for c, keys in GLOO_KEYS.items() if any(k in name for k in keys)), "other")] += \
+                e.time_range.elapsed_us()
+    return sums
+
+
+def profile_summary(events, cuda: bool) -> dict[str, dict[str, float]]:
+    """µs over the profiled steps, grouped as in trace_summary.summarize on CUDA; only "comm" (gloo, host) on CPU."""
+    if not cuda:
+        return {"comm": gloo_comm(events)}
+    return summarize((e.name, e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def mean_over_ranks(figures: dict[str, dict[str, float]], scale: float, device: torch.device,
+                    parallel: bool) -> dict[str, dict[str, float]]:
+    """Every figure averaged over the ranks and multiplied by `scale`; every rank passes the same keys."""
+    keys = [(g, k) for g, group in figures.items() for k in group]
+    t = torch.tensor([figures[g][k] for g, k in keys], dtype=torch.float64, device=device)
+    if parallel:
+        dist.all_reduce(t)
+    t = t * scale / (dist.get_world_size() if parallel else 1)
+    out: dict[str, dict[str, float]] = {g: {} for g in figures}
+    for (g, k), v in zip(keys, t.tolist()):
+        out[g][k] = v
+    return out
+
+
+def profile_rows(prof: dict[str, dict[str, float]], cuda: bool) -> list[tuple[str, str]]:
+    """The printed table's profile section: comm per collective (and exposed), then the step-time breakdown."""
+    step = prof["step"]["wall"]
+
+    def fig(ms: float) -> str:
+        return f"{ms:9.2f} ms/step {100 * ms / step:5.1f}%" if step else f"{ms:9.2f} ms/step"
+
+    comm = prof["comm"]
+    rows = [(f"  {c}", fig(ms) + (f"   exposed {fig(prof['exposed'][c])}" if cuda else "   exposed n/a"))
+            for c, ms in comm.items()]
+    rows.append(("  comm total", fig(sum(comm.values())) + (
+        f"   exposed {fig(prof['exposed']['total'])}  (all NCCL kernels, overlaps counted once)" if cuda
+        else "   exposed n/a (CPU: no device kernels to overlap)")))
+    if not cuda:
+        return rows + [("step breakdown", "n/a (CPU: no device kernels)")]
+    rows.append(("step breakdown", "device time per kernel category (union of its kernels; streams overlap)"))
+    rows += [(f"  {c}", fig(ms)) for c, ms in prof["compute"].items()]
+    rows += [("  comm (NCCL)", fig(prof["device"]["comm"])), ("  device busy", fig(prof["device"]["busy"])),
+             ("  device idle", fig(max(0.0, step - prof["device"]["busy"])))]
+    return rows
 
 
 def main() -> None:
@@ -147,36 +188,47 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         for i in range(args.warmup + args.steps, total):
             step(i)
-    sums, busy = comm_breakdown(prof, cuda) if args.profile_steps else (dict.fromkeys(CATEGORIES, 0.0), 0.0)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    figures = profile_summary(prof.events() if args.profile_steps else [], cuda)
+    figures["step"] = {"wall": wall_us}
+    # ms per profiled step, mean over ranks (each rank's exposed comm and idle time are its own).
+    prof_ms = mean_over_ranks(figures, 1e-3 / max(args.profile_steps, 1), rt.device, parallel)
 
-    # The step is as slow as its slowest rank: max over ranks per step, then the median; comm is the mean over ranks.
+    # The step is as slow as its slowest rank: max over ranks per step, then the median.
     step_t = torch.tensor(times, dtype=torch.float64, device=rt.device)
-    comm = torch.tensor([sums[c] for c in CATEGORIES] + [busy], dtype=torch.float64, device=rt.device)
     mem = torch.tensor([torch.cuda.max_memory_allocated(rt.device) / 2**30 if cuda else 0.0], device=rt.device)
     if parallel:
         dist.all_reduce(step_t, op=dist.ReduceOp.MAX)
-        dist.all_reduce(comm)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    comm = (comm / rt.world_size / max(args.profile_steps, 1) / 1000).tolist()  # ms per step, mean over ranks
     step_ms = statistics.median(step_t.tolist()) * 1000
     lay = groups.layout
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * groups.dp.size
     tps = tokens_per_step / (step_ms / 1000)
     peak = cfg.run.peak_tflops or datasheet_peak(rt.device)
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
+    busy = prof_ms["device"]["busy"] if cuda else None
     result = {
         "layout": {k: getattr(lay, k) for k in ("tp", "cp", "ep", "etp", "dp", "edp", "pp")}, "world": rt.world_size,
         "device": torch.cuda.get_device_name(rt.device) if cuda else "cpu", "tokens_per_step": tokens_per_step,
         "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / rt.world_size,
         "mfu": tps * flops_tok / 1e12 / rt.world_size / peak if peak else None, "peak_tflops": peak,
         "median_step_ms": step_ms, "peak_mem_gib": mem.item() if cuda else None,
-        "comm_source": ("nccl kernels, device time (all_to_all holds every SendRecv kernel: PP and CP-ring p2p too)"
+        "profiled_step_ms": prof_ms["step"]["wall"],
+        "comm_source": ("nccl kernels, device time (all_to_all holds every SendRecv kernel: PP and CP-ring p2p too); "
+                        "exposed = while no compute/copy kernel runs on the rank"
                         if cuda else "gloo ops, HOST-SIDE time in gloo threads, waits for peers included (no CUDA "
                         "kernels on CPU; other = PP/CP send/recv, post to completion)"),
-        "comm_ms_per_step": dict(zip(CATEGORIES, comm[:-1])), "comm_total_ms_per_step": sum(comm[:-1]),
-        "device_busy_ms_per_step": comm[-1] if cuda else None,
+        "comm_ms_per_step": prof_ms["comm"], "comm_total_ms_per_step": sum(prof_ms["comm"].values()),
+        "comm_exposed_ms_per_step": {c: prof_ms["exposed"][c] for c in COMM_CATEGORIES} if cuda else None,
+        "comm_exposed_total_ms_per_step": prof_ms["exposed"]["total"] if cuda else None,
+        "compute_ms_per_step": {c: prof_ms["compute"][c] for c in COMPUTE_CATEGORIES} if cuda else None,
+        "device_comm_ms_per_step": prof_ms["device"]["comm"] if cuda else None,
+        "device_compute_ms_per_step": prof_ms["device"]["compute"] if cuda else None,
+        "device_busy_ms_per_step": busy,
+        "device_idle_ms_per_step": max(0.0, prof_ms["step"]["wall"] - busy) if cuda else None,
     }
     if rt.rank == 0:
         rows = [("layout", " ".join(f"{k}{v}" for k, v in result["layout"].items()) + f"  (world {rt.world_size})"),
@@ -186,10 +238,10 @@ def main() -> None:
                 ("MFU", f"{100 * result['mfu']:.1f}% of {peak:.0f} TFLOP/s" if peak else "n/a (no datasheet peak)"),
                 ("median step", f"{step_ms:.1f} ms  ({args.steps} timed steps)"),
                 ("peak memory", f"{mem.item():.2f} GiB" if cuda else "n/a (CPU)"),
-                ("comm source", result["comm_source"] + f", mean over ranks, {args.profile_steps} profiled steps")]
-        for c, ms in [*result["comm_ms_per_step"].items(), ("comm total", result["comm_total_ms_per_step"])] + (
-                [("device busy", comm[-1])] if cuda else []):
-            rows.append((f"  {c}", f"{ms:9.2f} ms/step  {100 * ms / step_ms:5.1f}% of step"))
+                ("profiled step", f"{result['profiled_step_ms']:.1f} ms wall, mean over ranks and {args.profile_steps} "
+                 "step(s) under torch.profiler (its overhead included); the % below are of it"),
+                ("comm source", result["comm_source"]),
+                *profile_rows(prof_ms, cuda)]
         print("\n".join(f"{k:<22}{v}" for k, v in rows), flush=True)
         if args.json:
             with open(args.json, "a") as fh:
