@@ -100,7 +100,8 @@ class _Probe:
 
     def _moe_hook(self, name):
         def hook(module, args, out):
-            self.moe_out[(*self.key, name)] = out.detach().clone()
+            if isinstance(out, torch.Tensor):  # not a staged (paused) forward of `parallel.ep_overlap`
+                self.moe_out[(*self.key, name)] = out.detach().clone()
         return hook
 
 

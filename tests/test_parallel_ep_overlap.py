@@ -57,10 +57,12 @@ def test_the_shared_expert_overlaps_the_dispatch_all_to_all_in_forward_and_backw
 
     x = torch.randn(10, 16, requires_grad=True)
     out = layer(x)
-    assert events == ["launch", "launch", "shared", "wait", "wait"]  # tokens and their router weights
+    # tokens and their router weights around the shared expert; then the expert outputs' way back
+    assert events == ["launch", "launch", "shared", "wait", "wait", "launch", "wait"]
     events.clear()
     out.square().sum().backward()
-    assert events == ["launch", "launch", "shared", "wait", "wait"]  # the gradients' transfers, the other way
+    # the gradients' transfers, the other way: the outputs' first, then the dispatch's around the shared expert
+    assert events == ["launch", "wait", "launch", "launch", "shared", "wait", "wait"]
     assert x.grad is not None and layer.shared_expert.down_proj.weight.grad is not None
 
     # The split transfer computes what the plain layer does.
@@ -70,3 +72,60 @@ def test_the_shared_expert_overlaps_the_dispatch_all_to_all_in_forward_and_backw
     x2 = x.detach().clone().requires_grad_()
     plain(x2).square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)  # local dispatch sums in another order
+
+
+def test_paired_micro_batches_interleave_their_transfers_with_each_others_compute(one_rank_group, monkeypatch):
+    """`parallel.ep_overlap`: micro-batch a's tokens travel while b's attention and router run, b's while a's experts
+    run, and so on (services/trainer/parallel/micro_batch_pairs.py); backward mirrors it. Recorded per transfer:
+    which micro-batch launched it and when it was waited for, against the experts' compute."""
+    from services.common.config import Config
+    from services.trainer.model.transformer import MoETransformer
+    from services.trainer.parallel.micro_batch_pairs import forward_backward_pairs
+
+    cfg = Config()
+    for k, v in dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, num_experts=4,
+                     top_k=2, moe_ffn_hidden_size=12, moe_kernels=[]).items():
+        setattr(cfg.model, k, v)
+    model = MoETransformer(cfg.model)
+    model.init_weights(0)
+    layer = model.moe_layers()[0]
+    layer.dispatcher = AllToAllDispatcher(cfg.model.num_experts, one_rank_group, ep=1, etp=1)
+
+    events: list[str] = []
+    synchronous = dist.all_to_all_single
+
+    def recording(*args, async_op: bool = False, **kwargs):
+        work = synchronous(*args, async_op=async_op, **kwargs)
+        if not async_op:
+            return work
+        events.append("launch")
+
+        class Recorded:
+            def wait(self):
+                events.append("wait")
+                return work.wait()
+
+        return Recorded()
+
+    monkeypatch.setattr(dist, "all_to_all_single", recording)
+    sizes = iter([10, 6])  # the two micro-batches have different token counts, so the experts' calls tell them apart
+    layer.experts.register_forward_hook(lambda m, args, out: events.append(f"experts{args[0].shape[0]}"))
+    layer.experts.register_full_backward_hook(lambda m, gin, gout: events.append(f"experts{gout[0].shape[0]}"))
+    mbs = []
+    for n in (next(sizes), next(sizes)):
+        tokens = torch.randint(0, 32, (n,))
+        mbs.append({"tokens": tokens, "labels": tokens.roll(-1), "position_ids": torch.arange(n),
+                    "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)})
+    forward_backward_pairs(model, mbs, step_tokens=16, device=torch.device("cpu"), autocast_dtype=None)
+
+    a, b = "experts20", "experts12"  # 10 and 6 tokens, top-2
+    forward = events[:events.index(b) + 3]
+    # tokens and router weights of a, then of b, are in flight before a's experts run; a's outputs leave before b's
+    # experts run; b's outputs leave before a's are waited for.
+    assert forward == ["launch", "launch", "launch", "launch", "wait", "wait", a, "launch", "wait", "wait", b,
+                       "launch", "wait"], events
+    backward = events[len(forward) + 1:]
+    # Each expert backward runs between the other micro-batch's gradient transfer launch and wait.
+    assert backward.count(a) == 1 and backward.count(b) == 1, events
+    first, second = sorted((backward.index(a), backward.index(b)))
+    assert "launch" in backward[:first] and "wait" in backward[first + 1:second + 1], events

@@ -94,6 +94,9 @@ class ParallelConfig:
     distributed_optimizer: bool = True
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty: split evenly
     grad_bucket_mb: float = 25.0
+    ep_overlap: bool = False  # micro-batches in pairs, interleaved layer by layer, so one's expert all-to-alls are in
+    #                           flight while the other computes (parallel/micro_batch_pairs.py); two micro-batches'
+    #                           activations alive at once; not with pp > 1 or recompute/offload of 'norm'/'moe'/'layer'
 
 
 @dataclass
@@ -386,6 +389,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(m.moe_ffn_hidden_size % p.etp == 0,
            f"`parallel.etp={p.etp}` does not divide `model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}`")
     _check(p.pp <= m.num_layers, f"`parallel.pp={p.pp}` exceeds `model.num_layers={m.num_layers}`")
+    if p.ep_overlap:
+        _check(p.pp == 1, f"`parallel.ep_overlap` interleaves two micro-batches' forwards, which the pipeline schedule "
+                          f"(`parallel.pp={p.pp}`) does not: set parallel.pp=1 or parallel.ep_overlap=false")
+        # These wrap a MoE layer's or block's whole forward, which the interleaved (paused and resumed) forward bypasses.
+        wrapped = [f"recompute {n!r}" for n in m.recompute if n in ("norm", "moe", "layer")] + [
+            f"offload {n!r}" for n in m.offload if n in ("moe", "layer")]
+        _check(not wrapped, f"`parallel.ep_overlap` cannot be combined with {', '.join(wrapped)}: they wrap the whole "
+                            "MoE layer or block forward, which the interleaved forward pauses inside; use recompute "
+                            "'attn_core'/'moe_act' and offload 'attn', or set parallel.ep_overlap=false")
     if p.pp_layers:
         _check(len(p.pp_layers) == p.pp and sum(p.pp_layers) == m.num_layers,
                f"`parallel.pp_layers={p.pp_layers}` must have pp={p.pp} entries summing to num_layers={m.num_layers}")

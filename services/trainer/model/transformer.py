@@ -17,6 +17,7 @@ from services.trainer.model.attention import Attention, document_ids
 from services.trainer.model.loss import cross_entropy_sum
 from services.trainer.model.mlp import SwiGLUMLP
 from services.trainer.model.moe.moe_layer import MoELayer
+from services.trainer.model.stages import Stages, run_to_end
 
 
 class Block(nn.Module):
@@ -30,10 +31,19 @@ class Block(nn.Module):
         self.mlp = MoELayer(cfg) if self.is_moe else SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, fp8=cfg.fp8)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                segment_ids: torch.Tensor, max_seqlen: int | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor, max_seqlen: int | None = None, staged: bool = False):
+        """With `staged`, a generator that pauses while the MoE layer's all-to-alls are in flight
+        (services/trainer/model/stages.py) and returns the output."""
+        stages = self._stages(x, position_ids, cu_seqlens, segment_ids, max_seqlen, staged)
+        return stages if staged else run_to_end(stages)
+
+    def _stages(self, x, position_ids, cu_seqlens, segment_ids, max_seqlen, staged: bool) -> Stages[torch.Tensor]:
         x = x + self.attn(self.attn_norm(x), position_ids, cu_seqlens, max_seqlen)
         h = self.mlp_norm(x)
-        return x + (self.mlp(h, segment_ids) if self.is_moe else self.mlp(h))
+        if not self.is_moe:
+            return x + self.mlp(h)
+        # Unstaged, the MoE layer is called plainly: a memory policy may have wrapped its forward (recompute/offload).
+        return x + ((yield from self.mlp(h, segment_ids, staged=True)) if staged else self.mlp(h, segment_ids))
 
 
 class MoETransformer(nn.Module):
@@ -71,16 +81,26 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int | None = None, hidden: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, staged: bool = False):
         """Packed micro-batch [T] -> logits [T, vocab]; with `labels` [T], the summed token loss (fp32 scalar) instead.
 
         A pipeline stage holds only some of the modules: one without `embed` starts from `hidden` (the previous stage's
         output), one without `output` returns its hidden states instead of logits (and ignores `labels`).
+        With `staged`, a generator that pauses while MoE all-to-alls are in flight and returns that output
+        (services/trainer/model/stages.py; used to interleave two micro-batches, `parallel.ep_overlap`).
         """
+        stages = self._stages(tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels, staged)
+        return stages if staged else run_to_end(stages)
+
+    def _stages(self, tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels,
+                staged: bool) -> Stages[torch.Tensor]:
         segment_ids = document_ids(cu_seqlens, tokens.shape[0])
         x = self.embed(tokens) if self.embed is not None else hidden
         for block in self.layers.values():
-            x = block(x, position_ids, cu_seqlens, segment_ids, max_seqlen)
+            if staged:
+                x = yield from block(x, position_ids, cu_seqlens, segment_ids, max_seqlen, staged=True)
+            else:  # called plainly: a memory policy may have wrapped the block's forward
+                x = block(x, position_ids, cu_seqlens, segment_ids, max_seqlen)
         if self.output is None:
             return x
         x = self.norm(x)

@@ -28,39 +28,17 @@ from services.trainer.model.moe.dispatcher import Dispatched, permute, unpermute
 from services.trainer.model.moe.experts import GroupedExperts
 from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.model.moe.router import Routing
+from services.trainer.model.stages import Stages, run_to_end
 from services.trainer.parallel.differentiable import all_gather_dim0, gather_tokens, reduce_scatter_tokens
 from services.trainer.parallel.groups import Axis, ParallelGroups
 
 # ---------------------------------------------------------------- all-to-all with its autograd dual
 
-
-class _AllToAll(torch.autograd.Function):
-    """Rows [sum(send), ...] -> [sum(recv), ...]; the gradient goes back along the same routes."""
-
-    @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
-
-
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
-
-
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    return _AllToAll.apply(x, send, recv, group)
-
-
 # An all-to-all split in two autograd nodes, so that work placed between them overlaps the transfer in both passes:
 # forward launches at `_Launch` and waits at `_Land`; backward launches the gradient's transfer at `_Land` and waits at
 # `_Launch`. Autograd runs backward nodes in reverse creation order, so what ran between the two in forward (the
-# shared expert) runs between them in backward too. Every rank builds the same graph, so the collectives match.
+# shared expert; another micro-batch's layers under `parallel.ep_overlap`) runs between them in backward too. Every
+# rank builds the same graph, so the collectives match.
 
 
 class _Flight:
@@ -113,7 +91,14 @@ class AllToAllDispatcher:
         self.local_experts = num_experts // ep
 
     def dispatch(self, hidden: torch.Tensor, routing: Routing, in_flight=None) -> Dispatched:
-        """`in_flight()` (the shared expert) runs while the tokens travel, in forward and in backward."""
+        return run_to_end(self.dispatch_stages(hidden, routing, in_flight))
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        return run_to_end(self.combine_stages(expert_out, dispatched))
+
+    def dispatch_stages(self, hidden: torch.Tensor, routing: Routing, in_flight=None) -> Stages[Dispatched]:
+        """`in_flight()` (the shared expert) runs while the tokens travel, in forward and in backward; then the
+        forward pauses (services/trainer/model/stages.py) until resumed, so another micro-batch may compute too."""
         x, w, counts, token_idx = permute(hidden, routing, self.num_experts)
         El, peers = self.local_experts, self.axis.size
         # Group rank = ep_rank * etp + etp_rank (ETP innermost), so each EP rank's expert block goes to its etp ranks.
@@ -133,6 +118,7 @@ class AllToAllDispatcher:
         w = _Launch.apply(w, send, recv, self.axis.group, flights[1])
         if in_flight is not None:
             in_flight()
+        yield
         x = _Land.apply(x, send, recv, self.axis.group, flights[0])
         w = _Land.apply(w, send, recv, self.axis.group, flights[1])
         # Received rows are grouped by source rank, then by local expert; the experts want them by local expert.
@@ -141,10 +127,14 @@ class AllToAllDispatcher:
         state = (order, dup, send, recv, token_idx, hidden.shape[0])
         return Dispatched(x[order], w[order], recv_counts.sum(0), state)
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+    def combine_stages(self, expert_out: torch.Tensor, dispatched: Dispatched) -> Stages[torch.Tensor]:
+        """The way back; pauses while the expert outputs travel."""
         order, dup, send, recv, token_idx, num_tokens = dispatched.state
         by_source = expert_out[torch.argsort(order)]
-        back = all_to_all(by_source, recv, send, self.axis.group)
+        flight = _Flight()
+        back = _Launch.apply(by_source, recv, send, self.axis.group, flight)
+        yield
+        back = _Land.apply(back, recv, send, self.axis.group, flight)
         if dup is not None:  # sum the ETP partial outputs of each row
             back = back.new_zeros(token_idx.shape[0], back.shape[1]).index_add(0, dup, back)
         return unpermute(back, token_idx, num_tokens)

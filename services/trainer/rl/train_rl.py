@@ -61,6 +61,9 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError(f"RL training does not run context parallel (`parallel.cp={p.cp}`, `cp_sizes={p.cp_sizes}`): "
                           "per-token log-probs are read on whole sequences (rl/folded.py); set `parallel.cp=1` and "
                           "`parallel.cp_sizes=[]`")
+    if p.ep_overlap:
+        raise ConfigError("`parallel.ep_overlap` pairs pre-training micro-batches; the RL step (rl/step.py) runs its "
+                          "micro-batches one at a time: set parallel.ep_overlap=false")
     dp = cfg.run.nproc // (p.tp * p.cp * p.pp)  # the data-parallel replicas; each trains on whole groups
     rerouted = [name for name in cfg.model.recompute if name in ("moe", "layer")]
     if rerouted:

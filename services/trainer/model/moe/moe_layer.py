@@ -10,6 +10,7 @@ from services.trainer.model.mlp import SwiGLUMLP
 from services.trainer.model.moe.dispatcher import LocalDispatcher
 from services.trainer.model.moe.experts import GroupedExperts
 from services.trainer.model.moe.router import Router
+from services.trainer.model.stages import Stages, run_to_end
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -48,19 +49,34 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = 1.0  # the training loop sets 1/num_micro_batches so aux gradients average like the loss
         self.last_aux_loss = torch.zeros(())
 
-    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, staged: bool = False):
+        """x: [T, h] -> [T, h]. With `staged`, a generator that pauses while its all-to-alls are in flight
+        (services/trainer/model/stages.py) and returns the output."""
+        stages = self._stages(x, segment_ids)
+        return stages if staged else run_to_end(stages)
+
+    def _stages(self, x: torch.Tensor, segment_ids: torch.Tensor | None) -> Stages[torch.Tensor]:
         routing = self.router(x, segment_ids)  # from x as it comes: the router scores in fp32
         # The experts compute in the autocast dtype: cast before the T·k-row copy, not after (half the bytes moved and
         # kept; the values the GEMMs see are the same).
         # The shared expert runs while the dispatch's all-to-all is in flight (forward and backward; EP only).
         shared: list[torch.Tensor] = []
         run_shared = (lambda: shared.append(self.shared_expert(x))) if self.shared_expert is not None else None
-        dispatched = self.dispatcher.dispatch(_compute_dtype(x), routing, in_flight=run_shared)
+        dispatched = yield from _staged(self.dispatcher, "dispatch", _compute_dtype(x), routing, in_flight=run_shared)
         expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert, dispatched.weights)
-        out = self.dispatcher.combine(expert_out, dispatched).to(x.dtype)
+        out = (yield from _staged(self.dispatcher, "combine", expert_out, dispatched)).to(x.dtype)
         if shared:
             out = out + shared[0]
         self.last_aux_loss = routing.aux_loss.detach()
         if routing.aux_loss.requires_grad:
             out = AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
         return out
+
+
+def _staged(dispatcher, method: str, *args, **kwargs) -> Stages:
+    """`dispatcher.<method>_stages(...)` where the dispatcher can pause (expert-parallel all-to-all), else the plain
+    call."""
+    staged = getattr(dispatcher, method + "_stages", None)
+    if staged is not None:
+        return (yield from staged(*args, **kwargs))
+    return getattr(dispatcher, method)(*args, **kwargs)
