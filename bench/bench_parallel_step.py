@@ -160,17 +160,21 @@ def main() -> None:
     total = args.warmup + args.steps + args.profile_steps
     batches = [synthetic_step(cfg, groups.dp.rank, s) for s in range(min(total, 4))]
 
+    losses: list[torch.Tensor] = []  # per step: mean token loss over all ranks (compare layouts on the same data)
+
     def step(i: int) -> None:
         mbs, lr = batches[i % len(batches)], lr_at(i, cfg.optimizer, total)
         if parallel:
             optimizer.zero_grad()
-            forward_backward_parallel(model, mbs, groups, cfg, rt.device, rt.autocast_dtype, optimizer)
+            loss, tokens = forward_backward_parallel(model, mbs, groups, cfg, rt.device, rt.autocast_dtype, optimizer)
+            losses.append(loss / max(tokens, 1))
             optimizer.step(lr)
             sync_expert_load(model, groups)
         else:
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
-            forward_backward(model, mbs, count_loss_tokens(mbs), rt.device, rt.autocast_dtype)
+            tokens = count_loss_tokens(mbs)
+            losses.append(forward_backward(model, mbs, tokens, rt.device, rt.autocast_dtype) / max(tokens, 1))
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
             optimizer.step()
         update_router_bias(model, cfg, groups.dp.size)
@@ -215,7 +219,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(rt.device) if cuda else "cpu", "tokens_per_step": tokens_per_step,
         "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / rt.world_size,
         "mfu": tps * flops_tok / 1e12 / rt.world_size / peak if peak else None, "peak_tflops": peak,
-        "median_step_ms": step_ms, "peak_mem_gib": mem.item() if cuda else None,
+        "median_step_ms": step_ms, "losses": [round(float(v), 5) for v in losses],
+        "peak_mem_gib": mem.item() if cuda else None,
         "profiled_step_ms": prof_ms["step"]["wall"],
         "comm_source": ("nccl kernels, device time (all_to_all holds every SendRecv kernel: PP and CP-ring p2p too); "
                         "exposed = while no compute/copy kernel runs on the rank"
@@ -237,6 +242,8 @@ def main() -> None:
                 ("tokens/s per GPU", f"{tps / rt.world_size:,.0f}"),
                 ("MFU", f"{100 * result['mfu']:.1f}% of {peak:.0f} TFLOP/s" if peak else "n/a (no datasheet peak)"),
                 ("median step", f"{step_ms:.1f} ms  ({args.steps} timed steps)"),
+                ("loss", f"{float(losses[0]):.4f} -> {float(losses[-1]):.4f}  (steps 1 -> {len(losses)}, "
+                         f"{len(batches)} batches cycled)"),
                 ("peak memory", f"{mem.item():.2f} GiB" if cuda else "n/a (CPU)"),
                 ("profiled step", f"{result['profiled_step_ms']:.1f} ms wall, mean over ranks and {args.profile_steps} "
                  "step(s) under torch.profiler (its overhead included); the % below are of it"),
