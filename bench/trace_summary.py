@@ -3,7 +3,8 @@
 The input is one rank's device kernels as (name, start, end) in µs (torch.profiler events with
 `device_type == DeviceType.CUDA`, memcpy/memset included). Two figures come out of it:
 
-- comm: per collective, the NCCL kernels' summed time and their *exposed* time: the length of the union of that
+- comm: per collective, the time its NCCL kernels run (the union of their intervals: a kernel the profiler reports
+  twice, or two transfers of one kind in flight together, count once) and their *exposed* time: the length of the union of that
   collective's kernel intervals minus its overlap with the union of all non-NCCL kernels (compute and copies), i.e. the
   time that collective runs while no compute runs. An NCCL kernel starts when it is launched and ends when its peers
   have all arrived, so exposed time includes waiting for a slower rank. Two collectives running at once are each exposed
@@ -99,7 +100,7 @@ def compute_category(name: str) -> str:
 
 def summarize(kernels: Iterable[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
     """One rank's kernels (name, start, end) → µs over the whole trace:
-    comm (NCCL kernel time summed per collective), exposed (per collective and "total"), compute (union per category),
+    comm (union of the NCCL kernels' time per collective), exposed (per collective and "total"), compute (union per category),
     device (busy: union of all kernels; comm / compute: union of the NCCL / non-NCCL kernels)."""
     comm: dict[str, list[Interval]] = {c: [] for c in COMM_CATEGORIES}
     compute: dict[str, list[Interval]] = {c: [] for c in COMPUTE_CATEGORIES}
@@ -111,7 +112,7 @@ def summarize(kernels: Iterable[tuple[str, float, float]]) -> dict[str, dict[str
     exposed = {c: exposed_length(ivs, all_compute) for c, ivs in comm.items()}
     exposed["total"] = exposed_length(all_comm, all_compute)
     return {
-        "comm": {c: sum(e - s for s, e in ivs) for c, ivs in comm.items()},
+        "comm": {c: total_length(ivs) for c, ivs in comm.items()},
         "exposed": exposed,
         "compute": {c: total_length(ivs) for c, ivs in compute.items()},
         "device": {"busy": total_length(all_comm + all_compute), "comm": total_length(all_comm),
