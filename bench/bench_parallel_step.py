@@ -44,7 +44,7 @@ from services.common.config import load_config  # noqa: E402
 from services.trainer.metrics import datasheet_peak, flops_per_token  # noqa: E402
 from services.trainer.model.recompute import apply_memory_policy  # noqa: E402
 from services.trainer.model.transformer import MoETransformer  # noqa: E402
-from services.trainer.optim import build_adamw, lr_at, set_lr  # noqa: E402
+from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr  # noqa: E402
 from services.trainer.parallel.expert_parallel import sync_expert_load  # noqa: E402
 from services.trainer.parallel.groups import init_groups  # noqa: E402
 from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize  # noqa: E402
@@ -175,8 +175,7 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             tokens = count_loss_tokens(mbs)
             losses.append(forward_backward(model, mbs, tokens, rt.device, rt.autocast_dtype) / max(tokens, 1))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
-            optimizer.step()
+            clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
         update_router_bias(model, cfg, groups.dp.size)
         if cuda:
             torch.cuda.synchronize(rt.device)

@@ -39,7 +39,7 @@ from services.trainer.memory_report import MemoryReport, measure_step  # noqa: E
 from services.trainer.metrics import active_params, datasheet_peak, flops_per_token, measure_peak_tflops  # noqa: E402
 from services.trainer.model.recompute import apply_memory_policy  # noqa: E402
 from services.trainer.model.transformer import MoETransformer  # noqa: E402
-from services.trainer.optim import build_adamw  # noqa: E402
+from services.trainer.optim import build_adamw, clip_and_step  # noqa: E402
 from services.trainer.step import forward_backward  # noqa: E402
 
 
@@ -88,8 +88,7 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     def train_step(mbs):
         opt.zero_grad(set_to_none=True)
         loss = forward_backward(model, mbs, tokens, device, torch.bfloat16)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        clip_and_step(opt, model.parameters(), cfg.optimizer.clip_grad)
         return loss
 
     for step in range(cfg.run.steps):

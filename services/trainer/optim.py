@@ -31,6 +31,27 @@ def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
                              eps=cfg.eps, fused=fused)
 
 
+def clip_and_step(optimizer: torch.optim.AdamW, params, max_norm: float) -> torch.Tensor:
+    """Clip the gradients by their global L2 norm (`max_norm` > 0; 0: no clipping), step, and return the norm.
+
+    Same update as `clip_grad_norm_` then `step()`. With the fused AdamW the clip factor is not applied in a pass of its
+    own: it goes to the kernel as the gradient scale (the kernel divides each gradient by it as it reads it, the hook
+    `torch.amp.GradScaler` uses), which saves reading and writing every gradient once (~8 ms per step for 3.1B fp32
+    parameters on an H100). The scale stays on the device: no host sync.
+    """
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    fused = optimizer.defaults.get("fused")
+    optimizer.grad_scale = None
+    if max_norm > 0:
+        if fused:  # clip_grad_norm_'s factor max_norm / (norm + 1e-6) ≤ 1, as a divisor ≥ 1
+            optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).to(torch.float32)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    optimizer.step()
+    return norm
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

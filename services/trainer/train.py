@@ -21,7 +21,7 @@ from services.trainer import checkpointing
 from services.trainer.metrics import (MetricsLog, datasheet_peak, flops_per_token, measure_peak_tflops)
 from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.optim import build_adamw, lr_at, set_lr
+from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
 from services.trainer.parallel import checkpoint_shards
 from services.trainer.parallel.expert_parallel import sync_expert_load
 from services.trainer.parallel.groups import ParallelGroups, init_groups
@@ -119,8 +119,7 @@ def train(cfg: Config) -> int:
                 step_tokens = count_loss_tokens(micro_batches)
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
-                optimizer.step()
+                grad_norm = clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
             load = update_router_bias(model, cfg, groups.dp.size)
             loss = float(loss_sum) / step_tokens
             if rt.device.type == "cuda":  # the training stream only: a checkpoint's copies run on a side stream

@@ -21,7 +21,6 @@ rank updates the whole bucket.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,7 +67,7 @@ class Bucket:
     master: torch.Tensor | None = None  # fp32 owned range of the parameters
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
-    decay_mask: torch.Tensor | None = None  # 1.0 where weight decay applies, over the owned range
+    decay_runs: list[tuple[int, int, bool]] = field(default_factory=list)  # owned range in (start, end, decays) runs
     norm_mask: torch.Tensor | None = None  # 1.0 where the element counts toward the grad norm
     slot_of: dict[int, Slot] = field(default_factory=dict)
 
@@ -170,11 +169,17 @@ class DistributedOptimizer:
         owned = params[b.lo:b.hi]
         b.master = owned if owned.dtype == torch.float32 else owned.float()
         b.exp_avg, b.exp_avg_sq = torch.zeros_like(b.master), torch.zeros_like(b.master)
-        decay, norm = torch.zeros(size, device=ref.device), torch.zeros(size, device=ref.device)
+        norm = torch.zeros(size, device=ref.device)
         for s in slots:
-            decay[s.start:s.start + s.numel] = float(s.decay)
             norm[s.start:s.start + s.numel] = float(s.counted)
-        b.decay_mask, b.norm_mask = decay[b.lo:b.hi].clone(), norm[b.lo:b.hi].clone()
+            lo, hi = max(s.start, b.lo) - b.lo, min(s.start + s.numel, b.hi) - b.lo
+            if lo >= hi:
+                continue
+            if b.decay_runs and b.decay_runs[-1][1] == lo and b.decay_runs[-1][2] == s.decay:
+                b.decay_runs[-1] = (b.decay_runs[-1][0], hi, s.decay)
+            else:
+                b.decay_runs.append((lo, hi, s.decay))
+        b.norm_mask = norm[b.lo:b.hi].clone()
         return b
 
     # ------------------------------------------------------------ gradient path
@@ -252,22 +257,36 @@ class DistributedOptimizer:
         self.wait_params()  # a step without a forward since the last one (nothing waited yet)
         self.finish_grad_sync()
         norm = self.grad_norm()
-        clip = self.cfg.clip_grad
-        scale = (clip / (norm + 1e-6)).clamp(max=1.0) if clip > 0 else torch.ones_like(norm)
         self.step_count += 1
-        c = self.cfg
-        bc1, bc2 = 1 - c.beta1 ** self.step_count, 1 - c.beta2 ** self.step_count
+        self._adamw(lr, norm)
         for b in self.buckets:
-            g = b.grad_shard.float() * scale
-            b.exp_avg.lerp_(g, 1 - c.beta1)
-            b.exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
-            b.master.mul_(1 - lr * c.weight_decay * b.decay_mask)
-            denom = (b.exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(c.eps)
-            b.master.addcdiv_(b.exp_avg, denom, value=-lr / bc1)
             if b.master.data_ptr() != b.params[b.lo:b.hi].data_ptr():
                 b.params[b.lo:b.hi].copy_(b.master)
         self._gather_params()
         return norm
+
+    def _adamw(self, lr: float, norm: torch.Tensor) -> None:
+        """AdamW on the owned ranges, in one fused kernel per weight-decay setting (torch's `_fused_adamw_` over views
+        of the flat shards: one pass over master weights, moments and gradients). Clipping by the global norm is the
+        kernel's gradient scale (it divides each gradient by it as it reads it), so it costs no pass of its own."""
+        c = self.cfg
+        runs: dict[bool, list[tuple[torch.Tensor, ...]]] = {True: [], False: []}
+        for b in self.buckets:
+            grad = b.grad_shard if b.grad_shard.dtype == torch.float32 else b.grad_shard.float()
+            for lo, hi, decays in b.decay_runs:
+                runs[decays].append((b.master[lo:hi], grad[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi]))
+        if not runs[True] and not runs[False]:
+            return
+        device = self.buckets[0].master.device
+        step = torch.full((), float(self.step_count), dtype=torch.float32, device=device)
+        # clip_grad_norm_'s factor clip / (norm + 1e-6) <= 1, as the divisor the kernel takes
+        divisor = ((norm + 1e-6) / c.clip_grad).clamp(min=1.0) if c.clip_grad > 0 else None
+        for decays, views in runs.items():
+            if views:
+                master, grads, exp_avg, exp_avg_sq = (list(t) for t in zip(*views))
+                torch._fused_adamw_(master, grads, exp_avg, exp_avg_sq, [], [step] * len(master), lr=lr,
+                                    beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay if decays else 0.0,
+                                    eps=c.eps, amsgrad=False, maximize=False, grad_scale=divisor, found_inf=None)
 
     def _gather_params(self) -> None:
         """Launch every bucket's all-gather, first-needed first; forward pre-hooks (or `wait_params`) wait for them."""

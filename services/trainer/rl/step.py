@@ -28,6 +28,7 @@ from torch import nn
 
 from services.common.config import RLConfig
 from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.optim import clip_and_step
 from services.trainer.parallel.groups import Axis, ParallelGroups
 from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, step_layout, with_fillers
 from services.trainer.rl.losses import PolicyLoss, ppo_clip_loss
@@ -179,8 +180,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
             raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
         grad_norm = optimizer.step(lr)  # sums the replicas' gradients, clips by the global norm
     else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-        optimizer.step()
+        grad_norm = clip_and_step(optimizer, model.parameters(), clip_grad)
     per_token = max(step_tokens, 1)
     return {
         "loss": totals["loss"] / per_token, "grad_norm": float(grad_norm), "reward": reward_mean,
