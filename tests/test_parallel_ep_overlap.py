@@ -17,6 +17,28 @@ from services.trainer.parallel.expert_parallel import AllToAllDispatcher
 from services.trainer.parallel.groups import Axis
 
 
+def recording_all_to_all(events: list[str], synchronous, counts: bool = False):
+    """`dist.all_to_all_single` that records "launch" and "wait" of each asynchronous transfer of rows (tokens, router
+    weights, expert outputs, gradients); with `counts`, the per-expert counts exchanges as "counts" / "counts wait"."""
+
+    def recording(out, inp, *args, async_op: bool = False, **kwargs):
+        work = synchronous(out, inp, *args, async_op=async_op, **kwargs)
+        is_counts = inp.dtype == torch.int64
+        if not async_op or (is_counts and not counts):
+            return work
+        tag = "counts" if is_counts else "launch"
+        events.append(tag)
+
+        class Recorded:
+            def wait(self):
+                events.append("counts wait" if is_counts else "wait")
+                return work.wait()
+
+        return Recorded()
+
+    return recording
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
@@ -37,21 +59,7 @@ def test_the_shared_expert_overlaps_the_dispatch_all_to_all_in_forward_and_backw
 
     events: list[str] = []
     synchronous = dist.all_to_all_single
-
-    def recording(*args, async_op: bool = False, **kwargs):
-        work = synchronous(*args, async_op=async_op, **kwargs)
-        if not async_op:
-            return work
-        events.append("launch")
-
-        class Recorded:
-            def wait(self):
-                events.append("wait")
-                return work.wait()
-
-        return Recorded()
-
-    monkeypatch.setattr(dist, "all_to_all_single", recording)
+    monkeypatch.setattr(dist, "all_to_all_single", recording_all_to_all(events, synchronous))
     layer.shared_expert.register_forward_hook(lambda *_: events.append("shared"))
     layer.shared_expert.register_full_backward_hook(lambda *_: events.append("shared"))
 
@@ -92,22 +100,7 @@ def test_paired_micro_batches_interleave_their_transfers_with_each_others_comput
     layer.dispatcher = AllToAllDispatcher(cfg.model.num_experts, one_rank_group, ep=1, etp=1)
 
     events: list[str] = []
-    synchronous = dist.all_to_all_single
-
-    def recording(*args, async_op: bool = False, **kwargs):
-        work = synchronous(*args, async_op=async_op, **kwargs)
-        if not async_op:
-            return work
-        events.append("launch")
-
-        class Recorded:
-            def wait(self):
-                events.append("wait")
-                return work.wait()
-
-        return Recorded()
-
-    monkeypatch.setattr(dist, "all_to_all_single", recording)
+    monkeypatch.setattr(dist, "all_to_all_single", recording_all_to_all(events, dist.all_to_all_single, counts=True))
     sizes = iter([10, 6])  # the two micro-batches have different token counts, so the experts' calls tell them apart
     layer.experts.register_forward_hook(lambda m, args, out: events.append(f"experts{args[0].shape[0]}"))
     layer.experts.register_full_backward_hook(lambda m, gin, gout: events.append(f"experts{gout[0].shape[0]}"))
@@ -120,10 +113,12 @@ def test_paired_micro_batches_interleave_their_transfers_with_each_others_comput
 
     a, b = "experts20", "experts12"  # 10 and 6 tokens, top-2
     forward = events[:events.index(b) + 3]
-    # tokens and router weights of a, then of b, are in flight before a's experts run; a's outputs leave before b's
-    # experts run; b's outputs leave before a's are waited for.
-    assert forward == ["launch", "launch", "launch", "launch", "wait", "wait", a, "launch", "wait", "wait", b,
-                       "launch", "wait"], events
+    # Both micro-batches' counts exchanges are in flight before either host waits for its counts (so the GPU has b's
+    # work queued while the host waits for a's); a's tokens and router weights are in flight while b's counts are
+    # awaited and b's tokens leave; a's experts run while b's tokens travel; a's outputs leave before b's experts run;
+    # b's outputs leave before a's are waited for.
+    assert forward == ["counts", "counts", "counts wait", "launch", "launch", "counts wait", "launch", "launch",
+                       "wait", "wait", a, "launch", "wait", "wait", b, "launch", "wait"], events
     backward = events[len(forward) + 1:]
     # Each expert backward runs between the other micro-batch's gradient transfer launch and wait.
     assert backward.count(a) == 1 and backward.count(b) == 1, events

@@ -82,6 +82,33 @@ class _Land(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+class _CountsToHost:
+    """The per-expert counts exchange, and their copy to the host, started without waiting: `wait()` then blocks the
+    host only until this exchange and copy are done (a CUDA event), not until everything queued after them is."""
+
+    def __init__(self, send_counts: torch.Tensor, recv_counts: torch.Tensor, group):
+        work = dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True)
+        self.event = None
+        if send_counts.is_cuda:
+            work.wait()  # the current stream waits for the exchange; the host does not
+            self.host = torch.empty((2, *send_counts.shape), dtype=send_counts.dtype, pin_memory=True)
+            self.host.copy_(torch.stack([send_counts, recv_counts]), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.work, self.pair = work, (send_counts, recv_counts)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(send, recv) counts on the host."""
+        if self.event is not None:
+            self.event.synchronize()
+        else:
+            self.work.wait()
+            self.host = torch.stack(self.pair)
+        self.send, self.recv = self.host[0], self.host[1]
+        return self.send, self.recv
+
+
 # ---------------------------------------------------------------- dispatchers
 
 
@@ -104,12 +131,15 @@ class AllToAllDispatcher:
         # Group rank = ep_rank * etp + etp_rank (ETP innermost), so each EP rank's expert block goes to its etp ranks.
         send_counts = counts.view(self.ep, El).repeat_interleave(self.etp, dim=0)  # [peers, El]
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.axis.group)
-        # all_to_all_single takes its split sizes as host ints: this is the dispatch's one device->host sync.
-        send, recv = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        counts_on_host = _CountsToHost(send_counts, recv_counts, self.axis.group)
+        # all_to_all_single takes its split sizes as host ints: the dispatch's one device->host sync. Pause first, so
+        # that another micro-batch can queue work for the GPU to run while this host thread waits for the counts.
+        yield
+        send_host, recv_host = counts_on_host.wait()  # [peers, El] each
+        send, recv = send_host.sum(1).tolist(), recv_host.sum(1).tolist()
         dup = None
         if self.etp > 1:  # each EP block's rows are sent once per ETP rank of that block
-            starts = [0] + counts.view(self.ep, El).sum(1).cumsum(0).tolist()
+            starts = [0] + counts_on_host.send[::self.etp].sum(1).cumsum(0).tolist()
             dup = torch.cat([torch.arange(starts[j], starts[j + 1], device=x.device)
                              for j in range(self.ep) for _ in range(self.etp)])
             x, w = x[dup], w[dup]
@@ -122,7 +152,8 @@ class AllToAllDispatcher:
         x = _Land.apply(x, send, recv, self.axis.group, flights[0])
         w = _Land.apply(w, send, recv, self.axis.group, flights[1])
         # Received rows are grouped by source rank, then by local expert; the experts want them by local expert.
-        expert_of_row = torch.arange(El, device=x.device).repeat(peers).repeat_interleave(recv_counts.reshape(-1))
+        expert_of_row = torch.arange(El, device=x.device).repeat(peers).repeat_interleave(
+            recv_counts.reshape(-1), output_size=sum(recv))  # the size given: no device->host sync
         order = torch.sort(expert_of_row, stable=True).indices
         state = (order, dup, send, recv, token_idx, hidden.shape[0])
         return Dispatched(x[order], w[order], recv_counts.sum(0), state)
