@@ -108,9 +108,17 @@ class _Probe:
 # ---------------------------------------------------------------- the single-process reference
 
 
+def _memory_policy(model: torch.nn.Module, cfg: Config) -> None:
+    from services.trainer.model.recompute import apply_memory_policy
+
+    m = cfg.model
+    apply_memory_policy(model, m.recompute, m.offload, m.recompute_layers, m.offload_layers)
+
+
 def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict:
     model = MoETransformer(cfg.model)
     model.init_weights(seed)
+    _memory_policy(model, cfg)
     opt = build_adamw(model, cfg.optimizer)
     probe = _Probe(model)
     for m in model.moe_layers():
@@ -177,6 +185,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
         model = MoETransformer(cfg.model)
         model.init_weights(seed)
         parallelize(model, cfg, groups)
+        _memory_policy(model, cfg)  # after parallelization, as train.py applies it
         probe = _Probe(model)
         opt = build_optimizer(model, cfg, groups)
         overlap = []  # (buckets launched when the first block's backward ran, total buckets) per backward

@@ -32,6 +32,7 @@ def test_clip_and_step_matches_clip_grad_norm_then_step(grad_size, clipped, fuse
         torch.testing.assert_close(norm, ref_norm)
         for a, b in zip(ours, ref):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)  # left clipped, as clip_grad_norm_ does
         for a, b in zip(ours, ref):
             a.grad = torch.randn_like(a) * grad_size
             b.grad = a.grad.clone()

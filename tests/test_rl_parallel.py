@@ -123,8 +123,7 @@ def _worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
                 m = rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
                             version=step, lr=cfg.optimizer.lr)
                 metrics.append(m)
-                coef = min(1.0, cfg.optimizer.clip_grad / (m["grad_norm"] + 1e-6))  # as the optimizer clips
-                grads.append({n: g * coef for n, g in opt.full_grads().items()})
+                grads.append(opt.full_grads())  # clipped: the fused AdamW unscales the shards in place
             opt.wait_params()  # the last step's parameter all-gathers (a next forward would wait for them)
             out[scenario] = {"metrics": metrics, "grads": grads,
                              "params": {n: p.detach().clone() for n, p in model.named_parameters()}}

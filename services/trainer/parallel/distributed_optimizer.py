@@ -299,7 +299,8 @@ class DistributedOptimizer:
     # ------------------------------------------------------------ inspection (tests, checkpoints)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every local parameter's reduced gradient (after `finish_grad_sync`), gathered over its reducing group."""
+        """Every local parameter's reduced gradient (after `finish_grad_sync`), gathered over its reducing group;
+        after `step`, clipped (the fused AdamW kernel divides the gradient shards by the clip divisor in place)."""
         out = {}
         for b in self.buckets:
             flat = b.grad_shard
