@@ -78,6 +78,16 @@ def host_ms(fn, x: torch.Tensor, grad: torch.Tensor) -> float:
     return t
 
 
+def print_host_profile(fn, x: torch.Tensor, grad: torch.Tensor) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    xi = x.detach().requires_grad_(True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(xi).backward(grad)
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
@@ -87,6 +97,8 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "configs" / "qwen3_30b_a3b.yaml"))
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also print where the host time of one eager forward + backward goes (torch.profiler, CPU)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -111,6 +123,8 @@ def main() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # graphs need the cast cache off
             eager_ms, eager_out, eager_grad = time_iters(eager, x, grad, args.iters)
             launch = host_ms(eager, x, grad)
+            if args.host_profile and tokens == args.tokens[0]:
+                print_host_profile(eager, x, grad)
             graphed = torch.cuda.make_graphed_callables(eager, (x.detach().requires_grad_(True),))
             graph_ms, graph_out, graph_grad = time_iters(graphed, x, grad, args.iters)
         print(f"{tokens:>7} {eager_ms:9.2f} {graph_ms:9.2f} {eager_ms / graph_ms:8.2f}x {eager_ms - graph_ms:9.2f} "
