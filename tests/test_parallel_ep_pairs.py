@@ -13,6 +13,7 @@ from services.common.config import ConfigError, load_config
 
 def paired_config(**parallel):
     cfg = tiny_config(ep_overlap=True, **parallel)
+    cfg.data.grad_accum = 2  # what validation asks of a run with pairs (the harness passes micro-batches itself)
     cfg.optimizer.lr = 2e-3
     cfg.model.first_k_dense, cfg.model.shared_expert_ffn_hidden_size = 1, 16
     cfg.model.num_layers = 3
@@ -51,6 +52,8 @@ def test_cp2_ring_with_ep2_pairs_match_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("override, cause", [
+    (["parallel.ep=1"], "needs `parallel.ep` > 1"),
+    (["data.grad_accum=1"], r"`data.grad_accum` >= 2 micro-batches per step \(got 1\)"),
     (["parallel.pp=2"], "parallel.pp=2"),
     (["model.recompute=[moe]"], "recompute 'moe'"),
     (["model.recompute=[norm]"], "recompute 'norm'"),
@@ -58,4 +61,4 @@ def test_cp2_ring_with_ep2_pairs_match_single_process(tmp_path):
 ])
 def test_pairs_refuse_what_would_bypass_them(override, cause):
     with pytest.raises(ConfigError, match=cause):
-        load_config(None, ["parallel.ep_overlap=true", "parallel.ep=2", *override])
+        load_config(None, ["parallel.ep_overlap=true", "parallel.ep=2", "data.grad_accum=2", *override])

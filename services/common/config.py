@@ -96,7 +96,8 @@ class ParallelConfig:
     grad_bucket_mb: float = 25.0
     ep_overlap: bool = False  # micro-batches in pairs, interleaved layer by layer, so one's expert all-to-alls are in
     #                           flight while the other computes (parallel/micro_batch_pairs.py); two micro-batches'
-    #                           activations alive at once; not with pp > 1 or recompute/offload of 'norm'/'moe'/'layer'
+    #                           activations alive at once; needs ep > 1 and data.grad_accum >= 2; not with pp > 1 or
+    #                           recompute/offload of 'norm'/'moe'/'layer'
 
 
 @dataclass
@@ -390,6 +391,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            f"`parallel.etp={p.etp}` does not divide `model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}`")
     _check(p.pp <= m.num_layers, f"`parallel.pp={p.pp}` exceeds `model.num_layers={m.num_layers}`")
     if p.ep_overlap:
+        _check(p.ep > 1 and d.grad_accum >= 2,
+               f"`parallel.ep_overlap` pairs micro-batches to hide the expert all-to-all: it needs `parallel.ep` > 1 "
+               f"(got {p.ep}) and `data.grad_accum` >= 2 micro-batches per step (got {d.grad_accum})")
         _check(p.pp == 1, f"`parallel.ep_overlap` interleaves two micro-batches' forwards, which the pipeline schedule "
                           f"(`parallel.pp={p.pp}`) does not: set parallel.pp=1 or parallel.ep_overlap=false")
         # These wrap a MoE layer's or block's whole forward, which the interleaved (paused and resumed) forward bypasses.
