@@ -88,7 +88,7 @@ def test_paired_micro_batches_interleave_their_transfers_with_each_others_comput
     which micro-batch launched it and when it was waited for, against the experts' compute."""
     from services.common.config import Config
     from services.trainer.model.transformer import MoETransformer
-    from services.trainer.parallel.micro_batch_pairs import forward_backward_pairs
+    from services.trainer.parallel.pipeline import forward_backward_pipeline
 
     cfg = Config()
     for k, v in dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, num_experts=4,
@@ -109,7 +109,7 @@ def test_paired_micro_batches_interleave_their_transfers_with_each_others_comput
         tokens = torch.randint(0, 32, (n,))
         mbs.append({"tokens": tokens, "labels": tokens.roll(-1), "position_ids": torch.arange(n),
                     "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)})
-    forward_backward_pairs(model, mbs, step_tokens=16, device=torch.device("cpu"), autocast_dtype=None)
+    forward_backward_pipeline(model, mbs, 16, torch.device("cpu"), None, pp_group=None, pairs=True)
 
     a, b = "experts20", "experts12"  # 10 and 6 tokens, top-2
     forward = events[:events.index(b) + 3]

@@ -96,8 +96,8 @@ class ParallelConfig:
     grad_bucket_mb: float = 25.0
     ep_overlap: bool = False  # micro-batches in pairs, interleaved layer by layer, so one's expert all-to-alls are in
     #                           flight while the other computes (parallel/micro_batch_pairs.py); two micro-batches'
-    #                           activations alive at once; needs ep > 1 and data.grad_accum >= 2; not with pp > 1 or
-    #                           recompute/offload of 'norm'/'moe'/'layer'
+    #                           activations alive at once (per pipeline stage: pairs are the 1F1B schedule's units);
+    #                           needs ep > 1 and data.grad_accum >= 2; not with recompute/offload of 'norm'/'moe'/'layer'
 
 
 @dataclass
@@ -394,8 +394,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(p.ep > 1 and d.grad_accum >= 2,
                f"`parallel.ep_overlap` pairs micro-batches to hide the expert all-to-all: it needs `parallel.ep` > 1 "
                f"(got {p.ep}) and `data.grad_accum` >= 2 micro-batches per step (got {d.grad_accum})")
-        _check(p.pp == 1, f"`parallel.ep_overlap` interleaves two micro-batches' forwards, which the pipeline schedule "
-                          f"(`parallel.pp={p.pp}`) does not: set parallel.pp=1 or parallel.ep_overlap=false")
         # These wrap a MoE layer's or block's whole forward, which the interleaved (paused and resumed) forward bypasses.
         wrapped = [f"recompute {n!r}" for n in m.recompute if n in ("norm", "moe", "layer")] + [
             f"offload {n!r}" for n in m.offload if n in ("moe", "layer")]

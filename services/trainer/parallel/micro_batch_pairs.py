@@ -4,15 +4,18 @@ one micro-batch's expert all-to-all is in flight while the other one computes.
 With a, b the pair's micro-batches, each MoE layer's forward runs (services/trainer/model/stages.py pauses a forward
 right after it launches a transfer):
 
-    a: attention, router, permute, launch dispatch  ─┐ a's tokens travel
-    b: attention, router, permute, launch dispatch   │ b's tokens travel
-    a: land dispatch, experts, launch combine        │ a's outputs travel
-    b: land dispatch, experts, launch combine        │ b's outputs travel
-    a: land combine, next layer's attention, ...    ─┘
+    a: attention, router, permute, launch counts exchange
+    b: attention, router, permute, launch counts exchange    (a's host thread waits for a's counts while b's work runs)
+    a: launch dispatch                                  ─┐ a's tokens travel
+    b: launch dispatch                                   │ b's tokens travel
+    a: land dispatch, experts, launch combine            │ a's outputs travel
+    b: land dispatch, experts, launch combine            │ b's outputs travel
+    a: land combine, next layer's attention, ...        ─┘
 
-Backward starts once, from the sum of both losses; autograd runs the nodes newest first, which is the same
-interleaving mirrored: each gradient transfer is launched (`_Land.backward`) before the other micro-batch's backward
-work and waited for (`_Launch.backward`) after it.
+One backward runs for the pair (from both losses, or on an inner pipeline stage from both output gradients); autograd
+runs the nodes newest first, which is the same interleaving mirrored: each gradient transfer is launched
+(`_Land.backward`) before the other micro-batch's backward work and waited for (`_Launch.backward`) after it. Under
+pipeline parallelism the 1F1B schedule (`pipeline.one_f_one_b`) moves pairs as its units.
 
 The step is the same as without pairing: each micro-batch keeps its own routing, aux statistics and loss, and
 gradients are summed. The price is two micro-batches' activations alive at once. An odd last micro-batch runs alone.
@@ -27,7 +30,7 @@ from torch import nn
 
 from services.trainer.model.stages import interleave
 from services.trainer.parallel.context_parallel import bind_micro_batch
-from services.trainer.step import to_device
+from services.trainer.parallel.pipeline import UnitForward
 
 
 def backward_passes(num_micro_batches: int) -> int:
@@ -35,20 +38,17 @@ def backward_passes(num_micro_batches: int) -> int:
     return (num_micro_batches + 1) // 2
 
 
-def forward_backward_pairs(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], step_tokens: int,
-                           device: torch.device, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """`step.forward_backward` with the micro-batches taken two at a time (already CP-sharded); returns this rank's
-    summed token loss (detached, fp32)."""
-    total = torch.zeros((), device=device)
-    for i in range(0, len(micro_batches), 2):
-        pair = [to_device(mb, device) for mb in micro_batches[i:i + 2]]
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            forwards = [model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"),
-                              labels=mb["labels"], staged=True) for mb in pair]
-            # Context-parallel cores and routers read the micro-batch's layout from the module: rebind on every switch.
-            cp = any(mb.get("cp_layout") is not None for mb in pair)
-            losses = interleave(forwards, [partial(bind_micro_batch, model, mb) for mb in pair] if cp else None)
-        loss = sum(losses)
-        (loss / step_tokens).backward()
-        total += loss.detach()
-    return total
+def pair_forward(model_stage: nn.Module, micro_batches: list[dict], stage_forward, autocast) -> UnitForward:
+    """The pipeline schedule's forward of a unit of micro-batches (`pipeline.one_f_one_b`, unit size 2): each one's
+    `stage_forward(i, hidden, staged=True)` generator, advanced in turn (a lone last micro-batch simply runs alone)."""
+
+    def forward(unit: list[int], hiddens: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        with autocast():
+            # stage_forward binds its micro-batch's context-parallel layout when called; the modules read it while the
+            # forward runs, so every switch rebinds it (only when some micro-batch has one: it walks the modules).
+            forwards = [stage_forward(i, h, staged=True) for i, h in zip(unit, hiddens)]
+            cp = any(micro_batches[i].get("cp_layout") is not None for i in unit)
+            rebind = [partial(bind_micro_batch, model_stage, micro_batches[i]) for i in unit] if cp else None
+            return interleave(forwards, rebind)
+
+    return forward

@@ -23,7 +23,7 @@ from services.trainer.parallel.context_parallel import apply_context_parallel, s
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.expert_parallel import apply_expert_parallel
 from services.trainer.parallel.groups import ParallelGroups
-from services.trainer.parallel.micro_batch_pairs import backward_passes, forward_backward_pairs
+from services.trainer.parallel.micro_batch_pairs import backward_passes
 from services.trainer.parallel.pipeline import apply_pipeline, forward_backward_pipeline
 from services.trainer.parallel.tensor_parallel import apply_tensor_parallel
 from services.trainer.step import count_loss_tokens
@@ -78,12 +78,9 @@ def forward_backward_parallel(model: nn.Module, micro_batches: list[dict[str, to
     set_aux_loss_scale(model, 1.0 / max(num_micro, 1.0))
     if optimizer is not None:
         optimizer.begin_step(backward_passes(len(local)) if p.ep_overlap else len(local))
-    if p.ep_overlap:  # two micro-batches interleaved, one backward per pair (validated: no pipeline)
-        loss = forward_backward_pairs(model, local, max(step_tokens, 1), device, autocast_dtype)
-    else:
-        sp = groups.tp.size if p.sequence_parallel else 1
-        loss = forward_backward_pipeline(model, local, max(step_tokens, 1), device, autocast_dtype, groups.pp.group,
-                                         sp)
+    sp = groups.tp.size if p.sequence_parallel else 1
+    loss = forward_backward_pipeline(model, local, max(step_tokens, 1), device, autocast_dtype, groups.pp.group, sp,
+                                     pairs=p.ep_overlap)
     # The loss lives on the last stage, on every TP rank alike (vocab-parallel CE is complete after its all-reduces).
     loss = _all_reduce(loss.detach().float().reshape(1).clone(), groups.dp_cp, groups.pp)[0]
     return loss, step_tokens

@@ -118,100 +118,121 @@ class StageLink:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def recv_forward(self, i: int) -> torch.Tensor | None:
+    def buffers(self, unit: list[int]) -> list[torch.Tensor]:
+        return [self.buffer(i) for i in unit]
+
+    # Each call moves the tensors of one schedule unit (one micro-batch, or a pair under `parallel.ep_overlap`) in one
+    # exchange; both neighbours list a unit's micro-batches in the same order, so sends and receives match.
+
+    def recv_forward(self, unit: list[int]) -> list[torch.Tensor] | None:
         if self.first:
             return None
-        buf = self.buffer(i)
-        self.exchange([], [(buf, -1)])
-        return buf
+        bufs = self.buffers(unit)
+        self.exchange([], [(b, -1) for b in bufs])
+        return bufs
 
-    def send_forward(self, out: torch.Tensor | None) -> None:
+    def send_forward(self, outs: list[torch.Tensor] | None) -> None:
         if not self.last:
-            self.exchange([(out, +1)], [])
+            self.exchange([(o, +1) for o in outs], [])
 
-    def recv_backward(self, i: int) -> torch.Tensor | None:
+    def recv_backward(self, unit: list[int]) -> list[torch.Tensor] | None:
         if self.last:
             return None
-        buf = self.buffer(i)
-        self.exchange([], [(buf, +1)])
-        return buf
+        bufs = self.buffers(unit)
+        self.exchange([], [(b, +1) for b in bufs])
+        return bufs
 
-    def send_backward(self, grad: torch.Tensor | None) -> None:
+    def send_backward(self, grads: list[torch.Tensor | None]) -> None:
         if not self.first:
-            self.exchange([(grad, -1)], [])
+            self.exchange([(g, -1) for g in grads], [])
 
-    def send_forward_recv_backward(self, out: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    def send_forward_recv_backward(self, outs: list[torch.Tensor] | None, unit: list[int]) -> list[torch.Tensor] | None:
         if self.last:
             return None
-        buf = self.buffer(i)
-        self.exchange([(out, +1)], [(buf, +1)])
-        return buf
+        bufs = self.buffers(unit)
+        self.exchange([(o, +1) for o in outs], [(b, +1) for b in bufs])
+        return bufs
 
-    def send_backward_recv_forward(self, grad: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    def send_backward_recv_forward(self, grads: list[torch.Tensor | None], unit: list[int]) -> list[torch.Tensor] | None:
         if self.first:
             return None
-        buf = self.buffer(i)
-        self.exchange([(grad, -1)], [(buf, -1)])
-        return buf
+        bufs = self.buffers(unit)
+        self.exchange([(g, -1) for g in grads], [(b, -1) for b in bufs])
+        return bufs
 
 
 # ---------------------------------------------------------------- the 1F1B schedule
 
 
-class _StageRunner:
-    """Forward/backward of one micro-batch on this stage, keeping what backward needs until it runs."""
+# Several micro-batches' forward on this stage at once, interleaved (`micro_batch_pairs.pair_forward`): (indices,
+# their received hidden states or Nones) -> their outputs, as `StageForward` gives them one by one.
+UnitForward = Callable[[list[int], list[torch.Tensor | None]], list[torch.Tensor]]
 
-    def __init__(self, stage_forward: StageForward, link: StageLink, step_tokens: int):
-        self.stage_forward, self.link, self.step_tokens = stage_forward, link, step_tokens
+
+class _StageRunner:
+    """Forward/backward of one schedule unit (a micro-batch, or a pair) on this stage, keeping what backward needs."""
+
+    def __init__(self, unit_forward: UnitForward, link: StageLink, step_tokens: int):
+        self.unit_forward, self.link, self.step_tokens = unit_forward, link, step_tokens
         self.inputs: dict[int, torch.Tensor | None] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.loss = torch.zeros((), device=link.device)
 
-    def forward(self, i: int, hidden: torch.Tensor | None) -> torch.Tensor | None:
-        if hidden is not None:
-            hidden.requires_grad_(True)
-        out = self.stage_forward(i, hidden)
-        self.inputs[i] = hidden
-        if self.link.last:
-            loss_sum = out
-            self.loss += loss_sum.detach()
-            self.outputs[i] = loss_sum / self.step_tokens
-            return None
-        self.outputs[i] = out
-        return out.detach().contiguous()
+    def forward(self, unit: list[int], hiddens: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        hiddens = hiddens if hiddens is not None else [None] * len(unit)
+        for h in hiddens:
+            if h is not None:
+                h.requires_grad_(True)
+        outs = self.unit_forward(unit, hiddens)
+        for i, h, out in zip(unit, hiddens, outs, strict=True):
+            self.inputs[i] = h
+            if self.link.last:  # the micro-batch's summed loss
+                self.loss += out.detach()
+                self.outputs[i] = out / self.step_tokens
+            else:
+                self.outputs[i] = out
+        return None if self.link.last else [out.detach().contiguous() for out in outs]
 
-    def backward(self, i: int, grad: torch.Tensor | None) -> torch.Tensor | None:
-        out, hidden = self.outputs.pop(i), self.inputs.pop(i)
-        torch.autograd.backward(out, grad_tensors=grad)
-        return None if hidden is None else hidden.grad
+    def backward(self, unit: list[int], grads: list[torch.Tensor] | None) -> list[torch.Tensor | None]:
+        """One backward for the whole unit (so a pair's backward interleaves like its forward)."""
+        outs, hiddens = [self.outputs.pop(i) for i in unit], [self.inputs.pop(i) for i in unit]
+        torch.autograd.backward(outs, grad_tensors=grads)
+        return [None if h is None else h.grad for h in hiddens]
 
 
-def one_f_one_b(stage_forward: StageForward, link: StageLink, step_tokens: int) -> torch.Tensor:
+def one_f_one_b(stage_forward: StageForward, link: StageLink, step_tokens: int,
+                unit_forward: UnitForward | None = None, unit_size: int = 1) -> torch.Tensor:
     """Forward and backward of every micro-batch of `link.tokens` through the pipeline; `stage_forward` returns the
     micro-batch's summed loss on the last stage, which the schedule divides by `step_tokens` before its backward.
     Returns the summed loss on the last stage (zero elsewhere).
 
-    Stage s runs min(P-1-s, M) warm-up forwards, then alternates one forward with one backward, then drains the
-    backwards: at most P-s micro-batches' activations are alive on stage s, instead of M with all-forward-then-backward.
+    The schedule moves units of `unit_size` consecutive micro-batches (the last one may be shorter): with a
+    `unit_forward` that interleaves them (`parallel.ep_overlap`, unit_size 2), one backward per unit.
+    Stage s runs min(P-1-s, U) warm-up unit forwards, then alternates one forward with one backward, then drains the
+    backwards: at most P-s units' activations are alive on stage s, instead of all U with all-forward-then-backward.
     """
-    run = _StageRunner(stage_forward, link, step_tokens)
+    if unit_forward is None:
+        unit_forward = lambda unit, hiddens: [stage_forward(i, h) for i, h in zip(unit, hiddens)]  # noqa: E731
+    run = _StageRunner(unit_forward, link, step_tokens)
     M = len(link.tokens)
-    warmup = min(link.size - 1 - link.rank, M)
-    for i in range(warmup):
-        link.send_forward(run.forward(i, link.recv_forward(i)))
-    steady = M - warmup
-    hidden = link.recv_forward(warmup) if steady else None
+    units = [list(range(i, min(i + unit_size, M))) for i in range(0, M, unit_size)]
+    U = len(units)
+    warmup = min(link.size - 1 - link.rank, U)
+    for u in units[:warmup]:
+        link.send_forward(run.forward(u, link.recv_forward(u)))
+    steady = U - warmup
+    hiddens = link.recv_forward(units[warmup]) if steady else None
     for j in range(steady):
-        fwd, bwd = warmup + j, j
-        out = run.forward(fwd, hidden)
-        grad = link.send_forward_recv_backward(out, bwd)
-        grad_in = run.backward(bwd, grad)
+        fwd, bwd = units[warmup + j], units[j]
+        outs = run.forward(fwd, hiddens)
+        grads = link.send_forward_recv_backward(outs, bwd)
+        grads_in = run.backward(bwd, grads)
         if j == steady - 1:
-            link.send_backward(grad_in)
+            link.send_backward(grads_in)
         else:
-            hidden = link.send_backward_recv_forward(grad_in, fwd + 1)
-    for bwd in range(steady, M):
-        link.send_backward(run.backward(bwd, link.recv_backward(bwd)))
+            hiddens = link.send_backward_recv_forward(grads_in, units[warmup + j + 1])
+    for u in units[steady:]:
+        link.send_backward(run.backward(u, link.recv_backward(u)))
     return run.loss
 
 
@@ -222,11 +243,12 @@ def forward_only(stage_forward: StageForward, link: StageLink) -> list[torch.Ten
     outs: list[torch.Tensor | None] = []
     with torch.no_grad():
         for i in range(len(link.tokens)):
-            out = stage_forward(i, link.recv_forward(i))
+            received = link.recv_forward([i])
+            out = stage_forward(i, received[0] if received is not None else None)
             if link.last:
                 outs.append(out)
             else:
-                link.send_forward(out.contiguous())
+                link.send_forward([out.contiguous()])
                 outs.append(None)
     return outs
 
@@ -236,23 +258,36 @@ def forward_only(stage_forward: StageForward, link: StageLink) -> list[torch.Ten
 
 def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tensor]], step_tokens: int,
                               device: torch.device, autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None,
-                              sequence_parallel_size: int = 1) -> torch.Tensor:
+                              sequence_parallel_size: int = 1, pairs: bool = False) -> torch.Tensor:
     """`step.forward_backward` for a pipeline stage: 1F1B (`one_f_one_b`) over the micro-batches with the model's
     cross-entropy as the last stage's loss; returns the summed token loss on the last stage (zero elsewhere).
 
     Micro-batches must already be CP-sharded (`context_parallel.shard_micro_batch`); `sequence_parallel_size` is the TP
     size when sequence parallelism splits the hidden states along tokens (1 otherwise). With one stage (`pp_group`
-    None) this is plain gradient accumulation, so it also serves runs without pipeline parallelism.
+    None) this is plain gradient accumulation, so it also serves runs without pipeline parallelism. With `pairs`
+    (`parallel.ep_overlap`), micro-batches go through the schedule two at a time, interleaved
+    (services/trainer/parallel/micro_batch_pairs.py).
     """
+    from services.trainer.parallel.micro_batch_pairs import pair_forward
+
     mbs = [to_device(mb, device) for mb in micro_batches]
     link = StageLink.of(model_stage, [mb["tokens"].shape[0] for mb in mbs], device, pp_group, sequence_parallel_size)
 
-    def stage_forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+    def stage_forward(i: int, hidden: torch.Tensor | None, staged: bool = False):
         mb = mbs[i]
         bind_micro_batch(model_stage, mb)
         labels = mb["labels"] if link.last else None
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            return model_stage(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"),
-                               hidden=hidden, labels=labels)
+        return model_stage(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden,
+                           labels=labels, staged=staged)
 
-    return one_f_one_b(stage_forward, link, step_tokens)
+    def autocast():
+        return torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+
+    def one(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        with autocast():
+            return stage_forward(i, hidden)
+
+    if not pairs:
+        return one_f_one_b(one, link, step_tokens)
+    return one_f_one_b(one, link, step_tokens, unit_forward=pair_forward(model_stage, mbs, stage_forward, autocast),
+                       unit_size=2)
