@@ -24,13 +24,16 @@ gradients are summed. The price is two micro-batches' activations alive at once.
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from services.trainer.model.stages import interleave
 from services.trainer.parallel.context_parallel import bind_micro_batch
-from services.trainer.parallel.pipeline import UnitForward
+
+if TYPE_CHECKING:
+    from services.trainer.parallel.pipeline import UnitForward
 
 
 def backward_passes(num_micro_batches: int) -> int:

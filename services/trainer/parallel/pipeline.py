@@ -25,6 +25,7 @@ from torch import nn
 
 from services.trainer.parallel.context_parallel import bind_micro_batch
 from services.trainer.parallel.differentiable import group_rank, group_size
+from services.trainer.parallel.micro_batch_pairs import pair_forward
 from services.trainer.step import to_device
 
 ProcessGroup = dist.ProcessGroup
@@ -268,8 +269,6 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
     (`parallel.ep_overlap`), micro-batches go through the schedule two at a time, interleaved
     (services/trainer/parallel/micro_batch_pairs.py).
     """
-    from services.trainer.parallel.micro_batch_pairs import pair_forward
-
     mbs = [to_device(mb, device) for mb in micro_batches]
     link = StageLink.of(model_stage, [mb["tokens"].shape[0] for mb in mbs], device, pp_group, sequence_parallel_size)
 
@@ -283,11 +282,11 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
     def autocast():
         return torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
 
-    def one(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+    def micro_batch_forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
         with autocast():
             return stage_forward(i, hidden)
 
     if not pairs:
-        return one_f_one_b(one, link, step_tokens)
-    return one_f_one_b(one, link, step_tokens, unit_forward=pair_forward(model_stage, mbs, stage_forward, autocast),
-                       unit_size=2)
+        return one_f_one_b(micro_batch_forward, link, step_tokens)
+    return one_f_one_b(micro_batch_forward, link, step_tokens,
+                       unit_forward=pair_forward(model_stage, mbs, stage_forward, autocast), unit_size=2)
