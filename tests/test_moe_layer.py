@@ -159,3 +159,14 @@ def test_aux_free_bias_moves_load_toward_balance_on_skewed_input():
     after = imbalance()
     assert before > 3.0
     assert after < before / 2
+
+
+def test_router_scores_in_fp32_under_bf16_autocast():
+    """Routing is decided by small logit differences: autocast must not run the router's projection in bf16."""
+    layer = make_layer().float()
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    want = layer.router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer.router(x)
+    assert torch.equal(got.expert_ids, want.expert_ids)
+    torch.testing.assert_close(got.weights, want.weights, rtol=0, atol=0)

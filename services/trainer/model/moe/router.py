@@ -62,7 +62,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> Routing:
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run this linear in bf16
+            logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         if self.fused and self._fused_applies(logits):
             return self._forward_fused(logits)
         scores = torch.softmax(logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
