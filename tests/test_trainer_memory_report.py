@@ -13,7 +13,7 @@ CFG = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_expert
            ffn_hidden_size=48, first_k_dense=1)
 
 
-def report(recompute=()):
+def report(recompute=(), autocast=None):
     torch.manual_seed(0)
     model = MoETransformer(ModelConfig(**CFG))
     model.init_weights(0)
@@ -25,7 +25,7 @@ def report(recompute=()):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        forward_backward(model, [mb], 64, torch.device("cpu"), None)
+        forward_backward(model, [mb], 64, torch.device("cpu"), autocast)
         opt.step()
 
     return model, measure_step(model, opt, step, torch.device("cpu"))
@@ -48,3 +48,19 @@ def test_recompute_shrinks_only_the_activations():
     assert recomputed.activations < plain.activations / 2
     assert (recomputed.parameters, recomputed.gradients, recomputed.optimizer_state) == \
         (plain.parameters, plain.gradients, plain.optimizer_state)
+
+
+def test_bf16_casts_of_weights_are_parameter_copies_not_activations():
+    """Under bf16 autocast the projections keep bf16 copies of the fp32 weights for backward: those are counted as
+    parameter copies (each weight at most once, in bf16), and what is left as activations is what fp32 saves less
+    the weights' storage."""
+    model, fp32 = report()
+    _, bf16 = report(autocast=torch.bfloat16)
+    assert fp32.parameter_copies == 0  # fp32 GEMMs save the parameters themselves, which are not counted at all
+    # Every projection and expert weight, once, in bf16. Not: the embedding (a gather), the router (it scores in fp32),
+    # the output layer (the fused cross-entropy computes its gradients in forward and keeps no weight).
+    copied = [p for name, p in model.named_parameters() if p.ndim >= 2 and not name.startswith(("embed.", "output."))
+              and ".router." not in name]
+    assert bf16.parameter_copies == sum(2 * p.numel() for p in copied)
+    assert bf16.activations < fp32.activations  # bf16 activations, and the copies are not among them
+    assert "parameter copies" in bf16.table()

@@ -6,8 +6,12 @@
 Categories are counted from the tensors themselves (each storage once), not guessed from the allocator:
 - parameters, gradients and optimizer state: every storage behind `model.parameters()`, their `.grad`, and the tensors
   in `optimizer.state`, on `device`, after the step;
-- activations: every storage the step saved for backward on `device` (a saved-tensors hook around the step; parameters
-  excluded). All of them are alive together at the end of the forward pass, the usual peak. Tensors that a recompute
+- parameter copies: storages saved for backward that are casts of parameters (their autograd history is a dtype copy,
+  possibly re-viewed, of a parameter): under autocast or the experts' explicit cast, the bf16 copies of fp32 weights
+  that the GEMMs keep for their backward. They scale with the parameters, not with the tokens, so they are not
+  counted as activations (for 128 experts they are most of what a step saves);
+- activations: every other storage the step saved for backward on `device` (a saved-tensors hook around the step;
+  parameters excluded). All of them are alive together at the end of the forward pass, the usual peak. Tensors that a recompute
   or offload region keeps elsewhere never reach this hook, which is the point of those policies. With several
   micro-batches per step, storages are told apart by address, so a later micro-batch's activations, allocated where
   an earlier one's were freed, count once: roughly one micro-batch's worth, an estimate rather than an exact figure.
@@ -51,7 +55,8 @@ class MemoryReport:
     parameters: int
     gradients: int
     optimizer_state: int
-    activations: int
+    parameter_copies: int  # casts of parameters saved for backward (bf16 copies of fp32 weights)
+    activations: int  # everything else saved for backward
     at_backward: int | None  # allocated when backward started (CUDA only)
     grads_at_backward: int  # gradient bytes already there then (earlier micro-batches; 0 with set_to_none)
     peak: int | None  # allocator high-water mark over the step (CUDA only)
@@ -60,11 +65,12 @@ class MemoryReport:
     def other(self) -> int | None:
         if self.at_backward is None:
             return None
-        return (self.at_backward - self.parameters - self.optimizer_state - self.activations
-                - self.grads_at_backward)
+        return (self.at_backward - self.parameters - self.optimizer_state - self.parameter_copies
+                - self.activations - self.grads_at_backward)
 
     def rows(self) -> list[tuple[str, int | None]]:
         return [("parameters", self.parameters), ("optimizer state", self.optimizer_state),
+                ("parameter copies (saved for backward)", self.parameter_copies),
                 ("activations (saved for backward)", self.activations),
                 ("other at backward start", self.other),
                 ("allocated at backward start", self.at_backward),
@@ -82,18 +88,45 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+# Autograd nodes that pass one input through as a copy or a view: a saved tensor reached from a parameter through only
+# these is that parameter in another dtype or shape.
+_COPY_OR_VIEW = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                 "UnsafeViewBackward0", "AliasBackward0", "SliceBackward0", "SelectBackward0", "ExpandBackward0",
+                 "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ReshapeAliasBackward0"}
+
+
+def _is_parameter_copy(t: torch.Tensor, params: set[int]) -> bool:
+    """True when `t` is a dtype copy (or a view of one) of a parameter, going by its autograd history."""
+    node, copied = t.grad_fn, False
+    for _ in range(8):  # a cast and a few views; anything longer was computed, not copied
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return copied and id(node.variable) in params
+        if name not in _COPY_OR_VIEW or len(node.next_functions) == 0:
+            return False
+        copied = copied or name == "ToCopyBackward0"
+        node = node.next_functions[0][0]
+    return False
+
+
 def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], device: torch.device) -> MemoryReport:
     """Run `step()` (forward, backward and optimizer step) once and report its memory by category on `device`."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}  # storage address -> bytes; no references, so nothing lives longer than it would
+    param_ids = {id(p) for p in model.parameters()}
+    # storage address -> bytes; no references, so nothing lives longer than it would
+    saved: dict[int, int] = {}
+    copies: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if t.device == device and storage.data_ptr() not in param_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
+            into = copies if _is_parameter_copy(t, param_ids) else saved
+            into[storage.data_ptr()] = storage.nbytes()
         return t
 
     on_cuda = device.type == "cuda"
@@ -111,11 +144,11 @@ def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], 
         torch.cuda.reset_peak_memory_stats(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         step()
-    activations = sum(saved.values())
+    activations = sum(n for ptr, n in saved.items() if ptr not in copies)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     allocated, grads_then = at_backward[0] if at_backward else (0, 0)
     return MemoryReport(parameters=_storage_bytes(params, device),
                         gradients=_storage_bytes((p.grad for p in params), device),
                         optimizer_state=_storage_bytes(_optimizer_tensors(optimizer), device),
-                        activations=activations, at_backward=allocated if on_cuda else None,
+                        parameter_copies=sum(copies.values()), activations=activations, at_backward=allocated if on_cuda else None,
                         grads_at_backward=grads_then, peak=peak)
