@@ -205,6 +205,19 @@ class _PermuteFunction(torch.autograd.Function):
         return grad_hidden, None, grad_probs
 
 
+def permute_rows_again(hidden: torch.Tensor, row_id_map: torch.Tensor) -> torch.Tensor:
+    """The `permuted` rows of an earlier `permute` whose `row_id_map` is given: its data pass alone, no autograd (to
+    rebuild a dispatch in backward rather than keep it, `model.recompute: [moe_dispatch]`)."""
+    with torch.no_grad():
+        if use_triton(hidden):
+            return scatter_rows(hidden.contiguous(), row_id_map)[0]
+        T, k = row_id_map.shape
+        rows, routed = _slot_rows(row_id_map)
+        token = torch.arange(T * k, device=hidden.device) // k
+        copies = hidden.index_select(0, token) * routed.unsqueeze(1).to(hidden.dtype)  # as permute_reference
+        return torch.empty_like(copies).index_copy_(0, rows, copies)
+
+
 def permute(hidden: torch.Tensor, indices: torch.Tensor, num_experts: int,
             probs: torch.Tensor | None = None) -> Permutation:
     """Group token copies by expert (see the module docstring). Triton on CUDA, the torch reference on CPU."""

@@ -146,3 +146,28 @@ def test_bad_arguments_name_the_problem():
         permute(torch.randn(4, 3), torch.zeros(5, 2, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="integer expert indices"):
         permute(torch.randn(4, 3), torch.zeros(4, 2), 3)
+
+
+def test_permute_rows_again_rebuilds_the_permuted_rows_from_the_row_map():
+    """What `model.recompute: [moe_dispatch]` runs in backward: the data pass alone gives the same rows."""
+    from kernels.permute import permute, permute_rows_again
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(20, 16, generator=gen).to(DEVICE)
+    indices = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(20)]).to(DEVICE)
+    indices[::4, 1] = -1  # dropped copies: zero rows in the tail
+    perm = permute(hidden, indices, 6)
+    again = permute_rows_again(hidden, perm.row_id_map)
+    assert torch.equal(again, perm.permuted)
+
+
+def test_permute_rows_again_reference_path_matches_permute_reference(monkeypatch):
+    from kernels.permute import permute_reference, permute_rows_again
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU reference path, not the interpreter
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(12, 8, generator=gen)
+    indices = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(12)])
+    indices[::3, 0] = -1
+    perm = permute_reference(hidden, indices, 5)
+    assert torch.equal(permute_rows_again(hidden, perm.row_id_map), perm.permuted)

@@ -29,7 +29,8 @@ def batch():
 
 def train_step(model):
     """(loss, gradients by name, bytes of distinct storages saved for backward, router load)."""
-    tokens, position_ids, cu_seqlens = batch()
+    device = next(model.parameters()).device
+    tokens, position_ids, cu_seqlens = (t.to(device) for t in batch())
     storages: dict[int, int] = {}
 
     def pack(t):
@@ -59,8 +60,8 @@ def assert_same_step(got, want):
     assert torch.equal(got[3], want[3]), "the router load must be counted once per step, recompute or not"
 
 
-@pytest.mark.parametrize("recompute", [["norm"], ["attn_core"], ["moe_act"], ["moe"], ["layer"],
-                                       ["norm", "attn_core", "moe_act"]])
+@pytest.mark.parametrize("recompute", [["norm"], ["attn_core"], ["moe_act"], ["moe_dispatch"], ["moe"], ["layer"],
+                                       ["norm", "attn_core", "moe_act"], ["moe_dispatch", "moe_act"]])
 def test_recompute_keeps_gradients_and_shrinks_saved_activations(recompute):
     plain, policy = models(recompute=recompute)
     want, got = train_step(plain), train_step(policy)
@@ -94,6 +95,39 @@ def test_the_policy_applies_to_the_listed_layers_only(key):
     assert_same_step(got, want)
     assert all_layers[2] < got[2] < want[2], (all_layers[2], got[2], want[2])
     assert ["forward" in vars(block.mlp) for block in one.layers.values()] == [False, True, False]  # wrapped: layer 1
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
+def test_recomputed_dispatch_is_the_dispatch_and_frees_its_rows(capacity_factor):
+    """`moe_dispatch`: the experts' first GEMM keeps no [T·k, h] rows (only the [T, h] input stays), the rows are
+    permuted again once in backward, and every gradient is the plain layer's; dropless and with dropped copies."""
+    plain = MoETransformer(ModelConfig(**{**CFG, "capacity_factor": capacity_factor}))
+    plain.init_weights(0)
+    policy = apply_memory_policy(copy.deepcopy(plain), ["moe_dispatch"], [])
+    moe = policy.moe_layers()[0]
+    rows, redispatched = [], []
+    original_experts, original_redispatch = moe.experts.forward, moe.dispatcher.redispatch
+    moe.experts.forward = lambda x, *a: rows.append(x) or original_experts(x, *a)
+    moe.dispatcher.redispatch = lambda *a: redispatched.append(original_redispatch(*a)) or redispatched[-1]
+    want, got = train_step(plain), train_step(policy)
+    assert_same_step(got, want)
+    assert len(redispatched) == 1 and torch.equal(redispatched[0], rows[0].detach())
+    saved_plain, saved_policy = want[2], got[2]
+    assert saved_plain - saved_policy >= rows[0].untyped_storage().nbytes(), (saved_plain, saved_policy)
+
+
+def test_recomputed_dispatch_on_the_triton_kernels_keeps_the_gradients(monkeypatch):
+    """The same with the fused permutation and activation (on the GPU, or Triton's CPU interpreter): the rows are
+    rebuilt from the kernel's row map."""
+    from kernels_interpreter import DEVICE, ON_CUDA
+
+    if not ON_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    plain, policy = (m.to(DEVICE) for m in models(recompute=["moe_dispatch", "moe_act"]))
+    assert "permutation" in plain.cfg.moe_kernels
+    want, got = train_step(plain), train_step(policy)
+    assert_same_step(got, want)
+    assert got[2] < want[2]
 
 
 def test_a_discarded_output_is_rebuilt_once_for_all_its_consumers_in_backward():
@@ -136,6 +170,9 @@ def test_in_recompute_is_true_only_while_backward_reruns_a_checkpointed_forward(
     ("model.offload=[norm]", "unknown entries"),
     ("model.recompute=[layer,norm]", "already recomputes"),
     ("model.recompute=[moe,moe_act]", "already recomputes"),
+    ("model.recompute=[moe,moe_dispatch]", "already recomputes"),
+    ("model.recompute=[moe_dispatch] parallel.ep=2", "move them between ranks"),
+    ("model.recompute=[moe_dispatch] parallel.etp=2", "move them between ranks"),
     ("model.moe_kernels=[gemm]", "unknown entries"),
     ("model.recompute=[moe] model.recompute_layers=[0,9]", r"names layers \[9\], outside 0..3"),
     ("model.offload=[attn] model.offload_layers=[1,1]", "lists a layer twice"),

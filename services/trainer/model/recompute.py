@@ -11,11 +11,14 @@ Two ways to recompute, by what a module's output is used for:
 - whole modules ("attn_core", "moe", "layer"): `torch.utils.checkpoint` (non-reentrant). Only the inputs are kept; the
   forward runs again in backward. Side effects that must happen once per step (the router's load count) ask
   `in_recompute()`.
-- cheap element-wise modules whose *output* is what costs memory ("norm", "moe_act"): checkpointing them alone saves
+- cheap modules whose *output* is what costs memory ("norm", "moe_act", "moe_dispatch"): checkpointing them alone saves
   nothing, because the next op (a projection) keeps that output for its own backward. So the output is also *discarded
   from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved tensor that
   is (a view of) y is stored as a recipe and recomputed, once, when backward first needs it. This is what
-  memory-efficient SwiGLU does for the [T·k, f] expert activation. Under autocast with fp32 parameters the projections
+  memory-efficient SwiGLU does for the [T·k, f] expert activation, and "moe_dispatch" for the [T·k, h] dispatched rows
+  that the experts' first GEMM would keep (permuted again from the [T, h] layer input: k times fewer bytes kept for
+  one more permutation pass in backward; the local dispatch only, since under EP it would repeat the all-to-all).
+  Under autocast with fp32 parameters the projections
   save their own bf16 casts of a norm output, so "norm" frees little there; it pays when compute runs in the
   parameters' dtype.
 
@@ -105,9 +108,9 @@ def discard_output(y: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> to
         raise ValueError("discard_output needs a contiguous output (its recomputation is re-viewed by offset)")
     key = y.untyped_storage().data_ptr()
 
-    def forget(ref: weakref.ref) -> None:
-        if _DISCARDED.get(key, (None,))[0] is ref:
-            del _DISCARDED[key]
+    def forget(ref: weakref.ref, table: dict = _DISCARDED) -> None:  # bound now: at exit the global may be gone
+        if table.get(key, (None,))[0] is ref:
+            del table[key]
 
     _DISCARDED[key] = (weakref.ref(y, forget), _Recipe(recompute, y.device.type))
     return y
@@ -190,6 +193,12 @@ def apply_memory_policy(model: nn.Module, recompute: list[str], offload: list[st
             block.attn.core = checkpointed(block.attn.core)
         if isinstance(block.mlp, MoELayer):
             block.mlp.experts.recompute_activation = "moe_act" in rec
+            block.mlp.recompute_dispatch = "moe_dispatch" in rec
+            if block.mlp.recompute_dispatch and not hasattr(block.mlp.dispatcher, "redispatch"):
+                raise ValueError(f"recompute 'moe_dispatch' needs a dispatch that can be redone locally; layer "
+                                 f"{layer}'s {type(block.mlp.dispatcher).__name__} moves tokens between ranks "
+                                 "(parallel.ep or etp > 1), which would repeat its all-to-all in backward; use 'moe' "
+                                 "instead")
             if "moe" in rec:
                 block.mlp.forward = checkpointed(block.mlp.forward)
         if "norm" in rec:  # the norms' consumers: drop their copies of the norm outputs

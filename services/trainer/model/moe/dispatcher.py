@@ -86,6 +86,17 @@ class LocalDispatcher:
         token_idx, num_tokens = dispatched.state
         return unpermute(expert_out, token_idx, num_tokens)
 
+    def redispatch(self, hidden: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """`dispatched.hidden` again, from the same input (`model.recompute: [moe_dispatch]` rebuilds the rows in
+        backward instead of keeping them): the same rows in the same layout, without autograd."""
+        with torch.no_grad():
+            if isinstance(dispatched.state, _FusedState):
+                from kernels.permute import permute_rows_again
+
+                return permute_rows_again(hidden, dispatched.state.row_id_map)
+            token_idx, _ = dispatched.state
+            return hidden[token_idx]
+
     def _dispatch_fused(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
         from kernels.permute import permute as permute_rows
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from services.common.config import ModelConfig
+from services.trainer.model import recompute
 from services.trainer.model.mlp import SwiGLUMLP
 from services.trainer.model.moe.dispatcher import LocalDispatcher
 from services.trainer.model.moe.experts import GroupedExperts
@@ -47,6 +48,9 @@ class MoELayer(nn.Module):
         # Replaced by an EP dispatcher when parallelized.
         self.dispatcher = LocalDispatcher(cfg.num_experts, fused="permutation" in cfg.moe_kernels)
         self.aux_loss_scale = 1.0  # the training loop sets 1/num_micro_batches so aux gradients average like the loss
+        # `model.recompute: [moe_dispatch]` (set by recompute.apply_memory_policy): the experts' first GEMM does not
+        # keep the dispatched [T·k, h] rows for backward; they are permuted again from the [T, h] input when needed.
+        self.recompute_dispatch = False
         self.last_aux_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, staged: bool = False):
@@ -62,8 +66,9 @@ class MoELayer(nn.Module):
         # The shared expert runs while the dispatch's all-to-all is in flight (forward and backward; EP only).
         shared: list[torch.Tensor] = []
         run_shared = (lambda: shared.append(self.shared_expert(x))) if self.shared_expert is not None else None
-        dispatched = yield from _staged(self.dispatcher, "dispatch", _compute_dtype(x), routing, in_flight=run_shared)
-        expert_out = self.experts(dispatched.hidden, dispatched.tokens_per_expert, dispatched.weights)
+        hidden = _compute_dtype(x)
+        dispatched = yield from _staged(self.dispatcher, "dispatch", hidden, routing, in_flight=run_shared)
+        expert_out = self._experts(hidden, dispatched)
         out = (yield from _staged(self.dispatcher, "combine", expert_out, dispatched)).to(x.dtype)
         if shared:
             out = out + shared[0]
@@ -71,6 +76,17 @@ class MoELayer(nn.Module):
         if routing.aux_loss.requires_grad:
             out = AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
         return out
+
+
+    def _experts(self, hidden: torch.Tensor, dispatched) -> torch.Tensor:
+        run = lambda: self.experts(dispatched.hidden, dispatched.tokens_per_expert, dispatched.weights)  # noqa: E731
+        if not (self.recompute_dispatch and torch.is_grad_enabled()):
+            return run()
+        # k copies of each token are kept as the recipe's one [T, h] input (which the layer keeps anyway, or nearly:
+        # the router and the norm keep x, this is its compute-dtype copy).
+        recompute.discard_output(dispatched.hidden, lambda: self.dispatcher.redispatch(hidden, dispatched))
+        with recompute.dropping_discarded():
+            return run()
 
 
 def _staged(dispatcher, method: str, *args, **kwargs) -> Stages:
