@@ -6,6 +6,8 @@ recomputed or offloaded region keeps elsewhere never reach those hooks, which is
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -107,13 +109,21 @@ def test_recomputed_dispatch_is_the_dispatch_and_frees_its_rows(capacity_factor)
     moe = policy.moe_layers()[0]
     rows, redispatched = [], []
     original_experts, original_redispatch = moe.experts.forward, moe.dispatcher.redispatch
-    moe.experts.forward = lambda x, *a: rows.append(x) or original_experts(x, *a)
+    moe.experts.forward = lambda x, *a: rows.append((weakref.ref(x), x.detach().clone())) or original_experts(x, *a)
     moe.dispatcher.redispatch = lambda *a: redispatched.append(original_redispatch(*a)) or redispatched[-1]
     want, got = train_step(plain), train_step(policy)
     assert_same_step(got, want)
-    assert len(redispatched) == 1 and torch.equal(redispatched[0], rows[0].detach())
+    (alive, dispatched), = rows
+    assert len(redispatched) == 1 and torch.equal(redispatched[0], dispatched)
     saved_plain, saved_policy = want[2], got[2]
-    assert saved_plain - saved_policy >= rows[0].untyped_storage().nbytes(), (saved_plain, saved_policy)
+    assert saved_plain - saved_policy >= dispatched.untyped_storage().nbytes(), (saved_plain, saved_policy)
+    # Freed, not just hidden from the saved-tensor count: nothing holds the rows between forward and backward.
+    rows.clear()
+    tokens, position_ids, cu_seqlens = batch()
+    logits = policy(tokens, position_ids, cu_seqlens)
+    gc.collect()
+    assert rows[0][0]() is None, "the dispatched rows outlived the forward pass"
+    logits.sum().backward()
 
 
 def test_recomputed_dispatch_on_the_triton_kernels_keeps_the_gradients(monkeypatch):

@@ -86,15 +86,15 @@ class LocalDispatcher:
         token_idx, num_tokens = dispatched.state
         return unpermute(expert_out, token_idx, num_tokens)
 
-    def redispatch(self, hidden: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        """`dispatched.hidden` again, from the same input (`model.recompute: [moe_dispatch]` rebuilds the rows in
-        backward instead of keeping them): the same rows in the same layout, without autograd."""
+    def redispatch(self, hidden: torch.Tensor, state: object) -> torch.Tensor:
+        """The rows of the dispatch whose `Dispatched.state` is given, again, from the same input, without autograd
+        (`model.recompute: [moe_dispatch]` rebuilds them in backward instead of keeping them)."""
         with torch.no_grad():
-            if isinstance(dispatched.state, _FusedState):
+            if isinstance(state, _FusedState):
                 from kernels.permute import permute_rows_again
 
-                return permute_rows_again(hidden, dispatched.state.row_id_map)
-            token_idx, _ = dispatched.state
+                return permute_rows_again(hidden, state.row_id_map)
+            token_idx, _ = state
             return hidden[token_idx]
 
     def _dispatch_fused(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:

@@ -84,7 +84,8 @@ class MoELayer(nn.Module):
             return run()
         # k copies of each token are kept as the recipe's one [T, h] input (which the layer keeps anyway, or nearly:
         # the router and the norm keep x, this is its compute-dtype copy).
-        recompute.discard_output(dispatched.hidden, lambda: self.dispatcher.redispatch(hidden, dispatched))
+        state = dispatched.state  # the recipe must not hold `dispatched`, which holds the rows it frees
+        recompute.discard_output(dispatched.hidden, lambda: self.dispatcher.redispatch(hidden, state))
         with recompute.dropping_discarded():
             return run()
 
