@@ -80,10 +80,14 @@ def peer_block(name: str, m: ModelConfig, ours: MoELayer, implementation: str, d
     return block.to(device, dtype)
 
 
-def time_fwd_bwd(fn, x: torch.Tensor, grad: torch.Tensor, iters: int, device) -> tuple[float, torch.Tensor]:
-    """Median ms of forward + backward; returns it and the output of the last run."""
+def time_fwd_bwd(fn, module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: int,
+                 device) -> tuple[float, torch.Tensor]:
+    """Median ms of forward + backward; returns it and the output of the last run. The weights' gradients are dropped
+    before each run, as a training step's `zero_grad(set_to_none=True)` does: otherwise backward would add into the
+    previous run's (an extra pass over every expert weight's gradient, 1.2 ms at the Qwen3 shape on an H100)."""
     times = []
     for i in range(iters + 2):
+        module.zero_grad(set_to_none=True)
         xi = x.detach().requires_grad_(True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -103,6 +107,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["qwen3_30b_a3b", "mixtral_8x7b"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, for a run without a GPU")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="also print the ROWS kernels with the most device time in foldmoe's layer (torch.profiler)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -120,19 +126,20 @@ def main() -> None:
         grad = torch.randn_like(x)
         flops = 18 * tokens * m.top_k * m.hidden_size * m.moe_ffn_hidden_size
         ours = foldmoe_layer(m, ModelConfig().moe_kernels, device, dtype)
-        rows = [("foldmoe MoELayer (kernels)", ours),
-                ("foldmoe MoELayer (torch ops)", foldmoe_layer(m, [], device, dtype))]
-        rows[1][1].load_state_dict(ours.state_dict())
+        torch_ops = foldmoe_layer(m, [], device, dtype)
+        torch_ops.load_state_dict(ours.state_dict())
+        rows = [("foldmoe MoELayer (kernels)", ours, ours), ("foldmoe MoELayer (torch ops)", torch_ops, torch_ops)]
         for impl in ("grouped_mm", "eager"):
             block = peer_block(shape, m, ours, impl, device, dtype)
             if block is None:
                 print(f"{shape:<14} transformers is not installed: peer rows skipped")
                 break
             label = "per-expert loop" if impl == "eager" else impl
-            rows.append((f"transformers block ({label})", lambda t, b=block: b(t[None])[0]))
+            rows.append((f"transformers block ({label})", lambda t, b=block: b(t[None])[0], block))
         results, reference = [], None
-        for label, fn in rows:
-            ms, out = time_fwd_bwd(fn, x, grad, args.iters if "loop" not in label else max(2, args.iters // 3), device)
+        for label, fn, module in rows:
+            iters = args.iters if "loop" not in label else max(2, args.iters // 3)
+            ms, out = time_fwd_bwd(fn, module, x, grad, iters, device)
             if reference is None:
                 reference = out.float()
             err = float((out.float() - reference).norm() / reference.norm().clamp_min(1e-12))
@@ -140,6 +147,14 @@ def main() -> None:
             del out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if args.profile and device.type == "cuda":
+            from bench_train_step import print_profile  # bench/ is this script's directory
+
+            def fwd_bwd(layer=ours):
+                layer.zero_grad(set_to_none=True)
+                layer(x.detach().requires_grad_(True)).backward(grad)
+
+            print_profile(f"{shape} foldmoe MoELayer (kernels), one forward+backward", fwd_bwd, args.profile)
         hf = next((ms for label, ms, _ in results if "grouped_mm" in label), None)
         for label, ms, err in results:
             rate = flops / ms / 1e9
