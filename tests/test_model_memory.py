@@ -62,8 +62,9 @@ def assert_same_step(got, want):
     assert torch.equal(got[3], want[3]), "the router load must be counted once per step, recompute or not"
 
 
-@pytest.mark.parametrize("recompute", [["norm"], ["attn_core"], ["moe_act"], ["moe_dispatch"], ["moe"], ["layer"],
-                                       ["norm", "attn_core", "moe_act"], ["moe_dispatch", "moe_act"]])
+@pytest.mark.parametrize("recompute", [["norm"], ["attn_core"], ["moe_act"], ["moe_fc1"], ["moe_dispatch"], ["moe"],
+                                       ["layer"], ["norm", "attn_core", "moe_act"], ["moe_dispatch", "moe_act"],
+                                       ["moe_fc1", "moe_act"], ["moe_dispatch", "moe_fc1", "moe_act"]])
 def test_recompute_keeps_gradients_and_shrinks_saved_activations(recompute):
     plain, policy = models(recompute=recompute)
     want, got = train_step(plain), train_step(policy)
@@ -126,6 +127,27 @@ def test_recomputed_dispatch_is_the_dispatch_and_frees_its_rows(capacity_factor)
     logits.sum().backward()
 
 
+@pytest.mark.parametrize("recompute", [["moe_fc1"], ["moe_dispatch", "moe_fc1"]])
+def test_recomputed_gate_up_rows_are_freed_between_forward_and_backward(recompute):
+    """`moe_fc1`: the activation's [T·k, 2f] input is not kept (the first grouped GEMM runs again in backward), also
+    when it is rebuilt from rows the dispatch discarded too; gradients equal the plain model's."""
+    plain, policy = models(recompute=recompute)
+    want, got = train_step(plain), train_step(policy)
+    assert_same_step(got, want)
+    assert got[2] < train_step(models(recompute=[r for r in recompute if r != "moe_fc1"])[1])[2]
+    experts = policy.moe_layers()[0].experts
+    seen, rows, original, original_forward = [], [], experts._activation, experts.forward
+    experts._activation = lambda h13, w: seen.append(weakref.ref(h13)) or original(h13, w)
+    experts.forward = lambda x, *a: rows.append(weakref.ref(x)) or original_forward(x, *a)
+    tokens, position_ids, cu_seqlens = batch()
+    logits = policy(tokens, position_ids, cu_seqlens)
+    gc.collect()
+    assert all(ref() is None for ref in seen), "the gate/up rows outlived the forward pass"
+    # The rebuilt gate/up rows come from rebuilt dispatched rows, not from the dispatched rows kept alive.
+    assert (rows[0]() is None) == ("moe_dispatch" in recompute)
+    logits.sum().backward()
+
+
 def test_recomputed_dispatch_on_the_triton_kernels_keeps_the_gradients(monkeypatch):
     """The same with the fused permutation and activation (on the GPU, or Triton's CPU interpreter): the rows are
     rebuilt from the kernel's row map."""
@@ -133,11 +155,19 @@ def test_recomputed_dispatch_on_the_triton_kernels_keeps_the_gradients(monkeypat
 
     if not ON_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    plain, policy = (m.to(DEVICE) for m in models(recompute=["moe_dispatch", "moe_act"]))
-    assert "permutation" in plain.cfg.moe_kernels
+    plain, policy = (m.to(DEVICE) for m in models(recompute=["moe_dispatch", "moe_fc1", "moe_act"]))
+    assert "permutation" in plain.cfg.moe_kernels and "activation" in plain.cfg.moe_kernels
     want, got = train_step(plain), train_step(policy)
     assert_same_step(got, want)
     assert got[2] < want[2]
+    experts = policy.moe_layers()[0].experts
+    seen, original = [], experts._activation
+    experts._activation = lambda h13, w: seen.append(weakref.ref(h13)) or original(h13, w)
+    tokens, position_ids, cu_seqlens = (t.to(DEVICE) for t in batch())
+    logits = policy(tokens, position_ids, cu_seqlens)
+    gc.collect()
+    assert seen and all(ref() is None for ref in seen), "the gate/up rows outlived the forward pass"
+    logits.sum().backward()
 
 
 def test_a_discarded_output_is_rebuilt_once_for_all_its_consumers_in_backward():
@@ -181,6 +211,7 @@ def test_in_recompute_is_true_only_while_backward_reruns_a_checkpointed_forward(
     ("model.recompute=[layer,norm]", "already recomputes"),
     ("model.recompute=[moe,moe_act]", "already recomputes"),
     ("model.recompute=[moe,moe_dispatch]", "already recomputes"),
+    ("model.recompute=[layer,moe_fc1]", "already recomputes"),
     ("model.recompute=[moe_dispatch] parallel.ep=2", "move them between ranks"),
     ("model.recompute=[moe_dispatch] parallel.etp=2", "move them between ranks"),
     ("model.moe_kernels=[gemm]", "unknown entries"),

@@ -65,8 +65,9 @@ class ModelConfig:
     # parallel.etp rank) to be multiples of 16.
     fp8: Literal["", "tensorwise", "blockwise"] = ""
     # Activation memory (services/trainer/model/recompute.py). Recompute in backward instead of keeping: "norm",
-    # "attn_core", "moe_act" (expert activation), "moe_dispatch" (the experts' dispatched rows, permuted again from the
-    # layer input; not with parallel.ep or etp > 1), "moe" (whole MoE layer), "layer" (whole decoder block).
+    # "attn_core", "moe_act" (expert activation), "moe_fc1" (the experts' gate/up GEMM output, by a second GEMM),
+    # "moe_dispatch" (the experts' dispatched rows, permuted again from the layer input; not with parallel.ep or
+    # etp > 1), "moe" (whole MoE layer), "layer" (whole decoder block).
     recompute: list[str] = field(default_factory=list)
     # Keep these modules' saved activations in pinned host memory until backward: "attn", "moe", "layer".
     offload: list[str] = field(default_factory=list)
@@ -355,7 +356,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(m.capacity_factor >= 0, f"`model.capacity_factor` must be >= 0, got {m.capacity_factor}")
     _check_choices("model.moe_kernels", m.moe_kernels,
                    ("permutation", "activation", "router", "cross_entropy"))
-    _check_choices("model.recompute", m.recompute, ("norm", "attn_core", "moe_act", "moe_dispatch", "moe", "layer"))
+    _check_choices("model.recompute", m.recompute,
+                   ("norm", "attn_core", "moe_act", "moe_fc1", "moe_dispatch", "moe", "layer"))
     _check("moe_dispatch" not in m.recompute or p.ep * p.etp == 1,
            f"`model.recompute` has 'moe_dispatch', which rebuilds the dispatched rows locally, but `parallel.ep={p.ep}`, "
            f"`parallel.etp={p.etp}` move them between ranks (it would repeat the all-to-all in backward); use 'moe' "
@@ -367,8 +369,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                "change the sizes or set model.fp8=''")
         _check_fp8_dense_widths(m, p.tp)
     _check_choices("model.offload", m.offload, ("attn", "moe", "layer"))
-    for outer, inner in (("layer", ("norm", "attn_core", "moe_act", "moe_dispatch", "moe")),
-                         ("moe", ("moe_act", "moe_dispatch"))):
+    for outer, inner in (("layer", ("norm", "attn_core", "moe_act", "moe_fc1", "moe_dispatch", "moe")),
+                         ("moe", ("moe_act", "moe_fc1", "moe_dispatch"))):
         redundant = [name for name in inner if outer in m.recompute and name in m.recompute]
         _check(not redundant, f"`model.recompute` has {outer!r}, which already recomputes {redundant}: drop them")
     for key, ids, policy in (("recompute", m.recompute_layers, m.recompute), ("offload", m.offload_layers, m.offload)):

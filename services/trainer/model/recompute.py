@@ -11,14 +11,17 @@ Two ways to recompute, by what a module's output is used for:
 - whole modules ("attn_core", "moe", "layer"): `torch.utils.checkpoint` (non-reentrant). Only the inputs are kept; the
   forward runs again in backward. Side effects that must happen once per step (the router's load count) ask
   `in_recompute()`.
-- cheap modules whose *output* is what costs memory ("norm", "moe_act", "moe_dispatch"): checkpointing them alone saves
+- modules whose *output* is what costs memory ("norm", "moe_act", "moe_fc1", "moe_dispatch"): checkpointing them alone saves
   nothing, because the next op (a projection) keeps that output for its own backward. So the output is also *discarded
   from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved tensor that
   is (a view of) y is stored as a recipe and recomputed, once, when backward first needs it. This is what
-  memory-efficient SwiGLU does for the [T·k, f] expert activation, and "moe_dispatch" for the [T·k, h] dispatched rows
+  memory-efficient SwiGLU does for the [T·k, f] expert activation, "moe_fc1" for the [T·k, 2f] output of the experts'
+  first GEMM (one more grouped GEMM in backward, on the bf16 weight copy the GEMM keeps anyway), and "moe_dispatch"
+  for the [T·k, h] dispatched rows
   that the experts' first GEMM would keep (permuted again from the [T, h] layer input: k times fewer bytes kept for
   one more permutation pass in backward; the local dispatch only, since under EP it would repeat the all-to-all).
-  Under autocast with fp32 parameters the projections
+  Recipes that need another discarded output get it through `rebuilder`, so they chain (all three together keep
+  none of the expert path's [T·k, ·] tensors) without keeping each other's inputs alive. Under autocast with fp32 parameters the projections
   save their own bf16 casts of a norm output, so "norm" frees little there; it pays when compute runs in the
   parameters' dtype.
 
@@ -128,6 +131,21 @@ def _find_discarded(t: torch.Tensor):
     return entry[1], tuple(t.shape), t.stride(), t.storage_offset() - y.storage_offset()
 
 
+def rebuilder(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A callable giving `t` later (in a recipe run in backward) that does not hold `t` when `t` is itself a discarded
+    output (or a view of one): then it asks that output's recipe, so recipes can chain without keeping their inputs."""
+    found = _find_discarded(t)
+    if found is None:
+        return lambda: t
+    recipe, shape, stride, offset = found
+
+    def rebuilt() -> torch.Tensor:
+        value = recipe.value()
+        return value.as_strided(shape, stride, value.storage_offset() + offset)
+
+    return rebuilt
+
+
 @contextlib.contextmanager
 def dropping_discarded() -> Iterator[None]:
     """Inside: a tensor saved for backward that is (a view of) a `discard_output` is stored as its recipe; any other
@@ -193,6 +211,7 @@ def apply_memory_policy(model: nn.Module, recompute: list[str], offload: list[st
             block.attn.core = checkpointed(block.attn.core)
         if isinstance(block.mlp, MoELayer):
             block.mlp.experts.recompute_activation = "moe_act" in rec
+            block.mlp.experts.recompute_fc1 = "moe_fc1" in rec
             block.mlp.recompute_dispatch = "moe_dispatch" in rec
             if block.mlp.recompute_dispatch and not hasattr(block.mlp.dispatcher, "redispatch"):
                 raise ValueError(f"recompute 'moe_dispatch' needs a dispatch that can be redone locally; layer "

@@ -16,7 +16,10 @@ output rows are left unspecified and the combine step never reads them.
 The router weight of each row is folded into the activation (memory-efficient permutation). With
 `fused_activation` that is the Triton `swiglu_prob` kernel, which keeps only its inputs for backward; otherwise plain
 torch ops. With `recompute_activation` (config `model.recompute: [moe_act]`) the activation's [rows, f] output is not
-kept by the down projection either: it is rebuilt from the gate/up rows when backward needs it.
+kept by the down projection either: it is rebuilt from the gate/up rows when backward needs it. With `recompute_fc1`
+(`model.recompute: [moe_fc1]`) the gate/up rows [rows, 2f] are not kept by the activation: the first GEMM runs again.
+(On the torch-ops activation, i.e. without the fused kernel, `moe_act` checkpoints the activation, and torch's
+checkpoint holds its input: there `moe_act` with `moe_fc1` keeps the gate/up rows after all.)
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.fused_activation = fused_activation
         self.recompute_activation = False  # set by recompute.apply_memory_policy
+        self.recompute_fc1 = False  # likewise
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -66,6 +70,17 @@ class GroupedExperts(nn.Module):
             return swiglu_prob(h13, weights)
         return swiglu_weighted(h13, weights)
 
+    def _expert_path(self, x: torch.Tensor, up, weights: torch.Tensor, down) -> torch.Tensor:
+        """down(activation(up(x), weights)), keeping for backward what the memory policy leaves: with `recompute_fc1`
+        (config `model.recompute: [moe_fc1]`) the [rows, 2f] output of `up` is rebuilt by running `up` again."""
+        h13 = up(x)
+        if not self.recompute_fc1 or not torch.is_grad_enabled():
+            return self._activation_then(h13, weights, down)
+        rows = recompute.rebuilder(x)  # not x itself when the dispatch discarded it too
+        recompute.discard_output(h13, lambda: up(rows()))
+        with recompute.dropping_discarded():
+            return self._activation_then(h13, weights, down)
+
     def _activation_then(self, h13: torch.Tensor, weights: torch.Tensor, down) -> torch.Tensor:
         """down(activation(h13, weights)); with `recompute_activation` the activation output is not kept for backward."""
         if not self.recompute_activation or not torch.is_grad_enabled():
@@ -73,7 +88,8 @@ class GroupedExperts(nn.Module):
         fused = self.fused_activation and triton_applies(h13)
         # The fused kernel already keeps only its inputs; the torch ops keep [rows, f] intermediates unless checkpointed.
         activation = self._activation if fused else recompute.checkpointed(self._activation)
-        h = recompute.discard_output(activation(h13, weights), lambda: self._activation(h13, weights))
+        h13_later = recompute.rebuilder(h13)  # not h13 itself when `recompute_fc1` discarded it
+        h = recompute.discard_output(activation(h13, weights), lambda: self._activation(h13_later(), weights))
         with recompute.dropping_discarded():
             return down(h)
 
@@ -84,11 +100,12 @@ class GroupedExperts(nn.Module):
         if self.fp8:  # the quantisers read the master weights as they are: no bf16 copy
             from kernels.fp8_grouped_mm import fp8_grouped_linear
 
+            w13, w2 = self.w13, self.w2
             mm = lambda a, w: fp8_grouped_linear(a, w, offs, self.fp8)  # noqa: E731
-        else:
-            mm = lambda a, w: torch._grouped_mm(a, w.to(dtype), offs=offs)  # noqa: E731
-        h13 = mm(x.to(dtype), self.w13)
-        return self._activation_then(h13, weights, lambda h: mm(h, self.w2))
+        else:  # cast once: the GEMMs' backward and a `recompute_fc1` rerun share the copy
+            w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
+            mm = lambda a, w: torch._grouped_mm(a, w, offs=offs)  # noqa: E731
+        return self._expert_path(x.to(dtype), lambda a: mm(a, w13), weights, lambda h: mm(h, w2))
 
     def _looped(self, x, tokens_per_expert, weights):
         counts = tokens_per_expert.tolist()  # the CPU path may sync: there is no device to wait for
@@ -98,5 +115,5 @@ class GroupedExperts(nn.Module):
             if e == len(counts):
                 outs.append(x.new_zeros(tail, self.w2.shape[-1]))
                 break
-            outs.append(self._activation_then(xe @ self.w13[e], we, lambda h, e=e: h @ self.w2[e]))
+            outs.append(self._expert_path(xe, lambda a, e=e: a @ self.w13[e], we, lambda h, e=e: h @ self.w2[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[-1])
