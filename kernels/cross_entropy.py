@@ -127,8 +127,13 @@ def _chunked_loss_and_grads(h, weight, labels, dtype, chunk_size, rows: RowStep,
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     write_grad = grad_h_needed or grad_w_needed
     grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if grad_h_needed else None
-    # accumulated over chunks in fp32 (in place by the GEMM when the compute dtype is fp32), rounded once at the end
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grad_w_needed else None
+    # Accumulated over chunks in fp32 by the GEMM itself (its epilogue adds into grad_w: no [V, H] product in the
+    # compute dtype, no separate add pass, no rounding per chunk), rounded once at the end. The CPU build has no
+    # bf16-in/fp32-out GEMM: there the product is added in a separate pass.
+    fp32_out = dtype != torch.float32 and h.is_cuda
+    grad_w = None
+    if grad_w_needed and not fp32_out:
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
     for start in range(0, h.shape[0], chunk_size):
         end = min(start + chunk_size, h.shape[0])
         h_chunk = h[start:end].to(dtype)
@@ -140,11 +145,17 @@ def _chunked_loss_and_grads(h, weight, labels, dtype, chunk_size, rows: RowStep,
             else:
                 grad_h[start:end] = logits @ w
         if grad_w_needed:
-            if dtype == torch.float32:
+            if fp32_out and grad_w is None:
+                grad_w = torch.mm(logits.T, h_chunk, out_dtype=torch.float32)
+            elif fp32_out:
+                torch.addmm(grad_w, logits.T, h_chunk, out_dtype=torch.float32, out=grad_w)
+            elif dtype == torch.float32:
                 grad_w.addmm_(logits.T, h_chunk)
             else:
                 grad_w += logits.T @ h_chunk
         del logits
+    if grad_w_needed and grad_w is None:  # no rows at all
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
     return loss, grad_h, None if grad_w is None else grad_w.to(weight.dtype)
 
 
