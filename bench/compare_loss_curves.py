@@ -48,8 +48,9 @@ def main() -> None:
     print(f"{'step':>6}{args.base.parent.name[:14]:>16}{args.variant.parent.name[:14]:>16}{'rel diff':>10}")
     for i in sorted({0, *range(0, len(steps), max(1, len(steps) // 8)), len(steps) - 1}):
         print(f"{steps[i]:>6}{la[i]:>16.4f}{lb[i]:>16.4f}{100 * abs(lb[i] - la[i]) / abs(la[i]):>9.2f}%")
-    print(f"steps {steps[kept[0]]}..{steps[-1]}: per step max {100 * max(rel):.2f}% mean {100 * statistics.fmean(rel):.2f}%; "
-          f"10-step average max {100 * max(rel_avg):.2f}% mean {100 * statistics.fmean(rel_avg):.2f}%")
+    print(f"steps {steps[kept[0]]}..{steps[-1]}: per step max {100 * max(rel):.2f}% "
+          f"mean {100 * statistics.fmean(rel):.2f}%; 10-step average max {100 * max(rel_avg):.2f}% "
+          f"mean {100 * statistics.fmean(rel_avg):.2f}%")
     for name, run in ((args.base, a), (args.variant, b)):
         tps = [run[s]["tokens_per_s"] for s in steps if s >= args.from_step and not run[s].get("ckpt_stall_s")]
         print(f"{name}: median tokens/s {statistics.median(tps):,.0f}" if tps else f"{name}: no timed steps")

@@ -50,3 +50,12 @@ def test_all_reduce_mode_without_optimizer_sharding_matches_too(tmp_path):
     cfg = tiny_config(distributed_optimizer=False)
     batches = make_batches(cfg.model, steps=2, micro=4, seed=2)
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
+
+
+def test_dp2_with_the_moe_activation_path_recomputed_matches_single_process(tmp_path):
+    """`model.recompute=[moe_dispatch, moe_fc1, moe_act]` (local dispatch: ep=1) under the distributed optimizer: the
+    reference applies the same policy, and both equal what the plain step computes (test_model_memory.py)."""
+    cfg = tiny_config()
+    cfg.model.recompute = ["moe_dispatch", "moe_fc1", "moe_act"]
+    batches = make_batches(cfg.model, steps=2, micro=4, tokens=32, seed=21)
+    assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))

@@ -37,10 +37,11 @@ def test_pp2_with_ep2_pairs_as_1f1b_units_match_single_process(tmp_path, micro):
 
 
 def test_pairs_with_the_memory_policies_they_allow_match_single_process(tmp_path):
-    """Recompute of the attention core and the expert activation and offload of attention act inside modules the
-    paused forward calls plainly, so they work under pairs (the reference applies the same policy)."""
+    """Recompute of the attention core, the experts' gate/up output and activation, and offload of attention act
+    inside modules the paused forward calls plainly, so they work under pairs (the reference applies the same
+    policy)."""
     cfg = paired_config(ep=2)
-    cfg.model.recompute, cfg.model.offload = ["attn_core", "moe_act"], ["attn"]
+    cfg.model.recompute, cfg.model.offload = ["attn_core", "moe_fc1", "moe_act"], ["attn"]
     batches = make_batches(cfg.model, steps=2, micro=4, tokens=32, seed=14)
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
 

@@ -359,9 +359,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_choices("model.recompute", m.recompute,
                    ("norm", "attn_core", "moe_act", "moe_fc1", "moe_dispatch", "moe", "layer"))
     _check("moe_dispatch" not in m.recompute or p.ep * p.etp == 1,
-           f"`model.recompute` has 'moe_dispatch', which rebuilds the dispatched rows locally, but `parallel.ep={p.ep}`, "
-           f"`parallel.etp={p.etp}` move them between ranks (it would repeat the all-to-all in backward); use 'moe' "
-           "or drop it")
+           f"`model.recompute` has 'moe_dispatch', which rebuilds the dispatched rows locally, but "
+           f"`parallel.ep={p.ep}`, `parallel.etp={p.etp}` move them between ranks (it would repeat the all-to-all in "
+           "backward); use 'moe' or drop it")
     if m.fp8:
         _check(m.hidden_size % 16 == 0 and m.moe_ffn_hidden_size % (16 * p.etp) == 0,
                f"`model.fp8={m.fp8}` needs `model.hidden_size={m.hidden_size}` and `model.moe_ffn_hidden_size="

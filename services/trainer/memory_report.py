@@ -11,8 +11,8 @@ Categories are counted from the tensors themselves (each storage once), not gues
   that the GEMMs keep for their backward. They scale with the parameters, not with the tokens, so they are not
   counted as activations (for 128 experts they are most of what a step saves);
 - activations: every other storage the step saved for backward on `device` (a saved-tensors hook around the step;
-  parameters excluded). All of them are alive together at the end of the forward pass, the usual peak. Tensors that a recompute
-  or offload region keeps elsewhere never reach this hook, which is the point of those policies. With several
+  parameters excluded). All of them are alive together at the end of the forward pass, the usual peak. Tensors that a
+  recompute or offload region keeps elsewhere never reach this hook, which is the point of those policies. With several
   micro-batches per step, storages are told apart by address, so a later micro-batch's activations, allocated where
   an earlier one's were freed, count once: roughly one micro-batch's worth, an estimate rather than an exact figure.
 On CUDA two allocator readings place them in time: `at_backward` (allocated when backward first reads a saved tensor:
@@ -150,5 +150,5 @@ def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], 
     return MemoryReport(parameters=_storage_bytes(params, device),
                         gradients=_storage_bytes((p.grad for p in params), device),
                         optimizer_state=_storage_bytes(_optimizer_tensors(optimizer), device),
-                        parameter_copies=sum(copies.values()), activations=activations, at_backward=allocated if on_cuda else None,
-                        grads_at_backward=grads_then, peak=peak)
+                        parameter_copies=sum(copies.values()), activations=activations,
+                        at_backward=allocated if on_cuda else None, grads_at_backward=grads_then, peak=peak)

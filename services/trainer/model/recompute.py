@@ -11,19 +11,18 @@ Two ways to recompute, by what a module's output is used for:
 - whole modules ("attn_core", "moe", "layer"): `torch.utils.checkpoint` (non-reentrant). Only the inputs are kept; the
   forward runs again in backward. Side effects that must happen once per step (the router's load count) ask
   `in_recompute()`.
-- modules whose *output* is what costs memory ("norm", "moe_act", "moe_fc1", "moe_dispatch"): checkpointing them alone saves
-  nothing, because the next op (a projection) keeps that output for its own backward. So the output is also *discarded
-  from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved tensor that
-  is (a view of) y is stored as a recipe and recomputed, once, when backward first needs it. This is what
-  memory-efficient SwiGLU does for the [T·k, f] expert activation, "moe_fc1" for the [T·k, 2f] output of the experts'
-  first GEMM (one more grouped GEMM in backward, on the bf16 weight copy the GEMM keeps anyway), and "moe_dispatch"
-  for the [T·k, h] dispatched rows
-  that the experts' first GEMM would keep (permuted again from the [T, h] layer input: k times fewer bytes kept for
-  one more permutation pass in backward; the local dispatch only, since under EP it would repeat the all-to-all).
-  Recipes that need another discarded output get it through `rebuilder`, so they chain (all three together keep
-  none of the expert path's [T·k, ·] tensors) without keeping each other's inputs alive. Under autocast with fp32 parameters the projections
-  save their own bf16 casts of a norm output, so "norm" frees little there; it pays when compute runs in the
-  parameters' dtype.
+- modules whose *output* is what costs memory ("norm", "moe_act", "moe_fc1", "moe_dispatch"): checkpointing them alone
+  saves nothing, because the next op (a projection) keeps that output for its own backward. So the output is also
+  *discarded from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved
+  tensor that is (a view of) y is stored as a recipe and recomputed, once, when backward first needs it. This is what
+  memory-efficient SwiGLU does for the [T·k, f] expert activation ("moe_act"); "moe_fc1" does it for the [T·k, 2f]
+  output of the experts' first GEMM (one more grouped GEMM in backward, on the bf16 weight copy that GEMM keeps
+  anyway), and "moe_dispatch" for the [T·k, h] dispatched rows that GEMM would keep (permuted again from the [T, h]
+  layer input: k times fewer bytes kept for one more permutation pass in backward; the local dispatch only, since
+  under EP it would repeat the all-to-all). Recipes that need another discarded output get it through `rebuilder`, so
+  they chain (all three together keep none of the expert path's [T·k, ·] tensors) without keeping each other's inputs
+  alive. Under autocast with fp32 parameters the projections save their own bf16 casts of a norm output, so "norm"
+  frees little there; it pays when compute runs in the parameters' dtype.
 
 Offload ("attn", "moe", "layer") runs the module under `torch.autograd.graph.save_on_cpu(pin_memory=True)`: saved
 tensors go to pinned host memory as they are saved and come back when backward needs them.

@@ -77,7 +77,6 @@ class MoELayer(nn.Module):
             out = AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
         return out
 
-
     def _experts(self, hidden: torch.Tensor, dispatched) -> torch.Tensor:
         run = lambda: self.experts(dispatched.hidden, dispatched.tokens_per_expert, dispatched.weights)  # noqa: E731
         if not (self.recompute_dispatch and torch.is_grad_enabled()):
