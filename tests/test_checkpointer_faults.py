@@ -157,3 +157,25 @@ def test_disk_full_while_writing_the_manifest_leaves_no_half_checkpoint(in_proce
     monkeypatch.setattr(store_module, "write_durable", real)
     save_both(snaps, 2)  # the disk has room again: the writer is still serving
     assert find_latest_valid(root) == root / "step_00000002"
+
+
+def test_a_save_without_any_tensor_fails_and_commits_nothing(tmp_path):
+    """A well-formed save that carries no tensor (a stray client's, or a fuzzer's: it happened) names the cause to the
+    sender and never becomes a checkpoint, so it cannot shadow a real one as `latest`."""
+    writer = Writer(CheckpointStore(tmp_path / "ckpt", keep_last=2), None)
+    stop = threading.Event()
+    thread = threading.Thread(target=writer.serve, args=(stop,), daemon=True)
+    thread.start()
+    saver = Snapshotter(writer.endpoint, timeout_s=30, share_memory=False, session=new_session())
+    try:
+        saver.save(7, {"w": torch.ones(3)})
+        saver.wait(30)
+        saver.save(9, {})
+        with pytest.raises(SaveError, match="saved a tensor: nothing to commit"):
+            saver.wait(30)
+    finally:
+        saver.close()
+        stop.set()
+        thread.join(10)
+    store = CheckpointStore(tmp_path / "ckpt", keep_last=2)
+    assert [s.step for s in store.list()] == [7] and store.latest_step() == 7

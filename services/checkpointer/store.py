@@ -108,6 +108,8 @@ class CheckpointStore:
                             f"tensor {name!r}: rank {rank} saved {t['dtype']} {t['global_shape']} but another rank "
                             f"saved {entry.dtype} {list(entry.global_shape)}")
                     entry.boxes.append(Box(part["file"], tuple(t["offsets"]), tuple(t["shape"])))
+        if not tensors:  # no trainer saves nothing; a stray client's well-formed but empty save must not become "latest"
+            raise CheckpointError(f"step {step}: none of the {world_size} rank(s) saved a tensor: nothing to commit")
         for name, entry in tensors.items():
             check_tiling(name, entry)
         return Manifest(run, step, world_size, files, tensors, extras, created=time.time())
