@@ -220,6 +220,10 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
         torch.save({"losses": losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
                     "overlap": overlap[-1:], "pending": pending, "loads": loads, "norms": norms, "last_stage": groups.is_last_stage},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+        # No rank tears its connections down while a peer may still be finishing its last transfers: a gloo peer that
+        # loses a connection mid-transfer aborts the process ("terminate called without an active exception"), which
+        # a loaded 2-core machine made happen in one run of the 4-rank pipeline test.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
