@@ -55,6 +55,25 @@ def models(recompute=(), offload=(), recompute_layers=(), offload_layers=(), num
                                       list(offload_layers))
 
 
+def freed_after_forward(model) -> tuple[bool, bool]:
+    """Run one forward of `model` and report, before its backward, whether its first MoE layer's dispatched rows and
+    gate/up rows are gone (nothing holds them once the saved-tensor recipes replaced them); then run the backward."""
+    experts = model.moe_layers()[0].experts
+    rows, gate_up = [], []
+    original_forward, original_activation = experts.forward, experts._activation
+    experts.forward = lambda x, *a: rows.append(weakref.ref(x)) or original_forward(x, *a)
+    experts._activation = lambda h13, w: gate_up.append(weakref.ref(h13)) or original_activation(h13, w)
+    device = next(model.parameters()).device
+    try:
+        logits = model(*(t.to(device) for t in batch()))
+        gc.collect()
+        freed = (all(r() is None for r in rows), bool(gate_up) and all(r() is None for r in gate_up))
+        logits.sum().backward()
+    finally:
+        del experts.forward, experts._activation
+    return freed
+
+
 def assert_same_step(got, want):
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     for name, grad in want[1].items():
@@ -119,12 +138,9 @@ def test_recomputed_dispatch_is_the_dispatch_and_frees_its_rows(capacity_factor)
     saved_plain, saved_policy = want[2], got[2]
     assert saved_plain - saved_policy >= dispatched.untyped_storage().nbytes(), (saved_plain, saved_policy)
     # Freed, not just hidden from the saved-tensor count: nothing holds the rows between forward and backward.
-    rows.clear()
-    tokens, position_ids, cu_seqlens = batch()
-    logits = policy(tokens, position_ids, cu_seqlens)
-    gc.collect()
-    assert rows[0][0]() is None, "the dispatched rows outlived the forward pass"
-    logits.sum().backward()
+    del moe.experts.forward, moe.dispatcher.redispatch
+    rows_freed, _ = freed_after_forward(policy)
+    assert rows_freed, "the dispatched rows outlived the forward pass"
 
 
 @pytest.mark.parametrize("recompute", [["moe_fc1"], ["moe_dispatch", "moe_fc1"]])
@@ -135,17 +151,10 @@ def test_recomputed_gate_up_rows_are_freed_between_forward_and_backward(recomput
     want, got = train_step(plain), train_step(policy)
     assert_same_step(got, want)
     assert got[2] < train_step(models(recompute=[r for r in recompute if r != "moe_fc1"])[1])[2]
-    experts = policy.moe_layers()[0].experts
-    seen, rows, original, original_forward = [], [], experts._activation, experts.forward
-    experts._activation = lambda h13, w: seen.append(weakref.ref(h13)) or original(h13, w)
-    experts.forward = lambda x, *a: rows.append(weakref.ref(x)) or original_forward(x, *a)
-    tokens, position_ids, cu_seqlens = batch()
-    logits = policy(tokens, position_ids, cu_seqlens)
-    gc.collect()
-    assert all(ref() is None for ref in seen), "the gate/up rows outlived the forward pass"
+    rows_freed, gate_up_freed = freed_after_forward(policy)
+    assert gate_up_freed, "the gate/up rows outlived the forward pass"
     # The rebuilt gate/up rows come from rebuilt dispatched rows, not from the dispatched rows kept alive.
-    assert (rows[0]() is None) == ("moe_dispatch" in recompute)
-    logits.sum().backward()
+    assert rows_freed == ("moe_dispatch" in recompute)
 
 
 def test_recomputed_dispatch_on_the_triton_kernels_keeps_the_gradients(monkeypatch):
@@ -160,14 +169,7 @@ def test_recomputed_dispatch_on_the_triton_kernels_keeps_the_gradients(monkeypat
     want, got = train_step(plain), train_step(policy)
     assert_same_step(got, want)
     assert got[2] < want[2]
-    experts = policy.moe_layers()[0].experts
-    seen, original = [], experts._activation
-    experts._activation = lambda h13, w: seen.append(weakref.ref(h13)) or original(h13, w)
-    tokens, position_ids, cu_seqlens = (t.to(DEVICE) for t in batch())
-    logits = policy(tokens, position_ids, cu_seqlens)
-    gc.collect()
-    assert seen and all(ref() is None for ref in seen), "the gate/up rows outlived the forward pass"
-    logits.sum().backward()
+    assert freed_after_forward(policy) == (True, True), "the dispatched or gate/up rows outlived the forward pass"
 
 
 def test_a_discarded_output_is_rebuilt_once_for_all_its_consumers_in_backward():
