@@ -28,7 +28,7 @@ from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.model.moe.router import Router
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.optim import build_adamw, set_lr
+from services.trainer.optim import MasterWeightAdamW, build_adamw, clip_and_step, set_lr
 from services.trainer.step import count_loss_tokens, forward_backward
 
 RTOL = 1e-5  # relative L2 error allowed for every gradient, parameter and step loss (fp32)
@@ -133,9 +133,9 @@ def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict
             probe.key = (step, i)
             loss += forward_backward(model, [mb], tokens, torch.device("cpu"), None)
         losses.append(float(loss) / tokens)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)))
-        opt.step()
+        grad_of = opt.grad if isinstance(opt, MasterWeightAdamW) else (lambda p: p.grad)  # fp32 sums with bf16 params
+        grads.append({n: grad_of(p).clone() for n, p in model.named_parameters() if grad_of(p) is not None})
+        norms.append(float(clip_and_step(opt, model.parameters(), cfg.optimizer.clip_grad)))
         loads.append([m.router.tokens_per_expert.clone() for m in model.moe_layers()])
         for m in model.moe_layers():
             m.router.tokens_per_expert.zero_()

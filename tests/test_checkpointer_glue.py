@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -30,10 +31,12 @@ CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, num
                   moe_ffn_hidden_size=16, ffn_hidden_size=48, vocab_size=64, first_k_dense=1)
 
 
-def tiny() -> tuple[MoETransformer, torch.optim.Optimizer]:
+def tiny(param_dtype: str = "fp32") -> tuple[MoETransformer, torch.optim.Optimizer]:
     model = MoETransformer(CFG)
     model.init_weights(seed=1)
-    return model, build_adamw(model, Config().optimizer)
+    cfg = Config().optimizer
+    cfg.param_dtype = param_dtype
+    return model, build_adamw(model, cfg)
 
 
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, seed: int) -> None:
@@ -143,7 +146,10 @@ class FakeData:
         self.position = state["position"]
 
 
-def test_a_save_restores_model_optimizer_and_rng(tmp_path):
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype):
+    """With bf16 parameters the checkpoint holds the fp32 master weights as the parameters' values, and a restore
+    brings those back exactly (not the bf16 copy rounded again)."""
     cfg = Config()
     cfg.checkpoint.dir = str(tmp_path)
     writer = Writer(CheckpointStore(tmp_path, keep_last=2), None)
@@ -151,7 +157,7 @@ def test_a_save_restores_model_optimizer_and_rng(tmp_path):
     thread = threading.Thread(target=writer.serve, args=(stop,), daemon=True)
     thread.start()
     saver = Snapshotter(writer.endpoint)
-    model, opt = tiny()
+    model, opt = tiny(param_dtype)
     checkpointing.attach(saver, model, opt, rank=0)
     train_step(model, opt, 0)
     torch.manual_seed(7)
@@ -165,15 +171,18 @@ def test_a_save_restores_model_optimizer_and_rng(tmp_path):
 
     with load_checkpoint(Path(tmp_path) / "step_00000001") as c:
         assert c.global_shape("model/layers.1.mlp.experts.w13") == (4, 32, 32)  # as the parallel layouts with etp=1
-    fresh, fresh_opt = tiny()
+        assert c.read("model/layers.1.mlp.experts.w13").dtype == torch.float32
+        assert not [n for n in c.names() if n.endswith("/master")]  # the masters are the model's values, not extra
+    fresh, fresh_opt = tiny(param_dtype)
     data = FakeData(0)
     torch.manual_seed(99)
     assert checkpointing.restore(cfg, fresh, fresh_opt, data, rank=0) == 1
     assert data.position == 123 and torch.equal(torch.get_rng_state(), expected_rng)
-    reference, reference_opt = tiny()
+    reference, reference_opt = tiny(param_dtype)
     train_step(reference, reference_opt, 0)
     for (name, a), b in zip(reference.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+    keys = ("exp_avg", "exp_avg_sq", "step") + (("master",) if param_dtype == "bf16" else ())
     for p, q in zip(reference.parameters(), fresh.parameters()):
-        for key in ("exp_avg", "exp_avg_sq", "step"):
+        for key in keys:
             assert torch.equal(reference_opt.state[p][key], fresh_opt.state[q][key]), key

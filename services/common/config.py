@@ -132,6 +132,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     warmup_steps: int = 20
     clip_grad: float = 1.0
+    param_dtype: Literal["fp32", "bf16"] = "fp32"  # how the model holds its parameters; bf16: the optimizer keeps the
+    #                                                fp32 master weights (checkpoints hold those) and updates both in
+    #                                                one pass; gradients stay bf16 in one process (fp32 buckets with dp)
 
 
 @dataclass

@@ -117,7 +117,9 @@ def state_shards(model: nn.Module, optimizer: Any, rank: int, groups: Any = None
                 state = optimizer.state.get(p) or (_predicted_adam_state(p, optimizer) if predict else {})
                 box = shards[f"model/{names[id(p)]}"]
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
+                    if key == "master":  # fp32 master weights (optim.MasterWeightAdamW): the parameter's true value
+                        shards[f"model/{names[id(p)]}"] = _like_param(box, value)
+                    elif isinstance(value, torch.Tensor):
                         shards[f"optim/{names[id(p)]}/{key}"] = _like_param(box, value)
     elif optimizer is not None:
         raise TypeError(f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: neither a "
@@ -202,7 +204,9 @@ def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: tor
         raise CheckpointLoadError(f"checkpoint {path} does not match this model ({e}); "
                                   "point checkpoint.dir elsewhere or set checkpoint.resume=false") from None
     for name, p in model.named_parameters():
-        state = {}
+        state = optimizer.state[p]
+        if "master" in state:  # the checkpoint holds the fp32 value; the parameter got it rounded to its dtype
+            state["master"].copy_(model_state[name])
         for key in ("exp_avg", "exp_avg_sq", "step"):
             full = f"optim/{name}/{key}"
             if full in saved:
@@ -210,8 +214,6 @@ def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: tor
                 # fused AdamW keeps `step` on the parameter's device, the default one on the host
                 on_device = key != "step" or optimizer.defaults.get("fused")
                 state[key] = t.to(p.device if on_device else "cpu")
-        if state:
-            optimizer.state[p] = state
 
 
 def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, data, rank: int,

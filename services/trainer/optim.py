@@ -1,12 +1,20 @@
-"""AdamW with a linear-warmup + cosine schedule. Norm scales, biases and router bias are not weight-decayed."""
+"""AdamW with a linear-warmup + cosine schedule. Norm scales, biases and router bias are not weight-decayed.
+
+One process: torch's AdamW over fp32 parameters, or, with `optimizer.param_dtype=bf16`, `MasterWeightAdamW`: the model
+holds bf16 parameters (no per-step weight casts under autocast, bf16 gradients) and the optimizer the fp32 master
+weights and moments, updated with the bf16 copy in one pass (kernels/adamw.py). Several ranks: the distributed
+optimizer (parallel/distributed_optimizer.py) does the same over its buckets.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
+from kernels.adamw import adamw_step
 from services.common.config import OptimizerConfig
 
 
@@ -25,32 +33,125 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW over fp32 master weights for parameters held in a lower precision (Megatron's bf16 mixed precision).
+
+    At construction each parameter's current (fp32) value becomes its master weight and the parameter itself is
+    re-stored in `param_dtype`: the optimizer owns the parameters' precision from then on. `step` reads the gradients
+    and writes master weights, moments and the parameters' copies in one kernel per parameter (kernels/adamw.py).
+    State per parameter, created here (so a checkpoint's buffers are known before the first step): `master`,
+    `exp_avg`, `exp_avg_sq` (fp32) and `step` (a host scalar). Checkpoints save `master` as the parameter's value.
+
+    Gradients: one backward per step leaves its bf16 gradient in `.grad` and the kernel reads it as is (no copy).
+    From a step's second backward on (gradient accumulation), each backward's contribution is added into an fp32 sum
+    before autograd could add it in bf16, and `.grad` is cleared: `grad(p)` is the step's gradient either way.
+    Gradient clipping as with torch's fused AdamW: `grad_scale` (a device scalar, set by `clip_and_step`) divides
+    every gradient as the kernel reads it; unlike torch's kernel, ours leaves the gradients unscaled.
+    """
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 param_dtype: torch.dtype = torch.bfloat16):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.grad_scale: torch.Tensor | None = None
+        self._backwards: dict[torch.Tensor, int] = {}  # backward passes that reached each parameter this step
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"MasterWeightAdamW takes fp32 parameters (their values become the master "
+                                     f"weights), got a {p.dtype} parameter of shape {tuple(p.shape)}")
+                master = p.detach().clone()
+                p.data = p.data.to(param_dtype)
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32), "master": master,
+                                 "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+                p.register_hook(functools.partial(self._sum_in_fp32, p))
+                p.register_post_accumulate_grad_hook(self._clear_summed)
+
+    def _sum_in_fp32(self, p: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
+        """Before autograd accumulates a backward's gradient: from the second one on, add it to the fp32 sum."""
+        n = self._backwards[p] = self._backwards.get(p, 0) + 1
+        if n > 1:
+            state = self.state[p]
+            total = state.get("grad_sum")
+            if total is None:
+                total = state["grad_sum"] = torch.empty_like(state["master"])
+            if n == 2:
+                total.copy_(p.grad)
+            total.add_(contribution)
+        return contribution
+
+    def _clear_summed(self, p: torch.Tensor) -> None:
+        if self._backwards.get(p, 0) > 1:
+            p.grad = None  # autograd's bf16 sum: the fp32 one is the gradient
+
+    def grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient this step will apply to `p`: `.grad`, or the fp32 sum over several backward passes."""
+        return self.state[p]["grad_sum"] if self._backwards.get(p, 0) > 1 else p.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._backwards.clear()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                grad = self.grad(p)
+                if grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] += 1
+                adamw_step(state["master"], grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], p,
+                           lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=int(state["step"]), grad_divisor=self.grad_scale)
+        return loss
+
+
+def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer of one process: `optimizer.param_dtype=bf16` re-stores the model's parameters in bf16 (build it
+    after the model holds its initial fp32 weights and sits on its device)."""
+    groups, betas = param_groups(model, cfg.weight_decay), (cfg.beta1, cfg.beta2)
+    if cfg.param_dtype != "fp32":
+        return MasterWeightAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                 param_dtype=DTYPES[cfg.param_dtype])
     fused = next(model.parameters()).is_cuda
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, fused=fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused)
 
 
 def clip_and_step(optimizer: torch.optim.AdamW, params, max_norm: float) -> torch.Tensor:
     """Clip the gradients by their global L2 norm (`max_norm` > 0; 0: no clipping), step, and return the norm.
 
-    Same update as `clip_grad_norm_` then `step()`. With the fused AdamW the clip factor is not applied in a pass of its
-    own: it goes to the kernel as the gradient scale (the kernel divides each gradient by it as it reads it, the hook
-    `torch.amp.GradScaler` uses), which saves reading and writing every gradient once (~8 ms per step for 3.1B fp32
-    parameters on an H100). The scale stays on the device: no host sync. Either way `.grad` holds the clipped
-    gradients afterwards (the fused kernel writes the scaled ones back), as after `clip_grad_norm_`.
+    Same update as `clip_grad_norm_` then `step()`. With the fused AdamW (or `MasterWeightAdamW`) the clip factor is
+    not applied in a pass of its own: it goes to the kernel as the gradient scale (the kernel divides each gradient by
+    it as it reads it, the hook `torch.amp.GradScaler` uses), which saves reading and writing every gradient once
+    (~8 ms per step for 3.1B fp32 parameters on an H100). The scale stays on the device: no host sync. `.grad` holds the clipped gradients
+    afterwards (torch's fused kernel writes the scaled ones back), as after `clip_grad_norm_`, except with
+    `MasterWeightAdamW`, whose kernel only reads them.
     """
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    fused = optimizer.defaults.get("fused")
+    params, master_weights = list(params), isinstance(optimizer, MasterWeightAdamW)
+    grads = [optimizer.grad(p) if master_weights else p.grad for p in params]
+    params, grads = [p for p, g in zip(params, grads) if g is not None], [g for g in grads if g is not None]
+    norm = grad_norm(grads)
+    scales_in_kernel = optimizer.defaults.get("fused") or master_weights
     optimizer.grad_scale = None
     if max_norm > 0:
-        if fused:  # clip_grad_norm_'s factor max_norm / (norm + 1e-6) ≤ 1, as a divisor ≥ 1
+        if scales_in_kernel:  # clip_grad_norm_'s factor max_norm / (norm + 1e-6) ≤ 1, as a divisor ≥ 1
             optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).to(torch.float32)
         else:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     optimizer.step()
     return norm
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm, accumulated in fp32 whatever the gradients' dtype (bf16 per-tensor norms would round)."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

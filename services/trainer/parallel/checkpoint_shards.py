@@ -67,11 +67,17 @@ def _full_moment(opt: DistributedOptimizer, bucket, which: str) -> torch.Tensor:
 
 
 def optimizer_shards(opt: DistributedOptimizer, groups: ParallelGroups) -> dict[str, Shard]:
+    """The moments and step; with bf16 parameters also the fp32 master weights, as `model/<param>` (they replace the
+    bf16 copies `model_shards` names: a checkpoint holds the parameters' true values whatever the layout)."""
     out = {}
     for b in opt.buckets:
         moments = {k: _full_moment(opt, b, k) for k in ("exp_avg", "exp_avg_sq")}
+        master = _full_moment(opt, b, "master") if b.params.dtype != torch.float32 else None
         for s in b.slots:
             shape, offsets, replicated, writer = _box(s.param, groups)
+            if master is not None:
+                piece = _view(master[s.start:s.start + s.numel].view(s.param.shape), shape).clone()
+                out[f"model/{s.name}"] = Shard(piece, shape, offsets, replicated, writer)
             for key, flat in moments.items():
                 piece = _view(flat[s.start:s.start + s.numel].view_as(s.param), shape).clone()
                 out[f"optim/{s.name}/{key}"] = Shard(piece, shape, offsets, replicated, writer)
@@ -104,15 +110,17 @@ def load_shards(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: Paral
         if f"model/{name}" in saved:
             b.copy_(ckpt.read(f"model/{name}"))
     for bucket in opt.buckets:
-        for key in ("exp_avg", "exp_avg_sq"):
+        # the moments, and the fp32 master weights when the parameters are bf16 (p.data got them rounded above)
+        keys = {"exp_avg": "optim/{}/exp_avg", "exp_avg_sq": "optim/{}/exp_avg_sq"}
+        if bucket.params.dtype != torch.float32:
+            keys["master"] = "model/{}"
+        for key, pattern in keys.items():
             full = torch.zeros(bucket.size, dtype=torch.float32, device=bucket.params.device)
             for s in bucket.slots:
-                name = f"optim/{s.name}/{key}"
+                name = pattern.format(s.name)
                 if name in saved:
                     full[s.start:s.start + s.numel] = _read(ckpt, name, s.param, groups).reshape(-1)
             getattr(bucket, key).copy_(full[bucket.lo:bucket.hi])
-        if bucket.master.data_ptr() != bucket.params[bucket.lo:bucket.hi].data_ptr():
-            bucket.master.copy_(bucket.params[bucket.lo:bucket.hi])
         step_name = f"optim/{bucket.slots[0].name}/step"
         if step_name in saved:
             opt.step_count = int(ckpt.read(step_name).reshape(-1)[0])

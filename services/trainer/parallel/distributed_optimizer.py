@@ -9,7 +9,10 @@ delivered every gradient of a bucket, the bucket's reduce-scatter is launched as
 for the earlier layers. Buckets launch in index order on every rank, so collectives match across ranks.
 
 Each rank of a reducing group of size n owns 1/n of every bucket: only for that range does it keep fp32 master weights
-and Adam moments, and compute the update; an all-gather then refreshes the full bucket on every rank. The all-gathers
+and Adam moments, and compute the update; an all-gather then refreshes the full bucket on every rank. With
+`optimizer.param_dtype=bf16` the buckets' parameters are bf16 (so are the all-gathers and the gradients autograd
+produces; the gradient buckets stay fp32) and the fp32 master range is a separate tensor, written together with the
+bf16 range by kernels/adamw.py. The all-gathers
 are launched asynchronously at the end of `step`, in the order the next forward pass needs the buckets, and each module
 waits for its own parameters' buckets (and its direct children's) in a forward pre-hook, so the gathers overlap the
 next forward. Anything else that reads parameters between steps calls `wait_params()` (the checkpoint snapshot does;
@@ -21,6 +24,7 @@ rank updates the whole bucket.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.adamw import adamw_step
 from services.common.config import OptimizerConfig
 from services.trainer.parallel.expert_parallel import is_expert_param
 from services.trainer.parallel.groups import Axis, ParallelGroups
@@ -87,6 +92,7 @@ class DistributedOptimizer:
     def __init__(self, model: nn.Module, groups: ParallelGroups, cfg: OptimizerConfig, bucket_mb: float = 25.0,
                  shard: bool = True):
         self.cfg, self.groups, self.shard = cfg, groups, shard
+        self.param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.param_dtype]
         self.step_count = 0
         self.expected_arrivals = 1
         self.launch_log: list[int] = []  # bucket indices in launch order this step (tests read it to prove overlap)
@@ -152,11 +158,13 @@ class DistributedOptimizer:
         total = sum(p.numel() for _, p in members)
         size = -(-total // n) * n
         ref = members[0][1]
-        params = torch.zeros(size, dtype=ref.dtype, device=ref.device)
+        values = torch.zeros(size, dtype=torch.float32, device=ref.device)  # the parameters' values, fp32
         grads = torch.zeros(size, dtype=torch.float32, device=ref.device)
+        for (_, p), start in zip(members, itertools.accumulate((p.numel() for _, p in members), initial=0)):
+            values[start:start + p.numel()].copy_(p.detach().reshape(-1))
+        params = values if self.param_dtype == values.dtype else values.to(self.param_dtype)
         slots, start = [], 0
         for name, p in members:
-            params[start:start + p.numel()].copy_(p.detach().reshape(-1))
             p.data = params[start:start + p.numel()].view_as(p)
             # Count each element once in the world: TP-replicated parameters on tp rank 0 only; without sharding, every
             # replica of the reducing group holds the whole reduced gradient, so replica 0 only.
@@ -166,8 +174,7 @@ class DistributedOptimizer:
             start += p.numel()
         b = Bucket(index, domain, axis, slots, size, params, grads)
         b.lo, b.hi = ((axis.rank * size // n, (axis.rank + 1) * size // n) if self.shard else (0, size))
-        owned = params[b.lo:b.hi]
-        b.master = owned if owned.dtype == torch.float32 else owned.float()
+        b.master = values[b.lo:b.hi] if params is values else values[b.lo:b.hi].clone()  # fp32 master weights
         b.exp_avg, b.exp_avg_sq = torch.zeros_like(b.master), torch.zeros_like(b.master)
         norm = torch.zeros(size, device=ref.device)
         for s in slots:
@@ -259,9 +266,6 @@ class DistributedOptimizer:
         norm = self.grad_norm()
         self.step_count += 1
         self._adamw(lr, norm)
-        for b in self.buckets:
-            if b.master.data_ptr() != b.params[b.lo:b.hi].data_ptr():
-                b.params[b.lo:b.hi].copy_(b.master)
         self._gather_params()
         return norm
 
@@ -270,17 +274,25 @@ class DistributedOptimizer:
         of the flat shards: one pass over master weights, moments and gradients). Clipping by the global norm is the
         kernel's gradient scale (it divides each gradient by it as it reads it), so it costs no pass of its own."""
         c = self.cfg
+        # clip_grad_norm_'s factor clip / (norm + 1e-6) <= 1, as the divisor the kernel takes
+        divisor = ((norm + 1e-6) / c.clip_grad).clamp(min=1.0) if c.clip_grad > 0 else None
+        if self.param_dtype != torch.float32:  # master weights apart: kernels/adamw.py also writes the bf16 copy
+            for b in self.buckets:
+                owned = b.params[b.lo:b.hi]
+                for lo, hi, decays in b.decay_runs:
+                    adamw_step(b.master[lo:hi], b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
+                               owned[lo:hi], lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                               weight_decay=c.weight_decay if decays else 0.0, step=self.step_count,
+                               grad_divisor=divisor)
+            return
         runs: dict[bool, list[tuple[torch.Tensor, ...]]] = {True: [], False: []}
         for b in self.buckets:
-            grad = b.grad_shard if b.grad_shard.dtype == torch.float32 else b.grad_shard.float()
             for lo, hi, decays in b.decay_runs:
-                runs[decays].append((b.master[lo:hi], grad[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi]))
+                runs[decays].append((b.master[lo:hi], b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi]))
         if not runs[True] and not runs[False]:
             return
         device = self.buckets[0].master.device
         step = torch.full((), float(self.step_count), dtype=torch.float32, device=device)
-        # clip_grad_norm_'s factor clip / (norm + 1e-6) <= 1, as the divisor the kernel takes
-        divisor = ((norm + 1e-6) / c.clip_grad).clamp(min=1.0) if c.clip_grad > 0 else None
         for decays, views in runs.items():
             if views:
                 master, grads, exp_avg, exp_avg_sq = (list(t) for t in zip(*views))

@@ -1,0 +1,164 @@
+"""bf16 parameters with fp32 master weights in the optimizer (`optimizer.param_dtype=bf16`).
+
+Specification: the master weights follow exactly the update torch's AdamW makes on fp32 parameters given the same
+(bf16) gradients, clipping included; the model's parameters are always the master weights rounded to bf16; the
+distributed optimizer's buckets make the same update as the one-process optimizer; checkpoints hold the fp32 master
+values as `model/<param>` and a restore brings the master weights back exactly (not their bf16 rounding).
+Tolerance: 1e-6 relative (fp32 arithmetic in a different order), exact where a value is only rounded or copied.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.config import Config, ModelConfig
+from services.trainer import checkpointing
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.optim import MasterWeightAdamW, build_adamw, clip_and_step
+from services.trainer.parallel import checkpoint_shards
+from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
+from services.trainer.parallel.groups import single_process
+
+HYPER = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
+                  moe_ffn_hidden_size=16, ffn_hidden_size=48, vocab_size=64, first_k_dense=1)
+
+
+def fp32_params(seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((33, 7), (7,), (3, 4, 5))]
+
+
+def bf16_grads(params, seed: int, size: float) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(p.shape, generator=gen) * size).bfloat16() for p in params]
+
+
+@pytest.mark.parametrize("max_norm, grad_size", [(0.0, 1.0), (1.0, 10.0), (1.0, 0.01)])
+def test_master_weights_follow_fp32_adamw_and_the_params_are_their_bf16_rounding(max_norm, grad_size):
+    ref, ours = fp32_params(0), fp32_params(0)
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
+    opt = MasterWeightAdamW(ours, **HYPER)
+    assert all(p.dtype == torch.bfloat16 for p in ours)
+    for step in range(4):
+        grads = bf16_grads(ours, step, grad_size)
+        for r, o, g in zip(ref, ours, grads):
+            r.grad, o.grad = g.float(), g.clone()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm) if max_norm else None
+        ref_opt.step()
+        norm = clip_and_step(opt, ours, max_norm)
+        if ref_norm is not None:
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        for r, o in zip(ref, ours):
+            master = opt.state[o]["master"]
+            torch.testing.assert_close(master, r.detach(), rtol=1e-6, atol=1e-7)
+            assert torch.equal(o.detach(), master.bfloat16())
+
+
+def test_only_fp32_parameters_can_hand_over_their_values():
+    with pytest.raises(ValueError, match="fp32 parameters"):
+        MasterWeightAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], **HYPER)
+
+
+def tiny_model(seed: int = 1) -> MoETransformer:
+    model = MoETransformer(CFG)
+    model.init_weights(seed)
+    return model
+
+
+def backward(model: MoETransformer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CFG.vocab_size, (12,), generator=g)
+    logits = model(tokens, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32))
+    torch.nn.functional.cross_entropy(logits.float().reshape(12, -1), tokens).backward()
+
+
+def bf16_config() -> Config:
+    cfg = Config()
+    cfg.optimizer.param_dtype = "bf16"
+    return cfg
+
+
+def test_distributed_optimizer_buckets_make_the_one_process_update():
+    """One process through the bucketed path (bf16 buckets, fp32 gradient buckets and master range) against
+    MasterWeightAdamW on an identical model: same bf16 forward, so the same gradients, then the same update."""
+    cfg = bf16_config()
+    plain, bucketed = tiny_model(), tiny_model()
+    opt = build_adamw(plain, cfg.optimizer)
+    dist_opt = DistributedOptimizer(bucketed, single_process(cfg), cfg.optimizer, bucket_mb=0.01)
+    assert len(dist_opt.buckets) > 1 and all(b.params.dtype == torch.bfloat16 for b in dist_opt.buckets)
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        dist_opt.zero_grad()
+        dist_opt.begin_step(1)
+        backward(plain, step)
+        backward(bucketed, step)
+        norm = clip_and_step(opt, plain.parameters(), cfg.optimizer.clip_grad)
+        torch.testing.assert_close(dist_opt.step(cfg.optimizer.lr), norm, rtol=1e-6, atol=0)
+    masters = {s.name: b.master[s.start - b.lo:s.start - b.lo + s.numel] for b in dist_opt.buckets for s in b.slots}
+    for (name, p), q in zip(plain.named_parameters(), bucketed.parameters()):
+        torch.testing.assert_close(masters[name].view_as(p), opt.state[p]["master"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(q.detach().float(), p.detach().float(), rtol=0, atol=2 ** -7 * p.abs().max().item())
+
+
+class ShardCheckpoint:
+    """What `load_shards` reads, served from one process's shards (whole tensors) in memory."""
+
+    def __init__(self, shards):
+        self.tensors = {n: s.tensor.clone() for n, s in shards.items()}
+
+    def names(self):
+        return list(self.tensors)
+
+    def global_shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name, offsets=None, shape=None):
+        t = self.tensors[name]
+        if offsets is None:
+            return t
+        return t[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+
+
+def test_bucketed_checkpoints_hold_and_restore_the_fp32_master_weights():
+    cfg = bf16_config()
+    groups = single_process(cfg)
+    model = tiny_model()
+    opt = DistributedOptimizer(model, groups, cfg.optimizer, bucket_mb=0.01)
+    opt.zero_grad()
+    opt.begin_step(1)
+    backward(model, 0)
+    opt.step(cfg.optimizer.lr)
+    shards = checkpointing.state_shards(model, opt, rank=0, groups=groups)
+    masters = {s.name: b.master[s.start - b.lo:s.start - b.lo + s.numel] for b in opt.buckets for s in b.slots}
+    for name, master in masters.items():
+        saved = shards[f"model/{name}"].tensor
+        assert saved.dtype == torch.float32 and torch.equal(saved.reshape(-1), master), name
+
+    fresh = tiny_model(seed=2)
+    fresh_opt = DistributedOptimizer(fresh, groups, cfg.optimizer, bucket_mb=0.01)
+    checkpoint_shards.load_shards(ShardCheckpoint(shards), fresh, fresh_opt, groups)
+    for b, c in zip(opt.buckets, fresh_opt.buckets, strict=True):
+        for key in ("master", "exp_avg", "exp_avg_sq", "params"):
+            assert torch.equal(getattr(b, key), getattr(c, key)), key
+    assert fresh_opt.step_count == 1
+
+
+def test_gradients_of_several_backward_passes_are_summed_in_fp32():
+    """One backward: the bf16 `.grad` is the gradient (no copy). Several: exactly the fp32 sum of each backward's bf16
+    gradient, with `.grad` cleared (bf16 accumulation would round every partial sum to 8 bits)."""
+    model = tiny_model()
+    opt = MasterWeightAdamW(model.parameters(), **HYPER)
+    singles = []
+    for seed in range(3):
+        opt.zero_grad()
+        backward(model, seed)
+        assert all(opt.grad(p) is p.grad and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+        singles.append({p: p.grad.float() for p in model.parameters()})
+    opt.zero_grad()
+    for seed in range(3):
+        backward(model, seed)
+    for p in model.parameters():
+        assert p.grad is None and opt.grad(p).dtype == torch.float32
+        assert torch.equal(opt.grad(p), singles[0][p] + singles[1][p] + singles[2][p])
