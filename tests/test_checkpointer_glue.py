@@ -31,11 +31,11 @@ CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, num
                   moe_ffn_hidden_size=16, ffn_hidden_size=48, vocab_size=64, first_k_dense=1)
 
 
-def tiny(param_dtype: str = "fp32") -> tuple[MoETransformer, torch.optim.Optimizer]:
+def tiny(param_dtype: str = "fp32", moment_dtype: str = "fp32") -> tuple[MoETransformer, torch.optim.Optimizer]:
     model = MoETransformer(CFG)
     model.init_weights(seed=1)
     cfg = Config().optimizer
-    cfg.param_dtype = param_dtype
+    cfg.param_dtype, cfg.moment_dtype = param_dtype, moment_dtype
     return model, build_adamw(model, cfg)
 
 
@@ -146,8 +146,8 @@ class FakeData:
         self.position = state["position"]
 
 
-@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
-def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype):
+@pytest.mark.parametrize("param_dtype, moment_dtype", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")])
+def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype, moment_dtype):
     """With bf16 parameters the checkpoint holds the fp32 master weights as the parameters' values, and a restore
     brings those back exactly (not the bf16 copy rounded again)."""
     cfg = Config()
@@ -157,7 +157,7 @@ def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype):
     thread = threading.Thread(target=writer.serve, args=(stop,), daemon=True)
     thread.start()
     saver = Snapshotter(writer.endpoint)
-    model, opt = tiny(param_dtype)
+    model, opt = tiny(param_dtype, moment_dtype)
     checkpointing.attach(saver, model, opt, rank=0)
     train_step(model, opt, 0)
     torch.manual_seed(7)
@@ -173,12 +173,12 @@ def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype):
         assert c.global_shape("model/layers.1.mlp.experts.w13") == (4, 32, 32)  # as the parallel layouts with etp=1
         assert c.read("model/layers.1.mlp.experts.w13").dtype == torch.float32
         assert not [n for n in c.names() if n.endswith("/master")]  # the masters are the model's values, not extra
-    fresh, fresh_opt = tiny(param_dtype)
+    fresh, fresh_opt = tiny(param_dtype, moment_dtype)
     data = FakeData(0)
     torch.manual_seed(99)
     assert checkpointing.restore(cfg, fresh, fresh_opt, data, rank=0) == 1
     assert data.position == 123 and torch.equal(torch.get_rng_state(), expected_rng)
-    reference, reference_opt = tiny(param_dtype)
+    reference, reference_opt = tiny(param_dtype, moment_dtype)
     train_step(reference, reference_opt, 0)
     for (name, a), b in zip(reference.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name

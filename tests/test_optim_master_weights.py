@@ -15,7 +15,7 @@ import torch
 from services.common.config import Config, ModelConfig
 from services.trainer import checkpointing
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.optim import MasterWeightAdamW, build_adamw, clip_and_step
+from services.trainer.optim import DTYPES, MasterWeightAdamW, build_adamw, clip_and_step
 from services.trainer.parallel import checkpoint_shards
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.groups import single_process
@@ -74,20 +74,24 @@ def backward(model: MoETransformer, seed: int) -> None:
     torch.nn.functional.cross_entropy(logits.float().reshape(12, -1), tokens).backward()
 
 
-def bf16_config() -> Config:
+def bf16_config(moment_dtype: str = "fp32") -> Config:
     cfg = Config()
     cfg.optimizer.param_dtype = "bf16"
+    cfg.optimizer.moment_dtype = moment_dtype
     return cfg
 
 
-def test_distributed_optimizer_buckets_make_the_one_process_update():
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_distributed_optimizer_buckets_make_the_one_process_update(moment_dtype):
     """One process through the bucketed path (bf16 buckets, fp32 gradient buckets and master range) against
     MasterWeightAdamW on an identical model: same bf16 forward, so the same gradients, then the same update."""
-    cfg = bf16_config()
+    cfg = bf16_config(moment_dtype)
     plain, bucketed = tiny_model(), tiny_model()
     opt = build_adamw(plain, cfg.optimizer)
     dist_opt = DistributedOptimizer(bucketed, single_process(cfg), cfg.optimizer, bucket_mb=0.01)
     assert len(dist_opt.buckets) > 1 and all(b.params.dtype == torch.bfloat16 for b in dist_opt.buckets)
+    assert all(b.exp_avg_sq.dtype == opt.state[p]["exp_avg_sq"].dtype == DTYPES[moment_dtype]
+               for b, p in zip(dist_opt.buckets, plain.parameters()))
     for step in range(3):
         opt.zero_grad(set_to_none=True)
         dist_opt.zero_grad()
@@ -121,8 +125,9 @@ class ShardCheckpoint:
         return t[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
 
 
-def test_bucketed_checkpoints_hold_and_restore_the_fp32_master_weights():
-    cfg = bf16_config()
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_bucketed_checkpoints_hold_and_restore_the_fp32_master_weights(moment_dtype):
+    cfg = bf16_config(moment_dtype)
     groups = single_process(cfg)
     model = tiny_model()
     opt = DistributedOptimizer(model, groups, cfg.optimizer, bucket_mb=0.01)
@@ -162,3 +167,30 @@ def test_gradients_of_several_backward_passes_are_summed_in_fp32():
     for p in model.parameters():
         assert p.grad is None and opt.grad(p).dtype == torch.float32
         assert torch.equal(opt.grad(p), singles[0][p] + singles[1][p] + singles[2][p])
+
+
+def test_bf16_moments_stay_close_to_fp32_moments():
+    """bf16 moments round each stored moment to 8 bits; the update's math is fp32. Over 20 steps of noisy gradients
+    the master weights move as with fp32 moments to within 1% of how far they moved (measured: 0.10-0.21%)."""
+    ref, ours = fp32_params(0), fp32_params(0)
+    start = [p.detach().clone() for p in ref]
+    ref_opt = MasterWeightAdamW(ref, **HYPER)
+    opt = MasterWeightAdamW(ours, moment_dtype=torch.bfloat16, **HYPER)
+    assert opt.state[ours[0]]["exp_avg"].dtype == torch.bfloat16
+    for step in range(20):
+        for r, o, g in zip(ref, ours, bf16_grads(ours, step, 1.0)):
+            r.grad, o.grad = g.clone(), g.clone()
+        ref_opt.step()
+        opt.step()
+    for r, o, s in zip(ref, ours, start):
+        moved, ours_moved = ref_opt.state[r]["master"] - s, opt.state[o]["master"] - s
+        assert float((ours_moved - moved).norm() / moved.norm()) < 1e-2
+
+
+def test_bf16_moments_need_bf16_parameters():
+    from services.common.config import ConfigError, validate
+
+    cfg = Config()
+    cfg.optimizer.moment_dtype = "bf16"
+    with pytest.raises(ConfigError, match="optimizer.param_dtype=bf16"):
+        validate(cfg)

@@ -135,6 +135,8 @@ class OptimizerConfig:
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # how the model holds its parameters; bf16: the optimizer keeps the
     #                                                fp32 master weights (checkpoints hold those) and updates both in
     #                                                one pass; gradients stay bf16 in one process (fp32 buckets with dp)
+    moment_dtype: Literal["fp32", "bf16"] = "fp32"  # how the optimizer stores Adam's moments (math is fp32 either
+    #                                                 way); bf16 needs param_dtype=bf16: 4 B less per parameter
 
 
 @dataclass
@@ -386,6 +388,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(d.seq_len > 1 and d.micro_batch_size > 0 and d.grad_accum > 0,
            "`data.seq_len` must be > 1 and `data.micro_batch_size`, `data.grad_accum` positive")
     _check(o.lr > 0 and o.min_lr >= 0 and o.min_lr <= o.lr, f"need 0 <= `optimizer.min_lr` <= `optimizer.lr` > 0")
+    _check(o.moment_dtype == "fp32" or o.param_dtype == "bf16",
+           f"`optimizer.moment_dtype={o.moment_dtype}` needs `optimizer.param_dtype=bf16` (the fp32-parameter "
+           "optimizer is torch's AdamW, which keeps its moments in the parameters' dtype)")
     _check(cfg.run.steps > 0, f"`run.steps` must be positive, got {cfg.run.steps}")
     _check(cfg.run.max_restarts >= 0, f"`run.max_restarts` must be >= 0, got {cfg.run.max_restarts}")
     _check(d.replicas >= 1, f"`data.replicas` must be at least 1, got {d.replicas}")

@@ -211,9 +211,12 @@ def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: tor
             full = f"optim/{name}/{key}"
             if full in saved:
                 t = ckpt.read(full).reshape(()) if key == "step" else _read_whole(ckpt, full, p)
+                if key in state:  # created with the optimizer (MasterWeightAdamW): keep its device and dtype
+                    state[key].copy_(t)
+                    continue
                 # fused AdamW keeps `step` on the parameter's device, the default one on the host
                 on_device = key != "step" or optimizer.defaults.get("fused")
-                state[key] = t.to(p.device if on_device else "cpu")
+                state[key] = t.to(p.device if on_device else "cpu", torch.float32 if key == "step" else p.dtype)
 
 
 def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, data, rank: int,

@@ -42,8 +42,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     At construction each parameter's current (fp32) value becomes its master weight and the parameter itself is
     re-stored in `param_dtype`: the optimizer owns the parameters' precision from then on. `step` reads the gradients
     and writes master weights, moments and the parameters' copies in one kernel per parameter (kernels/adamw.py).
-    State per parameter, created here (so a checkpoint's buffers are known before the first step): `master`,
-    `exp_avg`, `exp_avg_sq` (fp32) and `step` (a host scalar). Checkpoints save `master` as the parameter's value.
+    State per parameter, created here (so a checkpoint's buffers are known before the first step): `master` (fp32),
+    `exp_avg`, `exp_avg_sq` (`moment_dtype`; the kernel's math is fp32) and `step` (a host scalar). Checkpoints save `master` as the parameter's value.
 
     Gradients: one backward per step leaves its bf16 gradient in `.grad` and the kernel reads it as is (no copy).
     From a step's second backward on (gradient accumulation), each backward's contribution is added into an fp32 sum
@@ -53,7 +53,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 param_dtype: torch.dtype = torch.bfloat16):
+                 param_dtype: torch.dtype = torch.bfloat16, moment_dtype: torch.dtype = torch.float32):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_scale: torch.Tensor | None = None
         self._backwards: dict[torch.Tensor, int] = {}  # backward passes that reached each parameter this step
@@ -65,7 +65,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 master = p.detach().clone()
                 p.data = p.data.to(param_dtype)
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32), "master": master,
-                                 "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
+                                 "exp_avg": torch.zeros_like(master, dtype=moment_dtype),
+                                 "exp_avg_sq": torch.zeros_like(master, dtype=moment_dtype)}
                 p.register_hook(functools.partial(self._sum_in_fp32, p))
                 p.register_post_accumulate_grad_hook(self._clear_summed)
 
@@ -117,7 +118,7 @@ def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer
     groups, betas = param_groups(model, cfg.weight_decay), (cfg.beta1, cfg.beta2)
     if cfg.param_dtype != "fp32":
         return MasterWeightAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                 param_dtype=DTYPES[cfg.param_dtype])
+                                 param_dtype=DTYPES[cfg.param_dtype], moment_dtype=DTYPES[cfg.moment_dtype])
     fused = next(model.parameters()).is_cuda
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused)
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from kernels.adamw import adamw_step
 from services.common.config import OptimizerConfig
+from services.trainer.optim import DTYPES
 from services.trainer.parallel.expert_parallel import is_expert_param
 from services.trainer.parallel.groups import Axis, ParallelGroups
 
@@ -92,7 +93,7 @@ class DistributedOptimizer:
     def __init__(self, model: nn.Module, groups: ParallelGroups, cfg: OptimizerConfig, bucket_mb: float = 25.0,
                  shard: bool = True):
         self.cfg, self.groups, self.shard = cfg, groups, shard
-        self.param_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.param_dtype]
+        self.param_dtype, self.moment_dtype = DTYPES[cfg.param_dtype], DTYPES[cfg.moment_dtype]
         self.step_count = 0
         self.expected_arrivals = 1
         self.launch_log: list[int] = []  # bucket indices in launch order this step (tests read it to prove overlap)
@@ -175,7 +176,7 @@ class DistributedOptimizer:
         b = Bucket(index, domain, axis, slots, size, params, grads)
         b.lo, b.hi = ((axis.rank * size // n, (axis.rank + 1) * size // n) if self.shard else (0, size))
         b.master = values[b.lo:b.hi] if params is values else values[b.lo:b.hi].clone()  # fp32 master weights
-        b.exp_avg, b.exp_avg_sq = torch.zeros_like(b.master), torch.zeros_like(b.master)
+        b.exp_avg, b.exp_avg_sq = (torch.zeros_like(b.master, dtype=self.moment_dtype) for _ in range(2))
         norm = torch.zeros(size, device=ref.device)
         for s in slots:
             norm[s.start:s.start + s.numel] = float(s.counted)
