@@ -115,6 +115,11 @@ def _memory_policy(model: torch.nn.Module, cfg: Config) -> None:
     apply_memory_policy(model, m.recompute, m.offload, m.recompute_layers, m.offload_layers)
 
 
+def autocast_of(cfg: Config) -> torch.dtype | None:
+    """As the trainer: the CPU computes in fp32, under bf16 autocast with bf16 parameters."""
+    return torch.bfloat16 if cfg.optimizer.param_dtype == "bf16" else None
+
+
 def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict:
     model = MoETransformer(cfg.model)
     model.init_weights(seed)
@@ -131,7 +136,7 @@ def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict
         loss = torch.zeros(())
         for i, mb in enumerate(mbs):
             probe.key = (step, i)
-            loss += forward_backward(model, [mb], tokens, torch.device("cpu"), None)
+            loss += forward_backward(model, [mb], tokens, torch.device("cpu"), autocast_of(cfg))
         losses.append(float(loss) / tokens)
         grad_of = opt.grad if isinstance(opt, MasterWeightAdamW) else (lambda p: p.grad)  # fp32 sums with bf16 params
         grads.append({n: grad_of(p).clone() for n, p in model.named_parameters() if grad_of(p) is not None})
@@ -205,7 +210,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
             pending.append([])
             local_index = iter(range(first, first + per_rank))
             handle = model.register_forward_pre_hook(lambda *a: setattr(probe, "key", (step, next(local_index, -1))))
-            loss, tokens = forward_backward_parallel(model, mine, groups, cfg, torch.device("cpu"), None, opt)
+            loss, tokens = forward_backward_parallel(model, mine, groups, cfg, torch.device("cpu"), autocast_of(cfg), opt)
             handle.remove()
             opt.finish_grad_sync()
             losses.append(float(loss) / tokens)

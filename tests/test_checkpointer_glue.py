@@ -42,7 +42,9 @@ def tiny(param_dtype: str = "fp32", moment_dtype: str = "fp32") -> tuple[MoETran
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 64, (12,), generator=g)
-    logits = model(tokens, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32))
+    bf16 = model.output.weight.dtype == torch.bfloat16  # bf16 parameters compute under autocast, as in the trainer
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(tokens, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32))
     opt.zero_grad()
     torch.nn.functional.cross_entropy(logits.float().reshape(12, -1), tokens).backward()
     opt.step()

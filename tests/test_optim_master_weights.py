@@ -15,7 +15,7 @@ import torch
 from services.common.config import Config, ModelConfig
 from services.trainer import checkpointing
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.optim import DTYPES, MasterWeightAdamW, build_adamw, clip_and_step
+from services.trainer.optim import DTYPES, MasterWeightAdamW, build_adamw, clip_and_step, stays_fp32
 from services.trainer.parallel import checkpoint_shards
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.groups import single_process
@@ -68,9 +68,11 @@ def tiny_model(seed: int = 1) -> MoETransformer:
 
 
 def backward(model: MoETransformer, seed: int) -> None:
+    """One forward/backward under bf16 autocast (as the trainer runs bf16 parameters, fp32 embedding and norms)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, CFG.vocab_size, (12,), generator=g)
-    logits = model(tokens, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(tokens, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32))
     torch.nn.functional.cross_entropy(logits.float().reshape(12, -1), tokens).backward()
 
 
@@ -89,7 +91,10 @@ def test_distributed_optimizer_buckets_make_the_one_process_update(moment_dtype)
     plain, bucketed = tiny_model(), tiny_model()
     opt = build_adamw(plain, cfg.optimizer)
     dist_opt = DistributedOptimizer(bucketed, single_process(cfg), cfg.optimizer, bucket_mb=0.01)
-    assert len(dist_opt.buckets) > 1 and all(b.params.dtype == torch.bfloat16 for b in dist_opt.buckets)
+    assert len(dist_opt.buckets) > 1
+    for b in dist_opt.buckets:
+        assert all(b.params.dtype == (torch.float32 if stays_fp32(s.name, s.param) else torch.bfloat16)
+                   for s in b.slots)
     assert all(b.exp_avg_sq.dtype == opt.state[p]["exp_avg_sq"].dtype == DTYPES[moment_dtype]
                for b, p in zip(dist_opt.buckets, plain.parameters()))
     for step in range(3):
@@ -194,3 +199,26 @@ def test_bf16_moments_need_bf16_parameters():
     cfg.optimizer.moment_dtype = "bf16"
     with pytest.raises(ConfigError, match="optimizer.param_dtype=bf16"):
         validate(cfg)
+
+
+def test_under_autocast_bf16_parameters_compute_exactly_what_fp32_parameters_do():
+    """Only matrices that autocast would cast to bf16 are stored in bf16 (`stays_fp32`): same logits, bit for bit."""
+    fp32_model, bf16_model = tiny_model(), tiny_model()
+    build_adamw(bf16_model, bf16_config().optimizer)
+    tokens = torch.randint(0, CFG.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = (m(tokens, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32)) for m in (fp32_model, bf16_model))
+    assert bf16_model.output.weight.dtype == torch.bfloat16 and bf16_model.embed.weight.dtype == torch.float32
+    assert torch.equal(a, b)
+
+
+def test_the_optimizer_does_not_keep_itself_or_the_model_alive():
+    import gc
+    import weakref
+
+    model = tiny_model()
+    opt = build_adamw(model, bf16_config().optimizer)
+    gone = weakref.ref(opt), weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert all(ref() is None for ref in gone)

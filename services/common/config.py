@@ -160,7 +160,7 @@ class RunConfig:
     steps: int = 200
     seed: int = 1234
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["fp32", "bf16"] = "bf16"  # autocast dtype on GPU; CPU always runs fp32
+    dtype: Literal["fp32", "bf16"] = "bf16"  # autocast dtype on GPU; CPU runs fp32 unless optimizer.param_dtype=bf16
     log_interval: int = 1
     redis_url: str = ""  # empty: the launcher starts an embedded Redis
     dir: str = "runs"  # the launcher writes the resolved config.yaml and logs/<child>.log here
@@ -388,6 +388,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(d.seq_len > 1 and d.micro_batch_size > 0 and d.grad_accum > 0,
            "`data.seq_len` must be > 1 and `data.micro_batch_size`, `data.grad_accum` positive")
     _check(o.lr > 0 and o.min_lr >= 0 and o.min_lr <= o.lr, f"need 0 <= `optimizer.min_lr` <= `optimizer.lr` > 0")
+    _check(o.param_dtype == "fp32" or cfg.run.dtype == "bf16",
+           "`optimizer.param_dtype=bf16` computes under bf16 autocast: it needs `run.dtype=bf16`")
     _check(o.moment_dtype == "fp32" or o.param_dtype == "bf16",
            f"`optimizer.moment_dtype={o.moment_dtype}` needs `optimizer.param_dtype=bf16` (the fp32-parameter "
            "optimizer is torch's AdamW, which keeps its moments in the parameters' dtype)")

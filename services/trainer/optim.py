@@ -8,8 +8,8 @@ optimizer (parallel/distributed_optimizer.py) does the same over its buckets.
 
 from __future__ import annotations
 
-import functools
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -36,11 +36,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def stays_fp32(name: str, p: torch.Tensor) -> bool:
+    """Parameters kept in fp32 under `optimizer.param_dtype=bf16`: the embedding (its output starts the residual
+    stream, which then stays fp32 as with fp32 parameters under autocast), norm scales and router weights (fp32
+    routing scores). Every matrix a GEMM reads in bf16 anyway is stored in bf16, so the forward pass computes exactly
+    what it computes from fp32 parameters under bf16 autocast."""
+    return p.ndim < 2 or name.endswith("router.weight") or name.endswith("embed.weight")
+
+
 class MasterWeightAdamW(torch.optim.Optimizer):
     """AdamW over fp32 master weights for parameters held in a lower precision (Megatron's bf16 mixed precision).
 
     At construction each parameter's current (fp32) value becomes its master weight and the parameter itself is
-    re-stored in `param_dtype`: the optimizer owns the parameters' precision from then on. `step` reads the gradients
+    re-stored in `param_dtype`, except those in `keep_fp32`, whose master weight is the parameter itself: the
+    optimizer owns the parameters' precision from then on. `step` reads the gradients
     and writes master weights, moments and the parameters' copies in one kernel per parameter (kernels/adamw.py).
     State per parameter, created here (so a checkpoint's buffers are known before the first step): `master` (fp32),
     `exp_avg`, `exp_avg_sq` (`moment_dtype`; the kernel's math is fp32) and `step` (a host scalar). Checkpoints save `master` as the parameter's value.
@@ -53,8 +62,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 param_dtype: torch.dtype = torch.bfloat16, moment_dtype: torch.dtype = torch.float32):
+                 param_dtype: torch.dtype = torch.bfloat16, moment_dtype: torch.dtype = torch.float32,
+                 keep_fp32: tuple[torch.Tensor, ...] = ()):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        kept = {id(p) for p in keep_fp32}
         self.grad_scale: torch.Tensor | None = None
         self._backwards: dict[torch.Tensor, int] = {}  # backward passes that reached each parameter this step
         for group in self.param_groups:
@@ -62,13 +73,17 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 if p.dtype != torch.float32:
                     raise ValueError(f"MasterWeightAdamW takes fp32 parameters (their values become the master "
                                      f"weights), got a {p.dtype} parameter of shape {tuple(p.shape)}")
-                master = p.detach().clone()
-                p.data = p.data.to(param_dtype)
+                master = p.detach() if id(p) in kept else p.detach().clone()
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32), "master": master,
                                  "exp_avg": torch.zeros_like(master, dtype=moment_dtype),
                                  "exp_avg_sq": torch.zeros_like(master, dtype=moment_dtype)}
-                p.register_hook(functools.partial(self._sum_in_fp32, p))
-                p.register_post_accumulate_grad_hook(self._clear_summed)
+                if id(p) in kept:
+                    continue  # fp32: autograd sums its gradients in fp32 already
+                p.data = p.data.to(param_dtype)
+                # weak references only: a hook that held the optimizer would keep it (and the model) alive
+                optimizer, param = weakref.ref(self), weakref.ref(p)
+                p.register_hook(lambda g, o=optimizer, q=param: _call(o, "_sum_in_fp32", q(), g, default=g))
+                p.register_post_accumulate_grad_hook(lambda q, o=optimizer: _call(o, "_clear_summed", q))
 
     def _sum_in_fp32(self, p: torch.Tensor, contribution: torch.Tensor) -> torch.Tensor:
         """Before autograd accumulates a backward's gradient: from the second one on, add it to the fp32 sum."""
@@ -106,10 +121,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 state["step"] += 1
-                adamw_step(state["master"], grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], p,
+                copy = None if p.dtype == torch.float32 else p  # fp32 parameters are their own master weights
+                adamw_step(state["master"], grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], copy,
                            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], step=int(state["step"]), grad_divisor=self.grad_scale)
         return loss
+
+
+def _call(ref: weakref.ref, method: str, *args, default=None):
+    target = ref()
+    return default if target is None else getattr(target, method)(*args)
 
 
 def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -117,8 +138,10 @@ def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer
     after the model holds its initial fp32 weights and sits on its device)."""
     groups, betas = param_groups(model, cfg.weight_decay), (cfg.beta1, cfg.beta2)
     if cfg.param_dtype != "fp32":
+        keep = tuple(p for n, p in model.named_parameters() if stays_fp32(n, p))
         return MasterWeightAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                 param_dtype=DTYPES[cfg.param_dtype], moment_dtype=DTYPES[cfg.moment_dtype])
+                                 param_dtype=DTYPES[cfg.param_dtype], moment_dtype=DTYPES[cfg.moment_dtype],
+                                 keep_fp32=keep)
     fused = next(model.parameters()).is_cuda
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused)
 

@@ -51,7 +51,9 @@ def init_runtime(cfg: Config) -> Runtime:
     if world_size > 1:
         torch.distributed.init_process_group("nccl" if want_cuda else "gloo", device_id=device if want_cuda else None)
     validate(cfg, world_size)
-    autocast = torch.bfloat16 if (want_cuda and cfg.run.dtype == "bf16") else None
+    # bf16 autocast on the GPU; on the CPU only with bf16 parameters (their fp32 embedding and norms meet bf16 matrices)
+    bf16_params = cfg.optimizer.param_dtype == "bf16"
+    autocast = torch.bfloat16 if cfg.run.dtype == "bf16" and (want_cuda or bf16_params) else None
     return Runtime(rank, world_size, device, autocast)
 
 

@@ -12,7 +12,8 @@ Each rank of a reducing group of size n owns 1/n of every bucket: only for that 
 and Adam moments, and compute the update; an all-gather then refreshes the full bucket on every rank. With
 `optimizer.param_dtype=bf16` the buckets' parameters are bf16 (so are the all-gathers and the gradients autograd
 produces; the gradient buckets stay fp32) and the fp32 master range is a separate tensor, written together with the
-bf16 range by kernels/adamw.py. The all-gathers
+bf16 range by kernels/adamw.py; the parameters that stay fp32 (`optim.stays_fp32`: embedding, norms, router) have
+buckets of their own. The all-gathers
 are launched asynchronously at the end of `step`, in the order the next forward pass needs the buckets, and each module
 waits for its own parameters' buckets (and its direct children's) in a forward pre-hook, so the gathers overlap the
 next forward. Anything else that reads parameters between steps calls `wait_params()` (the checkpoint snapshot does;
@@ -34,7 +35,7 @@ from torch import nn
 
 from kernels.adamw import adamw_step
 from services.common.config import OptimizerConfig
-from services.trainer.optim import DTYPES
+from services.trainer.optim import DTYPES, stays_fp32
 from services.trainer.parallel.expert_parallel import is_expert_param
 from services.trainer.parallel.groups import Axis, ParallelGroups
 
@@ -137,22 +138,29 @@ class DistributedOptimizer:
     # ------------------------------------------------------------ layout
 
     def _build_buckets(self, model: nn.Module, bucket_bytes: int) -> list[Bucket]:
-        open_: dict[str, list[tuple[str, nn.Parameter]]] = {"dense": [], "expert": []}
-        filled: dict[str, int] = {"dense": 0, "expert": 0}
-        groups_of_params: list[tuple[str, list[tuple[str, nn.Parameter]]]] = []
+        """Buckets per (domain, storage dtype): with bf16 parameters, those that stay fp32 (`optim.stays_fp32`) fill
+        buckets of their own, closed with the domain's bf16 bucket, so that buckets still complete (and launch, in
+        index order) in the order backward produces their gradients."""
+        open_: dict[tuple[str, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
+        filled: dict[tuple[str, torch.dtype], int] = {}
+        groups_of_params: list[tuple[str, torch.dtype, list[tuple[str, nn.Parameter]]]] = []
         for name, p in reversed(list(model.named_parameters())):
             if not p.requires_grad:
                 continue
-            d = _domain(name, p)
-            if not open_[d]:
-                groups_of_params.append((d, open_[d]))
-            open_[d].append((name, p))
-            filled[d] += p.numel() * 4
-            if filled[d] >= bucket_bytes:
-                open_[d], filled[d] = [], 0
-        return [self._make_bucket(i, d, members) for i, (d, members) in enumerate(groups_of_params)]
+            key = (_domain(name, p), torch.float32 if stays_fp32(name, p) else self.param_dtype)
+            if not open_.get(key):
+                open_[key], filled[key] = [], 0
+                groups_of_params.append((*key, open_[key]))
+            open_[key].append((name, p))
+            filled[key] += p.numel() * 4
+            if filled[key] >= bucket_bytes:
+                for other in open_:
+                    if other[0] == key[0]:
+                        open_[other] = []
+        return [self._make_bucket(i, d, dtype, members) for i, (d, dtype, members) in enumerate(groups_of_params)]
 
-    def _make_bucket(self, index: int, domain: str, members: list[tuple[str, nn.Parameter]]) -> Bucket:
+    def _make_bucket(self, index: int, domain: str, dtype: torch.dtype,
+                     members: list[tuple[str, nn.Parameter]]) -> Bucket:
         axis = self.groups.edp if domain == "expert" else self.groups.dp_cp
         tp = self.groups.tp
         n = axis.size
@@ -163,7 +171,7 @@ class DistributedOptimizer:
         grads = torch.zeros(size, dtype=torch.float32, device=ref.device)
         for (_, p), start in zip(members, itertools.accumulate((p.numel() for _, p in members), initial=0)):
             values[start:start + p.numel()].copy_(p.detach().reshape(-1))
-        params = values if self.param_dtype == values.dtype else values.to(self.param_dtype)
+        params = values if dtype == values.dtype else values.to(dtype)
         slots, start = [], 0
         for name, p in members:
             p.data = params[start:start + p.numel()].view_as(p)
@@ -279,10 +287,10 @@ class DistributedOptimizer:
         divisor = ((norm + 1e-6) / c.clip_grad).clamp(min=1.0) if c.clip_grad > 0 else None
         if self.param_dtype != torch.float32:  # master weights apart: kernels/adamw.py also writes the bf16 copy
             for b in self.buckets:
-                owned = b.params[b.lo:b.hi]
+                owned = b.params[b.lo:b.hi] if b.params.dtype != torch.float32 else None  # else: its own master
                 for lo, hi, decays in b.decay_runs:
                     adamw_step(b.master[lo:hi], b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
-                               owned[lo:hi], lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                               None if owned is None else owned[lo:hi], lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                                weight_decay=c.weight_decay if decays else 0.0, step=self.step_count,
                                grad_divisor=divisor)
             return
