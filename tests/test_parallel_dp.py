@@ -63,12 +63,12 @@ def test_dp2_with_the_moe_activation_path_recomputed_matches_single_process(tmp_
 
 
 def test_dp2_with_bf16_parameters_and_fp32_master_weights_matches_single_process(tmp_path):
-    """`optimizer.param_dtype=bf16`: both sides compute each micro-batch in bf16 from the same bf16 parameters (the CPU
-    has no autocast: the parameters' dtype is the compute dtype), sum the micro-batches' gradients in fp32 (the
-    reference in MasterWeightAdamW's sums, DP in its buckets) and update fp32 master weights, so they agree to fp32
-    reordering, except where a master weight's last bits round it to a neighbouring bf16 value: tolerance 1e-4
-    (measured: 2.3e-5 at most, step 3's expert gradients; 0 for steps 1-2). Adding gradients in bf16 anywhere shows
-    here: it flips routing decisions by the second step (measured: 10% gradient differences in the MoE layer)."""
+    """`optimizer.param_dtype=bf16` under bf16 autocast (the trainer autocasts on the CPU too with bf16 parameters):
+    both sides compute each micro-batch from the same parameters, sum the micro-batches' gradients in fp32 (the
+    reference in MasterWeightAdamW's sums and fp32 `.grad`, DP in its buckets) and update fp32 master weights, so
+    steps 1-2 agree to fp32 reordering (measured: 1.5e-7). From step 3 on, a master weight whose last bits differ can
+    round to a neighbouring bf16 value: tolerance 1e-3 (measured: 6.5e-4 at most). Adding gradients in bf16 anywhere
+    shows as ~10% differences in the MoE layer by step 2 (routing flips; measured with bf16 accumulation)."""
     cfg = tiny_config()
     cfg.optimizer.param_dtype = "bf16"
     batches = make_batches(cfg.model, steps=3, micro=4, seed=3)
@@ -77,5 +77,5 @@ def test_dp2_with_bf16_parameters_and_fp32_master_weights_matches_single_process
     assert fp32 == {n for n, p in ref["params"].items() if p.dtype == torch.float32}
     assert {"embed.weight", "layers.0.mlp.router.weight", "norm.weight"} <= fp32
     assert {"output.weight", "layers.0.mlp.experts.w13", "layers.0.attn.q_proj.weight"}.isdisjoint(fp32)
-    assert_parity(ref, par, rtol=1e-4)
+    assert_parity(ref, par, rtol=1e-3)
     assert_same_rank_replicas(par, "params")
