@@ -64,3 +64,31 @@ def test_bf16_casts_of_weights_are_parameter_copies_not_activations():
     assert bf16.parameter_copies == sum(2 * p.numel() for p in copied)
     assert bf16.activations < fp32.activations  # bf16 activations, and the copies are not among them
     assert "parameter copies" in bf16.table()
+
+
+def test_with_bf16_parameters_master_weights_are_optimizer_state_and_fp32_parameters_count_once():
+    """`optimizer.param_dtype=bf16`: the parameters are 2 B per element (4 B for those that stay fp32), the optimizer
+    holds 12 B per element (master, two moments), where an fp32 parameter's master is the parameter itself, counted
+    as a parameter only; and no bf16 copies of weights are saved for backward."""
+    from services.common.config import OptimizerConfig
+    from services.trainer.optim import build_adamw, stays_fp32
+
+    torch.manual_seed(0)
+    model = MoETransformer(ModelConfig(**CFG))
+    model.init_weights(0)
+    opt = build_adamw(model, OptimizerConfig(param_dtype="bf16"))
+    tokens = torch.randint(0, 264, (64,))
+    mb = {"tokens": tokens, "labels": torch.roll(tokens, -1), "position_ids": torch.arange(64),
+          "cu_seqlens": torch.tensor([0, 64], dtype=torch.int32), "max_seqlen": 64}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        forward_backward(model, [mb], 64, torch.device("cpu"), torch.bfloat16)
+        opt.step()
+
+    r = measure_step(model, opt, step, torch.device("cpu"))
+    kept = sum(p.numel() for n, p in model.named_parameters() if stays_fp32(n, p))
+    total = sum(p.numel() for p in model.parameters())
+    assert r.parameters == 2 * (total - kept) + 4 * kept
+    assert 12 * total - 4 * kept <= r.optimizer_state <= 12 * total - 4 * kept + 4 * len(list(model.parameters()))
+    assert r.parameter_copies == 0

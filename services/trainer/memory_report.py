@@ -43,10 +43,13 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int
     return sum(seen.values())
 
 
-def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+def _optimizer_tensors(optimizer, params) -> list[torch.Tensor]:
+    """Optimizer state, less storages that are parameters' own (an fp32 parameter is its own master weight)."""
+    own = {p.untyped_storage().data_ptr() for p in params}
     out = []
     for state in getattr(optimizer, "state", {}).values():
-        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        out.extend(v for v in state.values() if isinstance(v, torch.Tensor) and
+                   v.untyped_storage().data_ptr() not in own)
     return out
 
 
@@ -149,6 +152,6 @@ def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], 
     allocated, grads_then = at_backward[0] if at_backward else (0, 0)
     return MemoryReport(parameters=_storage_bytes(params, device),
                         gradients=_storage_bytes((p.grad for p in params), device),
-                        optimizer_state=_storage_bytes(_optimizer_tensors(optimizer), device),
+                        optimizer_state=_storage_bytes(_optimizer_tensors(optimizer, params), device),
                         parameter_copies=sum(copies.values()), activations=activations,
                         at_backward=allocated if on_cuda else None, grads_at_backward=grads_then, peak=peak)
