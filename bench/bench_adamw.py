@@ -20,7 +20,6 @@ each freeing its buffers: the peak is (c)'s 16 B per element plus the 14 B its f
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -29,25 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_kernels import time_ms  # noqa: E402  (bench/ is the script's directory)
 from kernels.adamw import adamw_step  # noqa: E402
 
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 STEP = 10
-
-
-def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def fused_adamw(master, grad, exp_avg, exp_avg_sq, chunks: int, divisor: torch.Tensor) -> Callable[[], None]:
