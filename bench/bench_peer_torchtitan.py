@@ -112,7 +112,7 @@ def job_config(tt, cfg: Config, args, world: int, cuda: bool):
         "model.name": "qwen3", "model.flavor": FLAVOR,
         "training.seq_len": d.seq_len, "training.local_batch_size": d.micro_batch_size,
         "training.global_batch_size": d.micro_batch_size * d.grad_accum * world,  # dp_shard = world: grad_accum steps
-        "training.dtype": "float32",  # master weights; compute precision below
+        "training.dtype": args.dtype,  # float32: master weights, compute precision below; bfloat16: no fp32 copy
         "training.mixed_precision_param": "bfloat16" if cfg.run.dtype == "bf16" else "float32",
         "training.mixed_precision_reduce": "float32",
         "training.max_norm": o.clip_grad, "training.steps": args.warmup + args.steps,
@@ -159,7 +159,7 @@ def model_args(tt, cfg: Config, jc, cuda: bool):
     return margs, changed
 
 
-def differences(cfg: Config, margs, world: int, mp: str) -> list[str]:
+def differences(cfg: Config, margs, world: int, mp: str, training_dtype: str = "float32") -> list[str]:
     """What is not the same computation as foldmoe's step at this config, beyond kernels and scheduling."""
     m, moe = cfg.model, margs.moe_args
     out = [f"load balancing: foldmoe {m.aux_loss_type} aux loss x{m.aux_loss_coeff:g}"
@@ -177,10 +177,17 @@ def differences(cfg: Config, margs, world: int, mp: str) -> list[str]:
     if m.z_loss_coeff or m.capacity_factor:
         out.append(f"foldmoe z_loss_coeff={m.z_loss_coeff} capacity_factor={m.capacity_factor}: torchtitan has "
                    "neither (dropless, no z-loss)")
-    out.append("precision: " + (f"FSDP2 MixedPrecisionPolicy(param {mp}, reduce float32) over fp32 master weights, "
-                                "no autocast (torchtitan with dp_shard > 1)" if world > 1 else
-                                f"torch.autocast {mp} over fp32 weights (torchtitan on one device, no FSDP)")
-               + f"; foldmoe: run.dtype={cfg.run.dtype}")
+    o = cfg.optimizer
+    ours = (f"; foldmoe: run.dtype={cfg.run.dtype}, optimizer.param_dtype={o.param_dtype} (fp32 master weights in "
+            f"the optimizer), moment_dtype={o.moment_dtype}")
+    if training_dtype == "bfloat16":
+        out.append("precision: torchtitan training.dtype=bfloat16: parameters, gradients and AdamW moments in bf16, "
+                   "no fp32 master weights (updates below a weight's bf16 resolution are lost)" + ours)
+    else:
+        out.append("precision: " + (f"FSDP2 MixedPrecisionPolicy(param {mp}, reduce float32) over fp32 master "
+                                    "weights, no autocast (torchtitan with dp_shard > 1)" if world > 1 else
+                                    f"torch.autocast {mp} over fp32 weights (torchtitan on one device, no FSDP)")
+                   + ours)
     return out
 
 
@@ -291,6 +298,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torchtitan's per-block torch.compile (and the loss)")
     ap.add_argument("--ac", default="none", choices=["none", "selective", "full"],
                     help="torchtitan's activation checkpointing mode (default none)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="torchtitan's training.dtype: bfloat16 keeps parameters, gradients and AdamW state in bf16 "
+                         "with no fp32 master copy (the issue's reference figures); default float32 + autocast")
     ap.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args()
@@ -322,7 +332,8 @@ def main() -> None:
         "peer": "torchtitan", "torchtitan": importlib.metadata.version("torchtitan"), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world": world,
         "layout": {"dp_shard": pdims.dp_shard, "ep": pdims.ep, "expert_sharding": expert_sharding(t.model)},
-        "compile": args.compile, "ac": args.ac, "mixed_precision": jc.training.mixed_precision_param,
+        "compile": args.compile, "ac": args.ac, "training_dtype": args.dtype,
+        "mixed_precision": jc.training.mixed_precision_param,
         "grouped_mm": t.margs.moe_args.use_grouped_mm,
         "tokens_per_step": tokens_per_step, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
         "mfu": tps * flops_tok / 1e12 / world / peak if peak else None, "peak_tflops": peak,
@@ -357,6 +368,7 @@ def print_table(r: dict, cfg: Config, margs, args, world: int) -> None:
             ("layout", f"dp_shard {r['layout']['dp_shard']} ep {r['layout']['ep']} ("
                        f"experts sharded over {r['layout']['expert_sharding']}, FSDP2 "
                        f"{'on' if world > 1 else 'off'}) | compile {'on' if args.compile else 'off'} | AC {args.ac} | "
+                       f"training.dtype {args.dtype} | "
                        f"experts {'torch._grouped_mm' if r['grouped_mm'] else 'for-loop (CPU)'}"),
             ("shape", f"L{m.n_layers} d{m.dim} heads {m.n_heads}/{m.n_kv_heads}x{m.head_dim} E{m.moe_args.num_experts}"
                       f" top{m.moe_args.top_k} ffn {m.moe_inter_dim} vocab {m.vocab_size} qk_norm {m.qk_norm} rope "
@@ -375,7 +387,7 @@ def print_table(r: dict, cfg: Config, margs, args, world: int) -> None:
             ("loss first -> last", f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} (fixed batch: "
                                    f"{'falls' if r['loss_last'] < r['loss_first'] else 'DOES NOT FALL'})"),
             ("flavor overrides", ", ".join(f"{k} {a}->{b}" for k, (a, b) in r["flavor_overrides"].items()) or "none")]
-    notes = differences(cfg, margs, world, r["mixed_precision"])
+    notes = differences(cfg, margs, world, r["mixed_precision"], r["training_dtype"])
     rows += [("differences" if i == 0 else "", d) for i, d in enumerate(notes)]
     print("\n".join(f"{k:<22}{v}" for k, v in rows), flush=True)
 

@@ -72,7 +72,7 @@ class Outcome:
 
 
 def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batches, device, sheet: float,
-                profile_rows: int = 0) -> Outcome:
+                profile_rows: int = 0, trace: str | None = None) -> Outcome:
     """Build the model for `cfg` on the device from `weights`, apply its memory policy, time `run.steps` steps; with
     `profile_rows`, two more steps run under torch.profiler and the kernels with the most device time are printed."""
     with torch.device(device):  # parameters allocated on the device, buffers (RoPE frequencies) computed there
@@ -105,7 +105,7 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     memory = measure_step(model, opt, lambda: train_step(batches[0]), device)  # one more step, counted by category
     if profile_rows:
-        print_profile(name, lambda: train_step(batches[0]), profile_rows)
+        print_profile(name, lambda: train_step(batches[0]), profile_rows, trace and f"{trace}.{name}.json")
     outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, peak_gib, steady * 1000, float(loss) / tokens, memory)
     del model, opt
     gc.collect()
@@ -113,7 +113,7 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     return outcome
 
 
-def print_profile(name: str, step, rows: int) -> None:
+def print_profile(name: str, step, rows: int, trace: str | None = None) -> None:
     """Device time per kernel over two steps, as a share of the steps' device time: where the step goes."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -122,6 +122,8 @@ def print_profile(name: str, step, rows: int) -> None:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     kernels: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
@@ -131,6 +133,11 @@ def print_profile(name: str, step, rows: int) -> None:
     print(f"{'kernel':<90}{'ms/step':>9}{'share':>8}{'calls':>7}")
     for kname, ts in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:rows]:
         print(f"{kname[:89]:<90}{sum(ts) / 2e3:>9.2f}{100 * sum(ts) / total:>7.1f}%{len(ts) // 2:>7}")
+    print(f"\nprofile of 2 steps, {name}: operators by their own kernels' device time")
+    ops = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    print(f"{'operator':<60}{'ms/step':>9}{'calls':>7}")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:rows]:
+        print(f"{e.key[:59]:<60}{e.self_device_time_total / 2e3:>9.2f}{e.count // 2:>7}")
 
 
 def main() -> None:
@@ -140,6 +147,8 @@ def main() -> None:
                     help='"NAME key=value ...": config overrides on top of the base config; repeatable')
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="print the ROWS kernels with the most device time per variant (torch.profiler, 2 steps)")
+    ap.add_argument("--trace", default=None, metavar="PREFIX",
+                    help="with --profile, also write the profiled steps as a Chrome trace, PREFIX.<variant>.json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -159,7 +168,7 @@ def main() -> None:
     sheet = datasheet_peak(device)
     outcomes = []
     for name, cfg in configs:
-        outcomes.append(run_variant(name, cfg, weights, batches, device, sheet, args.profile))
+        outcomes.append(run_variant(name, cfg, weights, batches, device, sheet, args.profile, args.trace))
         m = cfg.model
         o = outcomes[-1]
         print(f"RESULT {name} | moe_kernels {m.moe_kernels} recompute {m.recompute} offload {m.offload} | "

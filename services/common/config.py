@@ -47,6 +47,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
     init_std: float = 0.02
+    # torch.compile the decoder's memory-bound glue (QK-norm + RoPE of the projected heads) into fused kernels, forward
+    # and backward. The GEMMs, attention core and MoE kernels stay as they are. First steps pay the compile time.
+    compile: bool = False
     # Triton kernels on CUDA (the CPU path is always the torch reference): "permutation" (permute + unpermute),
     # "activation" (SwiGLU with the router weight folded in), "router" (fused top-k; its backward is slower than torch's
     # at Qwen3 shapes, so it is off unless a benchmark says otherwise), "cross_entropy" (output layer + loss over chunks

@@ -57,11 +57,28 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out.transpose(0, 1)
 
 
-def _head_norm(norm: nn.RMSNorm, t: torch.Tensor) -> torch.Tensor:
+def _head_norm(t: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """QK-norm of projected heads. Under autocast they are bf16 while the scale is fp32, and rms_norm runs its fused
     kernel only for one dtype: otherwise it falls back to a composite path that also warns from C++ on every call
     (about 1.4 ms of host time per call on an H100 host, more than the kernel). So the scale is cast to the heads' dtype."""
-    return F.rms_norm(t, norm.normalized_shape, norm.weight.to(t.dtype), norm.eps)
+    return F.rms_norm(t, (t.shape[-1],), scale.to(t.dtype), eps)
+
+
+def head_norm_rope(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None, k_scale: torch.Tensor | None,
+                   eps: float, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projected heads' memory-bound glue: QK-norm (when the scales are given), then RoPE. Eager, a dozen
+    elementwise kernels over [T, heads, head_dim] each way; under `model.compile`, one fused kernel forward and one
+    backward (`compiled_head_norm_rope`)."""
+    if q_scale is not None:
+        q, k = _head_norm(q, q_scale, eps), _head_norm(k, k_scale, eps)
+    return apply_rope(q, position_ids, inv_freq), apply_rope(k, position_ids, inv_freq)
+
+
+@functools.cache
+def compiled_head_norm_rope():
+    """`head_norm_rope` through torch.compile, built once per process (dynamo re-traces only for new shapes and
+    dtypes: it guards on them, and the second distinct token count compiles a shape-generic version)."""
+    return torch.compile(head_norm_rope)
 
 
 class Attention(nn.Module):
@@ -76,7 +93,9 @@ class Attention(nn.Module):
         # Qwen3's QK-norm: RMSNorm of every query and key head over head_dim (one scale shared by all heads), before RoPE.
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.norm_eps = cfg.norm_eps
         self.register_buffer("inv_freq", rope_frequencies(self.head_dim, cfg.rope_theta), persistent=False)
+        self.head_norm_rope = compiled_head_norm_rope() if cfg.compile else head_norm_rope
         # The core over rotated q, k, v; context parallelism swaps in one with the same signature that exchanges K/V.
         self.core = packed_causal_attention
 
@@ -87,9 +106,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(T, -1, self.head_dim)
         k = self.k_proj(x).view(T, -1, self.head_dim)
         v = self.v_proj(x).view(T, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = _head_norm(self.q_norm, q), _head_norm(self.k_norm, k)
-        return apply_rope(q, position_ids, self.inv_freq), apply_rope(k, position_ids, self.inv_freq), v
+        scales = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        q, k = self.head_norm_rope(q, k, *scales, self.norm_eps, position_ids, self.inv_freq)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int | None = None) -> torch.Tensor:
