@@ -4,12 +4,15 @@ Specification: the host buffers can be sized before the first optimizer step and
 parameter sharded by the parallel code is saved as its box of the global tensor and each set of replicas is written by
 one rank only; with on_busy=skip every rank skips when any rank is busy; `attach` makes the optimizer step wait for
 the snapshot's copies (or the copies synchronous where it cannot hook the step); a save restores to the same model,
-optimizer state and RNG, with expert weights stored in the layout-independent [E, h, 2, f] view.
+optimizer state and RNG, with expert weights stored in the layout-independent [E, h, 2, f] view; a folded layout
+restores through the same `restore`, and a checkpoint of another model is refused naming the way out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +29,8 @@ from services.common.config import Config, ModelConfig
 from services.trainer import checkpointing
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw
+from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
+from services.trainer.parallel.groups import single_process
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
                   moe_ffn_hidden_size=16, ffn_hidden_size=48, vocab_size=64, first_k_dense=1)
@@ -39,15 +44,35 @@ def tiny(param_dtype: str = "fp32", moment_dtype: str = "fp32") -> tuple[MoETran
     return model, build_adamw(model, cfg)
 
 
-def train_step(model: MoETransformer, opt: torch.optim.Optimizer, seed: int) -> None:
+def backward(model: MoETransformer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 64, (12,), generator=g)
     bf16 = model.output.weight.dtype == torch.bfloat16  # bf16 parameters compute under autocast, as in the trainer
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         logits = model(tokens, torch.arange(12), torch.tensor([0, 12], dtype=torch.int32))
-    opt.zero_grad()
     torch.nn.functional.cross_entropy(logits.float().reshape(12, -1), tokens).backward()
+
+
+def train_step(model: MoETransformer, opt: torch.optim.Optimizer, seed: int) -> None:
+    opt.zero_grad()
+    backward(model, seed)
     opt.step()
+
+
+@contextmanager
+def checkpoint_writer(directory):
+    """A Snapshotter whose saves a Writer thread commits under `directory`."""
+    writer = Writer(CheckpointStore(directory, keep_last=2), None)
+    stop = threading.Event()
+    thread = threading.Thread(target=writer.serve, args=(stop,), daemon=True)
+    thread.start()
+    saver = Snapshotter(writer.endpoint)
+    try:
+        yield saver
+    finally:
+        saver.close()
+        stop.set()
+        thread.join(10)
 
 
 def test_buffers_sized_before_the_first_step_fit_the_state_after_it():
@@ -154,22 +179,15 @@ def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype, moment_d
     brings those back exactly (not the bf16 copy rounded again)."""
     cfg = Config()
     cfg.checkpoint.dir = str(tmp_path)
-    writer = Writer(CheckpointStore(tmp_path, keep_last=2), None)
-    stop = threading.Event()
-    thread = threading.Thread(target=writer.serve, args=(stop,), daemon=True)
-    thread.start()
-    saver = Snapshotter(writer.endpoint)
     model, opt = tiny(param_dtype, moment_dtype)
-    checkpointing.attach(saver, model, opt, rank=0)
-    train_step(model, opt, 0)
-    torch.manual_seed(7)
-    checkpointing.save(saver, cfg, model, opt, FakeData(123), step=1)
-    saver.wait(30)
-    expected_rng = torch.get_rng_state()
-    train_step(model, opt, 1)  # moves on after the save; the checkpoint must not see it
-    saver.close()
-    stop.set()
-    thread.join(10)
+    with checkpoint_writer(tmp_path) as saver:
+        checkpointing.attach(saver, model, opt, rank=0)
+        train_step(model, opt, 0)
+        torch.manual_seed(7)
+        checkpointing.save(saver, cfg, model, opt, FakeData(123), step=1)
+        saver.wait(30)
+        expected_rng = torch.get_rng_state()
+        train_step(model, opt, 1)  # moves on after the save; the checkpoint must not see it
 
     with load_checkpoint(Path(tmp_path) / "step_00000001") as c:
         assert c.global_shape("model/layers.1.mlp.experts.w13") == (4, 32, 32)  # as the parallel layouts with etp=1
@@ -188,3 +206,43 @@ def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype, moment_d
     for p, q in zip(reference.parameters(), fresh.parameters()):
         for key in keys:
             assert torch.equal(reference_opt.state[p][key], fresh_opt.state[q][key]), key
+
+
+def folded(cfg: Config, model_cfg: ModelConfig = CFG, seed: int = 1) -> tuple[MoETransformer, DistributedOptimizer]:
+    """The model and optimizer of a folded layout (one process: every axis one rank), as several trainer ranks run."""
+    model = MoETransformer(model_cfg)
+    model.init_weights(seed)
+    return model, DistributedOptimizer(model, single_process(cfg), cfg.optimizer, bucket_mb=0.01)
+
+
+def test_a_folded_layout_restores_its_fp32_masters_exactly_and_refuses_another_model_naming_the_fix(tmp_path):
+    """The path every multi-rank trainer (pre-training and RL) resumes through: `restore` with the run's groups."""
+    cfg = Config()
+    cfg.checkpoint.dir = str(tmp_path)
+    cfg.optimizer.param_dtype = "bf16"  # the masters differ from the bf16 parameters: a restore must not round them
+    groups = single_process(cfg)
+    model, opt = folded(cfg)
+    opt.zero_grad()
+    opt.begin_step(1)
+    backward(model, 0)
+    opt.step(cfg.optimizer.lr)
+    with checkpoint_writer(tmp_path) as saver:
+        torch.manual_seed(7)
+        checkpointing.save(saver, cfg, model, opt, FakeData(123), step=1, groups=groups)
+        saver.wait(30)
+        expected_rng = torch.get_rng_state()
+
+    fresh, fresh_opt = folded(cfg, seed=2)
+    data = FakeData(0)
+    torch.manual_seed(99)
+    assert checkpointing.restore(cfg, fresh, fresh_opt, data, rank=0, groups=groups) == 1
+    assert data.position == 123 and torch.equal(torch.get_rng_state(), expected_rng)
+    assert fresh_opt.step_count == 1
+    for b, c in zip(opt.buckets, fresh_opt.buckets, strict=True):
+        for key in ("master", "exp_avg", "exp_avg_sq", "params"):
+            assert torch.equal(getattr(b, key), getattr(c, key)), key
+
+    other, other_opt = folded(cfg, dataclasses.replace(CFG, num_experts=8))
+    with pytest.raises(checkpointing.CheckpointLoadError,
+                       match=r"does not match this model .*checkpoint.dir elsewhere or set checkpoint.resume=false"):
+        checkpointing.restore(cfg, other, other_opt, FakeData(0), rank=0, groups=groups)

@@ -196,13 +196,17 @@ def _read_whole(ckpt, name: str, like: torch.Tensor) -> torch.Tensor:
     return t.reshape(like.shape)
 
 
+def _mismatch(path, cause: Exception) -> CheckpointLoadError:
+    return CheckpointLoadError(f"checkpoint {path} does not match this model ({cause}); "
+                               "point checkpoint.dir elsewhere or set checkpoint.resume=false")
+
+
 def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     try:
         model_state = {k: _read_whole(ckpt, f"model/{k}", t) for k, t in model.state_dict().items()}
         model.load_state_dict(model_state)
     except (KeyError, RuntimeError, CheckpointError) as e:
-        raise CheckpointLoadError(f"checkpoint {path} does not match this model ({e}); "
-                                  "point checkpoint.dir elsewhere or set checkpoint.resume=false") from None
+        raise _mismatch(path, e) from None
     for name, p in model.named_parameters():
         state = optimizer.state[p]
         if "master" in state:  # the checkpoint holds the fp32 value; the parameter got it rounded to its dtype
@@ -221,7 +225,8 @@ def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: tor
 
 def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, data, rank: int,
             groups: Any = None) -> int:
-    """Loads the newest valid checkpoint (if resuming and one exists); returns the step to start from."""
+    """Loads the newest valid checkpoint (if resuming and one exists); returns the step to start from.
+    `groups`: as for `state_shards` (a folded layout reads only its own boxes, whatever layout saved them)."""
     if not cfg.checkpoint.resume:
         return 0
     path = find_latest_valid(cfg.checkpoint.dir)
@@ -235,7 +240,7 @@ def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, dat
         try:
             parallel.load_shards(ckpt, model, optimizer, groups)
         except (KeyError, ValueError, RuntimeError, CheckpointError) as e:
-            raise CheckpointLoadError(f"checkpoint {path} does not fit this model and layout ({e})") from None
+            raise _mismatch(path, e) from None
     else:
         _restore_whole(ckpt, path, saved, model, optimizer)
     if f"rng/rank{rank}/torch_cpu" in saved:

@@ -22,9 +22,8 @@ from services.trainer.metrics import (MetricsLog, datasheet_peak, flops_per_toke
 from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
-from services.trainer.parallel import checkpoint_shards
 from services.trainer.parallel.expert_parallel import sync_expert_load
-from services.trainer.parallel.groups import ParallelGroups, init_groups
+from services.trainer.parallel.groups import init_groups
 from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
 from services.trainer.progress import StepPrinter
 from services.trainer.step import count_loss_tokens, forward_backward
@@ -84,11 +83,8 @@ def train(cfg: Config) -> int:
 
     data = DataClient.from_registry(registry, dp_rank=groups.dp.rank, dp_size=groups.dp.size, cfg=cfg)
     saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
-    if parallel:
-        start_step = restore_parallel(cfg, model, optimizer, data, groups)
-    else:
-        start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank)
-    shard_groups = groups if parallel else None  # a folded layout saves each parameter's box (see checkpointing)
+    shard_groups = groups if parallel else None  # a folded layout saves and reads parameters' boxes (see checkpointing)
+    start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups)
     checkpointing.attach(saver, model, optimizer, rt.rank, shard_groups)  # host buffers now; copies fenced per step
     exporter = TrainerMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
     beat = registry.register("trainer", {"metrics": exporter.endpoint, "rank": rt.rank},
@@ -179,26 +175,6 @@ def update_router_bias(model: MoETransformer, cfg: Config, data_parallel: int = 
         "max_ratio": float((loads.max(-1).values / loads.mean(-1).clamp_min(1e-9)).max()),
         "dropped_frac": float(1 - kept.mean() / routed) if routed else 0.0,
     }
-
-
-def restore_parallel(cfg: Config, model, optimizer, data, groups: ParallelGroups) -> int:
-    """`checkpointing.restore` for a folded layout: each rank reads its own boxes (any saved layout works)."""
-    if not cfg.checkpoint.resume:
-        return 0
-    path = checkpointing.find_latest_valid(cfg.checkpoint.dir)
-    if path is None:
-        return 0
-    ckpt = checkpointing.load_checkpoint(path)
-    try:
-        checkpoint_shards.load_shards(ckpt, model, optimizer, groups)
-    except (KeyError, ValueError, RuntimeError, checkpointing.CheckpointError) as e:
-        raise checkpointing.CheckpointLoadError(f"checkpoint {path} does not match this model ({e}); point "
-                                                "checkpoint.dir elsewhere or set checkpoint.resume=false") from None
-    data.resume(ckpt.extra["data"])
-    step = int(ckpt.extra["step"])
-    if groups.global_rank == 0:
-        print(f"trainer: resumed from {path} at step {step}", file=sys.stderr)
-    return step
 
 
 def main(argv: list[str] | None = None) -> int:
