@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.config import Config, load_config  # noqa: E402
 from services.trainer.memory_report import MemoryReport, measure_step  # noqa: E402
-from services.trainer.metrics import active_params, datasheet_peak, flops_per_token, measure_peak_tflops  # noqa: E402
+from services.trainer.metrics import (StepValues, active_params, datasheet_peak, flops_per_token,  # noqa: E402
+                                      measure_peak_tflops)
 from services.trainer.model.recompute import apply_memory_policy  # noqa: E402
 from services.trainer.model.transformer import MoETransformer  # noqa: E402
 from services.trainer.optim import build_adamw, clip_and_step  # noqa: E402
@@ -83,7 +84,7 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     opt = build_adamw(model, cfg.optimizer)
     tokens = cfg.data.seq_len * cfg.data.micro_batch_size * cfg.data.grad_accum
     torch.cuda.reset_peak_memory_stats()
-    times, loss = [], torch.zeros(())
+    times: list[float] = []
 
     def train_step(mbs):
         opt.zero_grad(set_to_none=True)
@@ -91,14 +92,20 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
         clip_and_step(opt, model.parameters(), cfg.optimizer.clip_grad)
         return loss
 
-    for step in range(cfg.run.steps):
-        mbs = batches[step % len(batches)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = train_step(mbs)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        print(f"[{name}] step {step + 1} loss {float(loss) / tokens:.4f} {tokens / times[-1]:,.0f} tok/s", flush=True)
+    # As the trainer does (services/trainer/train.py): step k's loss is read on the host (StepValues) only after step
+    # k+1 has been queued, so the device never waits for the host between steps. A step's time is the time between
+    # two such reads: its device time once the host runs ahead.
+    torch.cuda.synchronize()
+    last, queued = time.perf_counter(), None
+    for step in range(cfg.run.steps + 1):
+        values = StepValues(loss=train_step(batches[step % len(batches)])) if step < cfg.run.steps else None
+        if queued is not None:
+            value = float(queued.read()["loss"]) / tokens
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+            print(f"[{name}] step {step} loss {value:.4f} {tokens / times[-1]:,.0f} tok/s", flush=True)
+        queued = values
     steady = statistics.median(times[3:]) if len(times) > 5 else statistics.median(times)
     tps = tokens / steady
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -106,7 +113,7 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     memory = measure_step(model, opt, lambda: train_step(batches[0]), device)  # one more step, counted by category
     if profile_rows:
         print_profile(name, lambda: train_step(batches[0]), profile_rows, trace and f"{trace}.{name}.json")
-    outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, peak_gib, steady * 1000, float(loss) / tokens, memory)
+    outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, peak_gib, steady * 1000, value, memory)
     del model, opt
     gc.collect()
     torch.cuda.empty_cache()

@@ -29,6 +29,28 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * active_params(cfg) + 6.0 * cfg.num_layers * cfg.num_heads * cfg.kv_channels * seq_len
 
 
+class StepValues:
+    """One step's device tensors (loss, gradient norm, expert loads), copied to host memory as soon as the step is
+    queued. `read()` waits for that step's work only (an event recorded after the copies), not for work queued after
+    it: the trainer queues step k+1 before it reads step k, so the device never idles while the host logs. Reading a
+    device tensor directly (`float(loss)`) would wait for everything queued, and the next step would start on an
+    empty queue, its first milliseconds bound by the host's launches."""
+
+    def __init__(self, **tensors: torch.Tensor):
+        # non_blocking copies from CUDA land in pinned host memory (torch allocates the result pinned)
+        self._host = {k: t.detach().to("cpu", non_blocking=True) for k, t in tensors.items()}
+        device = next((t.device for t in tensors.values() if t.is_cuda), None)
+        self._done = None
+        if device is not None:
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(device))
+
+    def read(self) -> dict[str, torch.Tensor]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
+
+
 def datasheet_peak(device: torch.device) -> float:
     if device.type != "cuda":
         return 0.0

@@ -18,7 +18,7 @@ from services.common.config import Config, ConfigError, load_config, validate
 from services.common.metrics import TrainerMetrics
 from services.common.registry import Registry, RegistryError, redis_url
 from services.trainer import checkpointing
-from services.trainer.metrics import (MetricsLog, datasheet_peak, flops_per_token, measure_peak_tflops)
+from services.trainer.metrics import (MetricsLog, StepValues, datasheet_peak, flops_per_token, measure_peak_tflops)
 from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
@@ -100,6 +100,34 @@ def train(cfg: Config) -> int:
     log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
     printer.header(cfg, rt.device, peak_sheet, peak_measured, start_step)
 
+    def report(step: int, values: StepValues, lr: float, step_tokens: int, data_wait: float, stall: float,
+               since: float) -> float:
+        """Write step's record once its values are on the host; returns the time it was written."""
+        v = values.read()
+        now = time.perf_counter()
+        dt = now - since
+        tps = tokens_per_step / dt
+        load = expert_load_summary(v["loads"], cfg, groups.dp.size)
+        record = {
+            "step": step + 1, "loss": float(v["loss_sum"]) / step_tokens, "grad_norm": float(v["grad_norm"]),
+            "lr": lr, "tokens_per_s": tps, "step_time_s": dt, "data_wait_s": data_wait, "ckpt_stall_s": stall,
+            "aux_loss": float(v["aux_loss"]),
+            "mfu": tps * flops_tok / 1e12 / rt.world_size / peak_sheet if peak_sheet else None,
+            "mfu_measured_peak": tps * flops_tok / 1e12 / rt.world_size / peak_measured if peak_measured else None,
+            "expert_load": load["per_expert"], "max_load_ratio": load["max_ratio"],
+            "dropped_frac": load["dropped_frac"],
+        }
+        if rt.device.type == "cuda":
+            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+        log.write(record)
+        exporter.observe(record)
+        printer.step(record)
+        registry.set_state("step", step + 1) if rt.rank == 0 else None
+        return now
+
+    # Step k is reported after step k+1 has been queued (StepValues): the host never drains the device's queue between
+    # steps. A step's time is the time between two reports, i.e. its device time once the host runs ahead.
+    pending, last_report = None, time.perf_counter()
     try:
         for step in range(start_step, cfg.run.steps):
             t0 = time.perf_counter()
@@ -118,32 +146,17 @@ def train(cfg: Config) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
                 grad_norm = clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
-            load = update_router_bias(model, cfg, groups.dp.size)
-            loss = float(loss_sum) / step_tokens
-            if rt.device.type == "cuda":  # the training stream only: a checkpoint's copies run on a side stream
-                torch.cuda.current_stream(rt.device).synchronize()
-            t_compute = time.perf_counter() - t0
-
-            stall = 0.0
-            if checkpointing.due(cfg, step + 1):
+            values = StepValues(loss_sum=loss_sum, grad_norm=torch.as_tensor(grad_norm),
+                                aux_loss=sum((m.last_aux_loss for m in model.moe_layers()), torch.zeros(())),
+                                loads=advance_router_bias(model, cfg))
+            if pending is not None:  # the previous step: done on the device by now, this one still queued
+                last_report = report(*pending, since=last_report)
+            stall = 0.0  # counted in this step's time, which ends at its own report
+            if checkpointing.due(cfg, step + 1):  # copies ordered after this step on the device; the host goes on
                 stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups)
-            dt = time.perf_counter() - t0
-            tps = tokens_per_step / dt
-            record = {
-                "step": step + 1, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
-                "tokens_per_s": tps, "step_time_s": dt, "compute_time_s": t_compute, "data_wait_s": data_wait,
-                "ckpt_stall_s": stall, "aux_loss": float(sum(m.last_aux_loss for m in model.moe_layers())),
-                "mfu": tps * flops_tok / 1e12 / rt.world_size / peak_sheet if peak_sheet else None,
-                "mfu_measured_peak": tps * flops_tok / 1e12 / rt.world_size / peak_measured if peak_measured else None,
-                "expert_load": load["per_expert"], "max_load_ratio": load["max_ratio"],
-                "dropped_frac": load["dropped_frac"],
-            }
-            if rt.device.type == "cuda":
-                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
-            log.write(record)
-            exporter.observe(record)
-            printer.step(record)
-            registry.set_state("step", step + 1) if rt.rank == 0 else None
+            pending = (step, values, lr, step_tokens, data_wait, stall)
+        if pending is not None:
+            report(*pending, since=last_report)
         saver.wait()
     finally:
         beat.stop()
@@ -155,26 +168,37 @@ def train(cfg: Config) -> int:
 
 
 @torch.no_grad()
-def update_router_bias(model: MoETransformer, cfg: Config, data_parallel: int = 1) -> dict:
-    """Reads (and resets) the per-expert load of this step; applies the aux-loss-free bias update when enabled.
-    Under data parallelism the load was already summed over the stage (`sync_expert_load`): `data_parallel` replicas."""
+def advance_router_bias(model: MoETransformer, cfg: Config) -> torch.Tensor:
+    """Takes (and resets) the per-expert load of this step and applies the aux-loss-free bias update when enabled, on
+    the device without waiting for it. Returns the loads, [MoE layers, experts] (empty without MoE layers)."""
     per_layer = []
-    routed = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cfg.model.top_k * data_parallel
     for moe in model.moe_layers():
         counts = moe.router.tokens_per_expert.clone()
         if cfg.model.bias_update_rate > 0:
             moe.router.update_bias(counts, cfg.model.bias_update_rate)
         moe.router.tokens_per_expert.zero_()
         per_layer.append(counts)
-    if not per_layer:
+    return torch.stack(per_layer) if per_layer else torch.zeros(0, cfg.model.num_experts)
+
+
+def expert_load_summary(loads: torch.Tensor, cfg: Config, data_parallel: int = 1) -> dict:
+    """Mean load per expert, the worst layer's max/mean ratio and the dropped fraction of routed slots. Under data
+    parallelism the loads were already summed over the stage (`sync_expert_load`): `data_parallel` replicas."""
+    if not len(loads):
         return {"per_expert": [], "max_ratio": 1.0, "dropped_frac": 0.0}
-    loads = torch.stack(per_layer)  # [layers, E]
+    loads = loads.float()
+    routed = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * cfg.model.top_k * data_parallel
     kept = loads.sum(-1)
     return {
         "per_expert": loads.mean(0).tolist(),
         "max_ratio": float((loads.max(-1).values / loads.mean(-1).clamp_min(1e-9)).max()),
         "dropped_frac": float(1 - kept.mean() / routed) if routed else 0.0,
     }
+
+
+def update_router_bias(model: MoETransformer, cfg: Config, data_parallel: int = 1) -> dict:
+    """`advance_router_bias`, then its summary read at once (waits for the device): for loops that read every step."""
+    return expert_load_summary(advance_router_bias(model, cfg).cpu(), cfg, data_parallel)
 
 
 def main(argv: list[str] | None = None) -> int:

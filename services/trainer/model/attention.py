@@ -29,10 +29,11 @@ def _varlen_supports_gqa() -> bool:
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Segment index of every token: [T] int64."""
+    """Segment index of every token: [T] int64. No host sync: a boundary at or past `total` (an empty trailing
+    segment) adds 0 rather than being filtered out with a mask, whose size the host would have to wait for."""
     marks = torch.zeros(total, dtype=torch.int64, device=cu_seqlens.device)
     starts = cu_seqlens[1:-1].to(torch.int64)
-    marks.index_add_(0, starts[starts < total], torch.ones_like(starts[starts < total]))
+    marks.index_add_(0, starts.clamp(max=total - 1), (starts < total).to(torch.int64))
     return marks.cumsum(0)
 
 

@@ -1,0 +1,75 @@
+"""The single-GPU training step queues without waiting for the device, and the trainer reads a step's values without
+waiting for the steps queued after it: the host stays ahead, so the device never idles between steps (a drained queue
+costs the next step's first milliseconds, launched one small kernel at a time; bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.config import ModelConfig, OptimizerConfig
+from services.trainer.metrics import StepValues
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.optim import build_adamw, clip_and_step
+from services.trainer.step import forward_backward
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="host/device syncs exist on a CUDA device only")
+
+
+def micro_batch(tokens: int = 512) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 264, (tokens,), generator=gen)
+    lengths = [200, 250, tokens - 450]
+    return {"tokens": ids, "labels": torch.roll(ids, -1), "max_seqlen": max(lengths),
+            "cu_seqlens": torch.tensor([0] + lengths).cumsum(0).to(torch.int32),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths])}
+
+
+def test_step_values_are_the_tensors_values():
+    loss, loads = torch.tensor(3.5), torch.tensor([[1.0, 2.0]])
+    got = StepValues(loss=loss, loads=loads).read()
+    assert float(got["loss"]) == 3.5 and torch.equal(got["loads"], loads)
+
+
+@cuda_only
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_a_training_step_queues_without_a_host_sync(param_dtype):
+    """Host micro-batch -> device copies, document ids, forward (attention, MoE with the Triton kernels, chunked
+    cross-entropy), backward, gradient clipping and AdamW (torch's, or master weights with bf16 parameters): under
+    torch's sync debug mode "error" any device-to-host wait inside raises."""
+    cfg = ModelConfig(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8, top_k=2,
+                      moe_ffn_hidden_size=128, qk_norm=True)
+    with torch.device("cuda"):
+        model = MoETransformer(cfg)
+    opt = build_adamw(model, OptimizerConfig(param_dtype=param_dtype))  # bf16: re-stores the matrices in bf16
+    mbs = [micro_batch()]
+    device = torch.device("cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = forward_backward(model, mbs, 512, device, torch.bfloat16)
+        clip_and_step(opt, model.parameters(), 1.0)
+        return loss
+
+    step()  # first call: lazy initialisation (cuBLAS handles, Triton compiles) may wait for the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
+
+
+@cuda_only
+def test_step_values_wait_for_their_step_only():
+    x = torch.randn(4096, 4096, device="cuda")
+    loss = x.sum()
+    values = StepValues(loss=loss)
+    for _ in range(40):  # the next "step": ~40 fp32 4096^3 GEMMs queued behind the copy
+        x = (x @ x).clamp_(-1, 1)
+    later = torch.cuda.Event()
+    later.record()
+    got = values.read()
+    assert not later.query(), "read() waited for work queued after the step"
+    assert float(got["loss"]) == pytest.approx(float(loss.cpu()))
