@@ -123,7 +123,9 @@ def _worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
                 m = rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
                             version=step, lr=cfg.optimizer.lr)
                 metrics.append(m)
-                grads.append(opt.full_grads())  # clipped: the fused AdamW unscales the shards in place
+                # the shards stay unclipped (the AdamW kernel divides as it reads): clip as the reference's step did
+                factor = min(1.0, cfg.optimizer.clip_grad / (m["grad_norm"] + 1e-6))
+                grads.append({n: g * factor for n, g in opt.full_grads().items()})
             opt.wait_params()  # the last step's parameter all-gathers (a next forward would wait for them)
             out[scenario] = {"metrics": metrics, "grads": grads,
                              "params": {n: p.detach().clone() for n, p in model.named_parameters()}}

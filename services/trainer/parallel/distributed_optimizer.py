@@ -25,7 +25,9 @@ rank updates the whole bucket.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,6 +85,16 @@ def _domain(name: str, p: nn.Parameter) -> str:
     return "expert" if is_expert_param(name, p) else "dense"
 
 
+def _weak(method: Callable) -> Callable:
+    """`method`, holding its object weakly: once the object is gone, calls do nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
+
+
 class DistributedOptimizer:
     """AdamW over bucketed, DP-reduced gradients. Use per step:
 
@@ -101,9 +113,12 @@ class DistributedOptimizer:
         self.buckets = self._build_buckets(model, max(1, int(bucket_mb * 2**20)))
         self._next_launch = 0
         self._step_pre_hooks: list[Callable] = []
+        # The model's hooks reach the optimizer through weak references only: a strong one would close a cycle
+        # (optimizer -> bucket -> parameter -> hook -> optimizer) that keeps both alive until the cyclic GC runs.
+        arrived = _weak(self._grad_arrived)
         for b in self.buckets:
-            for s in b.slots:
-                s.param.register_post_accumulate_grad_hook(self._make_hook(b, s))
+            for k, s in enumerate(b.slots):
+                s.param.register_post_accumulate_grad_hook(functools.partial(arrived, b.index, k))
         self._gathers: dict[int, object] = {}  # bucket index -> all-gather in flight since the last step
         self._gather_order = self._hook_gathers(model)
 
@@ -111,14 +126,15 @@ class DistributedOptimizer:
         """Forward pre-hooks that wait for the buckets each module reads; returns the buckets in first-needed order
         (modules in registration order, a parent before its children: the order forward reaches them)."""
         bucket_of = {id(s.param): b.index for b in self.buckets for s in b.slots}
+        wait = _weak(self.wait_params)
         order: list[int] = []
         for module in model.modules():
             near = [*module.parameters(recurse=False), *(p for c in module.children() for p in c.parameters(False))]
             needs = sorted({bucket_of[id(p)] for p in near if id(p) in bucket_of})
             if needs:
-                module.register_forward_pre_hook(lambda _m, _args, needs=needs: self.wait_params(needs))
+                module.register_forward_pre_hook(lambda _m, _args, needs=needs: wait(needs))
                 order.extend(i for i in needs if i not in order)
-        model.register_state_dict_pre_hook(lambda *_: self.wait_params())
+        model.register_state_dict_pre_hook(lambda *_: wait())
         return order + [b.index for b in self.buckets if b.index not in order]
 
     def wait_params(self, buckets: list[int] | None = None) -> None:
@@ -213,14 +229,15 @@ class DistributedOptimizer:
         """How many backward passes will deliver gradients this step: a bucket is reduced after the last one."""
         self.expected_arrivals = max(1, num_micro_batches)
 
-    def _make_hook(self, bucket: Bucket, slot: Slot):
-        def hook(p: nn.Parameter) -> None:
-            bucket.grads[slot.start:slot.start + slot.numel].add_(p.grad.reshape(-1))
-            p.grad = None  # the bucket holds the gradient from here on
-            bucket.arrivals += 1
-            if bucket.arrivals == len(bucket.slots) * self.expected_arrivals:
-                self._launch_ready()
-        return hook
+    def _grad_arrived(self, bucket_index: int, slot_index: int, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook of the bucket's `slot_index`-th parameter: move its gradient into the bucket."""
+        bucket = self.buckets[bucket_index]
+        slot = bucket.slots[slot_index]
+        bucket.grads[slot.start:slot.start + slot.numel].add_(p.grad.reshape(-1))
+        p.grad = None  # the bucket holds the gradient from here on
+        bucket.arrivals += 1
+        if bucket.arrivals == len(bucket.slots) * self.expected_arrivals:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Launch complete buckets in index order (every rank issues the same collectives in the same order)."""
@@ -279,35 +296,19 @@ class DistributedOptimizer:
         return norm
 
     def _adamw(self, lr: float, norm: torch.Tensor) -> None:
-        """AdamW on the owned ranges, in one fused kernel per weight-decay setting (torch's `_fused_adamw_` over views
-        of the flat shards: one pass over master weights, moments and gradients). Clipping by the global norm is the
-        kernel's gradient scale (it divides each gradient by it as it reads it), so it costs no pass of its own."""
+        """AdamW on the owned ranges: kernels/adamw.py once per run of elements with one weight-decay setting. It
+        writes the fp32 master range and, for a bf16 bucket, the bf16 range too; an fp32 bucket's master range is its
+        parameters (nothing to copy). Clipping by the global norm is the kernel's gradient divisor (it divides each
+        gradient as it reads it), so it costs no pass of its own and leaves the gradient shards unclipped."""
         c = self.cfg
         # clip_grad_norm_'s factor clip / (norm + 1e-6) <= 1, as the divisor the kernel takes
         divisor = ((norm + 1e-6) / c.clip_grad).clamp(min=1.0) if c.clip_grad > 0 else None
-        if self.param_dtype != torch.float32:  # master weights apart: kernels/adamw.py also writes the bf16 copy
-            for b in self.buckets:
-                owned = b.params[b.lo:b.hi] if b.params.dtype != torch.float32 else None  # else: its own master
-                for lo, hi, decays in b.decay_runs:
-                    adamw_step(b.master[lo:hi], b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
-                               None if owned is None else owned[lo:hi], lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                               weight_decay=c.weight_decay if decays else 0.0, step=self.step_count,
-                               grad_divisor=divisor)
-            return
-        runs: dict[bool, list[tuple[torch.Tensor, ...]]] = {True: [], False: []}
         for b in self.buckets:
+            owned = b.params[b.lo:b.hi] if b.params.dtype != torch.float32 else None  # else: its own master
             for lo, hi, decays in b.decay_runs:
-                runs[decays].append((b.master[lo:hi], b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi]))
-        if not runs[True] and not runs[False]:
-            return
-        device = self.buckets[0].master.device
-        step = torch.full((), float(self.step_count), dtype=torch.float32, device=device)
-        for decays, views in runs.items():
-            if views:
-                master, grads, exp_avg, exp_avg_sq = (list(t) for t in zip(*views))
-                torch._fused_adamw_(master, grads, exp_avg, exp_avg_sq, [], [step] * len(master), lr=lr,
-                                    beta1=c.beta1, beta2=c.beta2, weight_decay=c.weight_decay if decays else 0.0,
-                                    eps=c.eps, amsgrad=False, maximize=False, grad_scale=divisor, found_inf=None)
+                adamw_step(b.master[lo:hi], b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
+                           None if owned is None else owned[lo:hi], lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                           weight_decay=c.weight_decay if decays else 0.0, step=self.step_count, grad_divisor=divisor)
 
     def _gather_params(self) -> None:
         """Launch every bucket's all-gather, first-needed first; forward pre-hooks (or `wait_params`) wait for them."""
@@ -321,7 +322,7 @@ class DistributedOptimizer:
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every local parameter's reduced gradient (after `finish_grad_sync`), gathered over its reducing group;
-        after `step`, clipped (the fused AdamW kernel divides the gradient shards by the clip divisor in place)."""
+        unclipped, also after `step` (the AdamW kernel divides by the clip divisor as it reads, writes nothing back)."""
         out = {}
         for b in self.buckets:
             flat = b.grad_shard
