@@ -84,21 +84,31 @@ def time_fwd_bwd(fn, module: torch.nn.Module, x: torch.Tensor, grad: torch.Tenso
                  device) -> tuple[float, torch.Tensor]:
     """Median ms of forward + backward; returns it and the output of the last run. The weights' gradients are dropped
     before each run, as a training step's `zero_grad(set_to_none=True)` does: otherwise backward would add into the
-    previous run's (an extra pass over every expert weight's gradient, 1.2 ms at the Qwen3 shape on an H100)."""
-    times = []
+    previous run's (an extra pass over every expert weight's gradient, 1.2 ms at the Qwen3 shape on an H100).
+
+    On CUDA the runs are queued back to back and each is timed by a pair of events: device time with the host ahead,
+    as in a training step (services/trainer/train.py never waits for the device between layers or steps). A sync
+    before each run would add the time the host takes to launch the first kernels into an empty queue."""
+    cuda = device.type == "cuda"
+    marks, times = [], []
     for i in range(iters + 2):
         module.zero_grad(set_to_none=True)
         xi = x.detach().requires_grad_(True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t0 = time.perf_counter()
         out = fn(xi)
         out.backward(grad)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 2:
+        if cuda:
+            end.record()
+            marks.append((start, end))
+        else:
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), out.detach()
+    if cuda:
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in marks]
+    return statistics.median(times[2:]), out.detach()
 
 
 def main() -> None:
