@@ -15,7 +15,7 @@ import torch
 from services.common.config import Config, ModelConfig
 from services.trainer import checkpointing
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.optim import DTYPES, MasterWeightAdamW, build_adamw, clip_and_step, stays_fp32
+from services.trainer.optim import DTYPES, MasterWeightAdamW, build_adamw, clip_and_step, param_groups, stays_fp32
 from services.trainer.parallel import checkpoint_shards
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.groups import single_process
@@ -54,6 +54,30 @@ def test_master_weights_follow_fp32_adamw_and_the_params_are_their_bf16_rounding
             master = opt.state[o]["master"]
             torch.testing.assert_close(master, r.detach(), rtol=1e-6, atol=1e-7)
             assert torch.equal(o.detach(), master.bfloat16())
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_with_fp32_parameters_the_one_process_optimizer_is_torch_adamw_on_the_parameters_themselves(max_norm):
+    """`build_adamw` with `optimizer.param_dtype=fp32` (the default): the parameters stay fp32 and are their own master
+    weights (no copy is kept), and each step is torch AdamW's, clipping included."""
+    ref, model = tiny_model(), tiny_model()
+    cfg = Config().optimizer
+    cfg.lr, cfg.weight_decay = 0.01, 0.1
+    opt = build_adamw(model, cfg)
+    ref_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=0.01, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                foreach=False)
+    for p in model.parameters():
+        assert p.dtype == torch.float32 and opt.state[p]["master"].data_ptr() == p.data_ptr()
+    for step in range(3):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad(set_to_none=True)
+            backward(m, step)
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        clip_and_step(opt, model.parameters(), max_norm)
+        for (name, r), o in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(o.detach(), r.detach(), rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_only_fp32_parameters_can_hand_over_their_values():

@@ -94,7 +94,7 @@ def _reference(scenario: str, steps: list[list]) -> dict:
     metrics, grads = [], []
     for m in single_process_rl_steps(model, cfg, steps):
         metrics.append(m)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # clipped in place by rl_step
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # unclipped: the kernel only reads
     return {"metrics": metrics, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -123,9 +123,7 @@ def _worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
                 m = rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
                             version=step, lr=cfg.optimizer.lr)
                 metrics.append(m)
-                # the shards stay unclipped (the AdamW kernel divides as it reads): clip as the reference's step did
-                factor = min(1.0, cfg.optimizer.clip_grad / (m["grad_norm"] + 1e-6))
-                grads.append({n: g * factor for n, g in opt.full_grads().items()})
+                grads.append(opt.full_grads())  # unclipped, as the reference's (the AdamW kernel divides as it reads)
             opt.wait_params()  # the last step's parameter all-gathers (a next forward would wait for them)
             out[scenario] = {"metrics": metrics, "grads": grads,
                              "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
