@@ -52,7 +52,7 @@ def micro_batches(groups, dp_size: int = 1, max_tokens: int = 4096, std_normaliz
 
 
 def single_process_rl_steps(model: MoETransformer, cfg, steps):
-    """The one-process reference of the RL parity tests: `rl_step` with torch's AdamW and a reference model copied
+    """The one-process reference of the RL parity tests: `rl_step` with `build_adamw` and a reference model copied
     from `model`, on each step's groups as the dataloader serves one rank; yields each step's metrics, after the step
     (the caller reads the updated model then)."""
     from services.trainer.optim import build_adamw, set_lr
