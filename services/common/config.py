@@ -19,6 +19,9 @@ class ConfigError(ValueError):
     """A config file or override that cannot describe a valid run."""
 
 
+MAX_PREFETCH = 1024  # credits a dataloader client may hold; the server builds and keeps what they pay for
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 264  # byte tokenizer: 256 bytes + EOS + PAD, rounded up to a multiple of 8 for vocab-parallel TP
@@ -115,7 +118,7 @@ class DataConfig:
     grad_accum: int = 1  # micro-batches per optimizer step per data-parallel rank
     packing_window: int = 256  # documents looked at together by best-fit-decreasing
     seed: int = 1234
-    prefetch: int = 8  # micro-batches in flight per rank (credits)
+    prefetch: int = 8  # micro-batches in flight per rank (credits), 1 to 1024
     blend_weights: list[float] = field(default_factory=list)  # one per corpus entry: each entry its own dataset,
     # sampled per packed sequence with these weights; empty: all entries form one dataset
     cp_max_tokens_per_rank: int = 0  # dynamic CP (parallel.cp_sizes): tokens of a micro-batch per CP rank; 0: no limit
@@ -399,6 +402,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(cfg.run.steps > 0, f"`run.steps` must be positive, got {cfg.run.steps}")
     _check(cfg.run.max_restarts >= 0, f"`run.max_restarts` must be >= 0, got {cfg.run.max_restarts}")
     _check(d.replicas >= 1, f"`data.replicas` must be at least 1, got {d.replicas}")
+    _check(1 <= d.prefetch <= MAX_PREFETCH, f"`data.prefetch` must be in [1, {MAX_PREFETCH}] (micro-batches in flight "
+           f"per rank; the dataloader holds a client to {MAX_PREFETCH}), got {d.prefetch}")
     _check(cfg.checkpoint.host_buffers >= 1,
            f"`checkpoint.host_buffers` must be at least 1, got {cfg.checkpoint.host_buffers}")
     for name in ("tp", "cp", "pp", "ep", "etp"):
