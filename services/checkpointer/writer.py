@@ -14,6 +14,7 @@ The writer registers a probe file in /dev/shm with a random token: a trainer tha
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import mmap
@@ -417,8 +418,11 @@ class Writer:
             for save in list(self.pending.values()):
                 if now - save.started > self.save_timeout_s:
                     if not save.error and not save.committed:
-                        missing = sorted(set(range(save.world_size)) - set(save.identities))
-                        self._fail(save, f"ranks {missing} did not finish within {self.save_timeout_s:.0f}s")
+                        # the first few only: world_size is a uint32 from the wire, not a list to build
+                        done = set(save.identities)
+                        missing = list(itertools.islice((r for r in range(save.world_size) if r not in done), 8))
+                        more = " ..." if save.world_size - len(done) > len(missing) else ""
+                        self._fail(save, f"ranks {missing}{more} did not finish within {self.save_timeout_s:.0f}s")
                     if self._settled(save):
                         self._settle(save)
                         self._drop(save)
