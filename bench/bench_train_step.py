@@ -125,7 +125,7 @@ def print_profile(name: str, step, rows: int, trace: str | None = None) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
@@ -145,6 +145,16 @@ def print_profile(name: str, step, rows: int, trace: str | None = None) -> None:
     print(f"{'operator':<60}{'ms/step':>9}{'calls':>7}")
     for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:rows]:
         print(f"{e.key[:59]:<60}{e.self_device_time_total / 2e3:>9.2f}{e.count // 2:>7}")
+    print(f"\nprofile of 2 steps, {name}: memory-bound operators by input shapes (where casts and adds come from)")
+    glue = [e for e in prof.key_averages(group_by_input_shape=True)
+            if e.self_device_time_total > 0 and e.key in GLUE_OPS]
+    print(f"{'operator':<16}{'ms/step':>9}{'calls':>7}  input shapes")
+    for e in sorted(glue, key=lambda e: -e.self_device_time_total)[:rows]:
+        print(f"{e.key:<16}{e.self_device_time_total / 2e3:>9.2f}{e.count // 2:>7}  {str(e.input_shapes)[:120]}")
+
+
+GLUE_OPS = {"aten::copy_", "aten::add_", "aten::add", "aten::mul", "aten::mul_", "aten::fill_", "aten::sum",
+            "aten::zero_", "aten::cat", "aten::index_select", "aten::embedding_dense_backward"}
 
 
 def main() -> None:

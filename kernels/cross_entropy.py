@@ -6,8 +6,8 @@ Tokens labelled IGNORE_INDEX (-100) contribute nothing. The tokens are taken `ch
 logits [chunk, V] are computed in the compute dtype (the autocast dtype under autocast, as the unfused output layer
 does), reduced in fp32 to each row's loss, and overwritten in place by their gradient softmax - onehot. That block
 goes straight into grad_h[chunk] = g W and grad_W += gᵀ h_chunk, then is dropped, so forward returns with both
-gradients already computed and backward only scales them by the incoming scalar. Alive at the peak: one [chunk, V]
-block, grad_W (in the weight's dtype, accumulated in fp32) and grad_h — instead of the unfused path's [T, V] logits,
+gradients already computed and backward only scales them by the incoming scalar (grad_W, summed in fp32, is rounded
+to the weight's dtype in that same pass). Alive at the peak: one [chunk, V] block, grad_W (fp32) and grad_h — instead of the unfused path's [T, V] logits,
 their fp32 copy and its saved fp32 log-softmax. No logits are recomputed: three GEMMs, as unfused.
 
 Computing gradients in forward assumes a backward follows (training); with grad disabled, or neither h nor weight
@@ -156,12 +156,13 @@ def _chunked_loss_and_grads(h, weight, labels, dtype, chunk_size, rows: RowStep,
         del logits
     if grad_w_needed and grad_w is None:  # no rows at all
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
-    return loss, grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+    return loss, grad_h, grad_w  # grad_w stays fp32: backward scales and rounds it in one pass
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, dtype, chunk_size, rows: RowStep, grad_h_needed, grad_w_needed):
+        ctx.weight_dtype = weight.dtype
         with torch.autocast(h.device.type, enabled=False):  # every dtype in the loop is explicit
             loss, *ctx.grads = _chunked_loss_and_grads(h, weight, labels, dtype, chunk_size, rows, grad_h_needed,
                                                        grad_w_needed)
@@ -174,9 +175,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                "first backward; run forward again for a second backward")
         grad_h, grad_w = ctx.grads
         ctx.grads = None
-        for g in (grad_h, grad_w):  # in place: no second [V, H] buffer
-            if g is not None:
-                g.mul_(grad_loss.to(g.dtype))
+        if grad_h is not None:
+            grad_h.mul_(grad_loss.to(grad_h.dtype))
+        if grad_w is not None:  # fp32 sum: scaled and rounded to the weight's dtype in one pass (in place if fp32)
+            scaled = grad_w if ctx.weight_dtype == torch.float32 else torch.empty_like(grad_w, dtype=ctx.weight_dtype)
+            grad_w = torch.mul(grad_w, grad_loss.to(torch.float32), out=scaled)
         return grad_h, grad_w, None, None, None, None, None, None
 
 

@@ -80,6 +80,28 @@ def test_gradients_match_reference(score_function, dtype):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("T,E,k", SHAPES)
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("normalise,scale", [(False, 1.0), (True, 2.5)])
+@pytest.mark.parametrize("through", ["weights", "mean_probs", "both"])
+def test_fused_backward_matches_autograd_through_the_reference(T, E, k, score_function, normalise, scale, through):
+    """The backward kernel against torch autograd over the reference, for every shape, each output's gradient alone
+    and both together (the aux loss reaches the router only through mean_probs, the experts only through weights)."""
+    g = torch.Generator().manual_seed(T + E + k)
+    logits = (2 * torch.randn(T, E, generator=g)).to(DEVICE)
+    grad_w, grad_mean = torch.randn(T, k, generator=g).to(DEVICE), torch.randn(E, generator=g).to(DEVICE)
+
+    def grads(fn):
+        x = logits.clone().requires_grad_()
+        out = fn(x, k, score_function, None, normalise, scale)
+        loss = (out.weights * grad_w).sum() if through != "mean_probs" else 0.0
+        if through != "weights":
+            loss = loss + (out.mean_probs * grad_mean).sum()
+        return torch.autograd.grad(loss, x)[0]
+
+    torch.testing.assert_close(grads(router), grads(router_reference), rtol=1e-5, atol=1e-6)
+
 def test_bf16_logits_route_like_their_fp32_values():
     # Distinct logits per row: bf16 has few values, and ties between experts are broken differently by torch.topk
     # (unspecified order) and by the kernel (lowest expert index first).

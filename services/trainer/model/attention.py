@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
+from services.trainer.model.flash_varlen import causal_gqa
 from services.trainer.model.fp8_linear import FP8Linear
+from services.trainer.model.precision import to_compute_dtype
 from services.trainer.model.rope import apply_rope, rope_frequencies
 
 
@@ -46,9 +48,9 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         cu = cu_seqlens.to(torch.int32)
         max_len = max_seqlen or int((cu[1:] - cu[:-1]).max())
         if k.shape[1] != q.shape[1]:
-            if _varlen_supports_gqa():  # torch 2.11's varlen_attn has no enable_gqa: repeat K/V heads there
+            if _varlen_supports_gqa():
                 return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            return causal_gqa(q, k, v, cu, max_len)  # torch 2.11's varlen_attn has no enable_gqa: the kernels direct
         return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
     doc = document_ids(cu_seqlens, q.shape[0])
     pos = torch.arange(q.shape[0], device=q.device)
@@ -103,6 +105,7 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> q [T, Hq, d], k and v [T, Hkv, d]: projected, QK-normed (if on) and rotated."""
         T = x.shape[0]
+        x = to_compute_dtype(x)  # once for the three projections (services/trainer/model/precision.py)
         # Head counts are read from the projections so that a tensor-parallel shard (fewer local heads) runs unchanged.
         q = self.q_proj(x).view(T, -1, self.head_dim)
         k = self.k_proj(x).view(T, -1, self.head_dim)
