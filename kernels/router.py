@@ -37,6 +37,11 @@ from kernels._triton import next_power_of_2, use_triton
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 _MAX_EXPERTS = 1024
 _EPS = 1e-20  # guards the normalising division; only a row of all-zero sigmoid scores could need it
+TILE_ELEMENTS, NUM_WARPS = 4096, 4  # a program's [BLOCK_T, E_PAD] tile: E=128 -> 32 rows, E=256 -> 16
+
+
+def _rows_per_program(e_pad: int) -> int:
+    return max(1, min(64, TILE_ELEMENTS // e_pad))
 
 
 class Routing(NamedTuple):
@@ -201,8 +206,7 @@ class _RouterFunction(torch.autograd.Function):
         logits = logits.contiguous()
         device = logits.device
         e_pad = next_power_of_2(E)
-        # Keep a program's [BLOCK_T, E_PAD] tiles around 4K elements: E=128 -> 32 rows, E=256 -> 16.
-        block_t = max(1, min(64, 4096 // e_pad))
+        block_t = _rows_per_program(e_pad)
         n_programs = triton.cdiv(T, block_t)
         weights = torch.empty((T, k), dtype=torch.float32, device=device)
         indices = torch.empty((T, k), dtype=torch.int64, device=device)
@@ -213,7 +217,8 @@ class _RouterFunction(torch.autograd.Function):
             _router_kernel[(n_programs,)](
                 logits, bias, weights, indices, count_partial, prob_partial, T, E, float(scaling_factor),
                 K=k, K_PAD=next_power_of_2(k), E_PAD=e_pad, BLOCK_T=block_t,
-                SIGMOID=score_function == "sigmoid", HAS_BIAS=expert_bias is not None, NORMALISE=normalise, EPS=_EPS)
+                SIGMOID=score_function == "sigmoid", HAS_BIAS=expert_bias is not None, NORMALISE=normalise, EPS=_EPS,
+                num_warps=NUM_WARPS)
         tokens_per_expert = count_partial.sum(0, dtype=torch.int32)
         mean_probs = prob_partial.sum(0) / T if T > 0 else torch.full((E,), float("nan"), device=device)
         ctx.save_for_backward(logits, indices)
@@ -232,13 +237,14 @@ class _RouterFunction(torch.autograd.Function):
         grad_logits = torch.empty((T, E), dtype=torch.float32, device=logits.device)
         if T > 0:
             e_pad = next_power_of_2(E)
-            block_t = max(1, min(64, 4096 // e_pad))
+            block_t = _rows_per_program(e_pad)
             gw = grad_weights.float().contiguous() if grad_weights is not None else grad_logits
             gm = grad_mean_probs.float().contiguous() if grad_mean_probs is not None else grad_logits
             _router_bwd_kernel[(triton.cdiv(T, block_t),)](
                 logits, indices, gw, gm, grad_logits, T, E, float(scaling_factor), 1.0 / T,
                 K=k, E_PAD=e_pad, BLOCK_T=block_t, SIGMOID=score_function == "sigmoid", NORMALISE=normalise,
-                HAS_GRAD_WEIGHTS=grad_weights is not None, HAS_GRAD_MEAN_PROBS=grad_mean_probs is not None, EPS=_EPS)
+                HAS_GRAD_WEIGHTS=grad_weights is not None, HAS_GRAD_MEAN_PROBS=grad_mean_probs is not None, EPS=_EPS,
+                num_warps=NUM_WARPS)
         return grad_logits.to(logits.dtype), None, None, None, None, None
 
 
