@@ -45,7 +45,8 @@ class StaticBlock(nn.Module):
         self.max_seqlen = int((bounds[1:] - bounds[:-1]).max())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x, self.position_ids, self.cu_seqlens, self.segment_ids, self.max_seqlen)
+        x, branch = self.block(x, self.position_ids, self.cu_seqlens, self.segment_ids, self.max_seqlen)
+        return x + branch  # the block hands its last residual add to the next norm; alone, it is done here
 
 
 def time_iters(fn, x: torch.Tensor, grad: torch.Tensor, iters: int) -> tuple[float, torch.Tensor, torch.Tensor]:

@@ -2,13 +2,19 @@
 
 Written as a single-device model; parallelism is applied to it from `services/trainer/parallel/` (layers are replaced by
 their parallel counterparts, the dispatcher by an expert-parallel one), so this file stays readable on its own.
+
+The residual stream travels between blocks as two terms, `x + branch` (the last sublayer's output not yet added), so
+that every residual add happens together with the RMSNorm that reads its sum (`residual_norm`): under `model.compile`
+the pair is one fused kernel forward and one backward.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
@@ -20,6 +26,47 @@ from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.model.stages import Stages, run_to_end
 
 
+def add_rms_norm(x: torch.Tensor, branch: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the RMSNorm of its sum: (x + branch, rms_norm(x + branch) * weight). Memory-bound: eager,
+    an add and a norm forward, and backward the norm's two kernels plus autograd's sum of the two gradients that reach
+    x + branch; compiled, one kernel each way."""
+    x = x + branch
+    return x, F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+@functools.cache
+def compiled_add_rms_norm():
+    """`add_rms_norm` through torch.compile, built once per process and shared by every norm (the weight is an argument,
+    not a guarded module attribute); new token counts re-trace once, then a shape-generic version serves them all.
+    Grad mode, autocast and the branch's dtype each select a version too: a bf16 training step holds four (attention
+    and dense MLP outputs arrive in bf16, MoE outputs in fp32), evaluation under no_grad adds two. Past dynamo's
+    `recompile_limit` (8) a new combination would run eagerly, with a warning."""
+    return torch.compile(add_rms_norm)
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    """A memory policy (services/trainer/model/recompute.py) replaced this module's forward on the instance."""
+    return "forward" in vars(module)
+
+
+def residual_norm(norm: nn.RMSNorm, x: torch.Tensor, branch: torch.Tensor | None,
+                  compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream `x + branch` (x alone when branch is None) and `norm` of it, fused under `compiled`.
+
+    A norm whose forward a memory policy replaced (recompute "norm") runs through that forward, eagerly, so that its
+    output is still recomputed and discarded from its consumers. Skipping the norm module's own call skips its forward
+    pre-hooks; the only ones (the distributed optimizer's waits for parameter all-gathers) are also on its parent, which
+    waits for its children's parameters too.
+    """
+    if branch is None:
+        return x, norm(x)
+    if compiled and not _forward_replaced(norm):
+        return compiled_add_rms_norm()(x, branch, norm.weight, norm.eps)
+    x = x + branch
+    return x, norm(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -29,21 +76,26 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.is_moe = layer_id >= cfg.first_k_dense
         self.mlp = MoELayer(cfg) if self.is_moe else SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, fp8=cfg.fp8)
+        self.compiled_norms = cfg.compile  # residual adds + norms through `compiled_add_rms_norm`
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                segment_ids: torch.Tensor, max_seqlen: int | None = None, staged: bool = False):
-        """With `staged`, a generator that pauses while the MoE layer's all-to-alls are in flight
-        (services/trainer/model/stages.py) and returns the output."""
-        stages = self._stages(x, position_ids, cu_seqlens, segment_ids, max_seqlen, staged)
+                segment_ids: torch.Tensor, max_seqlen: int | None = None, staged: bool = False,
+                branch: torch.Tensor | None = None):
+        """Residual stream `x + branch` (x alone when branch is None) -> the same two terms after this block: the
+        stream after attention and the MLP's output. With `staged`, a generator that pauses while the MoE layer's
+        all-to-alls are in flight (services/trainer/model/stages.py) and returns that pair."""
+        stages = self._stages(x, branch, position_ids, cu_seqlens, segment_ids, max_seqlen, staged)
         return stages if staged else run_to_end(stages)
 
-    def _stages(self, x, position_ids, cu_seqlens, segment_ids, max_seqlen, staged: bool) -> Stages[torch.Tensor]:
-        x = x + self.attn(self.attn_norm(x), position_ids, cu_seqlens, max_seqlen)
-        h = self.mlp_norm(x)
+    def _stages(self, x, branch, position_ids, cu_seqlens, segment_ids, max_seqlen,
+                staged: bool) -> Stages[tuple[torch.Tensor, torch.Tensor]]:
+        x, h = residual_norm(self.attn_norm, x, branch, self.compiled_norms)
+        attn_out = self.attn(h, position_ids, cu_seqlens, max_seqlen)
+        x, h = residual_norm(self.mlp_norm, x, attn_out, self.compiled_norms)
         if not self.is_moe:
-            return x + self.mlp(h)
+            return x, self.mlp(h)
         # Unstaged, the MoE layer is called plainly: a memory policy may have wrapped its forward (recompute/offload).
-        return x + ((yield from self.mlp(h, segment_ids, staged=True)) if staged else self.mlp(h, segment_ids))
+        return x, ((yield from self.mlp(h, segment_ids, staged=True)) if staged else self.mlp(h, segment_ids))
 
 
 class MoETransformer(nn.Module):
@@ -95,15 +147,19 @@ class MoETransformer(nn.Module):
     def _stages(self, tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels,
                 staged: bool) -> Stages[torch.Tensor]:
         segment_ids = document_ids(cu_seqlens, tokens.shape[0])
-        x = self.embed(tokens) if self.embed is not None else hidden
+        x, branch = (self.embed(tokens) if self.embed is not None else hidden), None
         for block in self.layers.values():
+            if branch is not None and _forward_replaced(block):
+                # Recomputed or offloaded as a whole, a block keeps its inputs: one tensor, as without the split stream.
+                x, branch = x + branch, None
             if staged:
-                x = yield from block(x, position_ids, cu_seqlens, segment_ids, max_seqlen, staged=True)
+                x, branch = yield from block(x, position_ids, cu_seqlens, segment_ids, max_seqlen, staged=True,
+                                             branch=branch)
             else:  # called plainly: a memory policy may have wrapped the block's forward
-                x = block(x, position_ids, cu_seqlens, segment_ids, max_seqlen)
-        if self.output is None:
-            return x
-        x = self.norm(x)
+                x, branch = block(x, position_ids, cu_seqlens, segment_ids, max_seqlen, branch=branch)
+        if self.output is None:  # a pipeline stage sends the whole stream
+            return x if branch is None else x + branch
+        _, x = residual_norm(self.norm, x, branch, self.cfg.compile)
         if labels is None:
             return self.output(x)
         if self.fused_loss:
