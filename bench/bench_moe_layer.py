@@ -116,6 +116,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--shapes", nargs="+", default=["qwen3_30b_a3b", "mixtral_8x7b"])
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--kernels", nargs="*", default=None, metavar="KERNEL",
+                    help="foldmoe's `model.moe_kernels` for its kernels row (default: the config default)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, for a run without a GPU")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="also print the ROWS kernels with the most device time in foldmoe's layer (torch.profiler)")
@@ -135,7 +137,7 @@ def main() -> None:
         x = torch.randn(tokens, m.hidden_size, device=device, dtype=dtype)
         grad = torch.randn_like(x)
         flops = 18 * tokens * m.top_k * m.hidden_size * m.moe_ffn_hidden_size
-        ours = foldmoe_layer(m, ModelConfig().moe_kernels, device, dtype)
+        ours = foldmoe_layer(m, ModelConfig().moe_kernels if args.kernels is None else args.kernels, device, dtype)
         torch_ops = foldmoe_layer(m, [], device, dtype)
         torch_ops.load_state_dict(ours.state_dict())
         rows = [("foldmoe MoELayer (kernels)", ours, ours), ("foldmoe MoELayer (torch ops)", torch_ops, torch_ops)]
