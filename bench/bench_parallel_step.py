@@ -49,7 +49,7 @@ from services.trainer.parallel.expert_parallel import sync_expert_load  # noqa: 
 from services.trainer.parallel.groups import init_groups  # noqa: E402
 from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize  # noqa: E402
 from services.trainer.step import count_loss_tokens, forward_backward  # noqa: E402
-from services.trainer.train import init_runtime, seed_everything, update_router_bias  # noqa: E402
+from services.trainer.train import advance_router_bias, init_runtime, seed_everything  # noqa: E402
 
 # CPU/gloo: gloo's record_functions in its worker threads (gloo:all_to_all, gloo:all_gather, gloo:all_reduce, gloo:send,
 # ...): the collective from start to end, waiting for peers included. The c10d::* ops on the main thread only enqueue.
@@ -167,7 +167,7 @@ def main() -> None:
         if parallel:
             optimizer.zero_grad()
             loss, tokens = forward_backward_parallel(model, mbs, groups, cfg, rt.device, rt.autocast_dtype, optimizer)
-            losses.append(loss / max(tokens, 1))
+            losses.append(loss / tokens.clamp_min(1))
             optimizer.step(lr)
             sync_expert_load(model, groups)
         else:
@@ -176,7 +176,7 @@ def main() -> None:
             tokens = count_loss_tokens(mbs)
             losses.append(forward_backward(model, mbs, tokens, rt.device, rt.autocast_dtype) / max(tokens, 1))
             clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
-        update_router_bias(model, cfg, groups.dp.size)
+        advance_router_bias(model, cfg)
         if cuda:
             torch.cuda.synchronize(rt.device)
 

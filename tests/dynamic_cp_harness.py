@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
             mine = place_on_cp_blocks(mbs, groups.cp.size, groups.cp.rank)
             loss, tokens = forward_backward_parallel(model, mine, groups, cfg, torch.device("cpu"), None, opt)
             opt.finish_grad_sync()
-            losses.append(float(loss) / tokens)
+            losses.append(float(loss) / int(tokens))
             grads.append({n: _gather_full(n, g, named[n], groups) for n, g in opt.full_grads().items()})
             norms.append(float(opt.step(cfg.optimizer.lr)))
         opt.wait_params()  # the last step's parameter all-gathers would overlap a next forward; there is none

@@ -217,7 +217,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
                                                      autocast_of(cfg, as_on_gpu), opt)
             handle.remove()
             opt.finish_grad_sync()
-            losses.append(float(loss) / tokens)
+            losses.append(float(loss) / int(tokens))
             grads.append({n: _gather_full(n, g, named[n], groups) for n, g in opt.full_grads().items()})
             sync_expert_load(model, groups)
             loads.append([m.router.tokens_per_expert.clone() for m in model.moe_layers()])

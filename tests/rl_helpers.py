@@ -65,4 +65,4 @@ def single_process_rl_steps(model: MoETransformer, cfg, steps):
         set_lr(opt, cfg.optimizer.lr)
         (data,) = micro_batches(groups, dp_size=1, max_tokens=cfg.rl.micro_batch_tokens)
         yield rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref, version=step,
-                      lr=cfg.optimizer.lr)
+                      lr=cfg.optimizer.lr).read()

@@ -230,20 +230,20 @@ def test_micro_batches_carry_the_static_cp_size_of_the_layout(tmp_path, registry
 def test_a_client_is_held_to_the_credit_cap_whatever_it_asks_for(tmp_path):
     """Credits are uint32: a broken or hostile client asking for 2^32 - 1 made one `pending()` call build micro-batches
     without end under the engine's lock (the serving thread stuck, memory growing until the OS killed the process;
-    found by tests/test_ops_endpoint_fuzz.py). A client holds at most MAX_CREDITS, in its hello and after credits."""
-    from services.dataloader.engine import MAX_CREDITS
+    found by tests/test_ops_endpoint_fuzz.py). A client holds at most MAX_PREFETCH, in its hello and after credits."""
+    from services.common.config import MAX_PREFETCH
 
     server = DataLoaderServer(make_cfg(tmp_path))  # not started: its engine is driven directly
     engine = server.engine
     assert engine.hello(b"stranger", pb.DataHello(rank=0, dp_rank=0, dp_size=1, credits=2**32 - 1)) is None
-    assert engine.clients[0].credits == MAX_CREDITS
+    assert engine.clients[0].credits == MAX_PREFETCH
     sent = 0
-    for _ in range(3 * MAX_CREDITS):  # as the serving loop does: build what the credits pay for, send, repeat
+    for _ in range(3 * MAX_PREFETCH):  # as the serving loop does: build what the credits pay for, send, repeat
         batch = engine.pending()
         sent += len(batch)
         if not batch and engine.clients[0].credits == 0:
             break
-    assert sent == MAX_CREDITS
+    assert sent == MAX_PREFETCH
     engine.credit(0, 2**32 - 1)
     engine.credit(0, 5)
-    assert engine.clients[0].credits == MAX_CREDITS
+    assert engine.clients[0].credits == MAX_PREFETCH

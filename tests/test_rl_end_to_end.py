@@ -74,7 +74,7 @@ def test_worker_and_trainer_run_grpo_steps_with_versioned_weights(run_config):
             for mb in micro_batches:
                 trained = mb["versions"][mb["loss_mask"]]
                 assert bool((version - cfg.rl.max_staleness <= trained).all() and (trained <= version).all())
-            metrics = rl_step(model, optimizer, micro_batches, cfg.rl, torch.device("cpu"), version=version)
+            metrics = rl_step(model, optimizer, micro_batches, cfg.rl, torch.device("cpu"), version=version).read()
             # only whole groups ever reach the stream, and the dataloader takes rl.groups_per_step of them
             assert metrics["samples"] == cfg.rl.groups_per_step * cfg.rl.group_size
             history.append(metrics)

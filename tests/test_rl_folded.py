@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
                     data = micro_batches(step_groups, dp_size=groups.dp.size,
                                          max_tokens=cfg.rl.micro_batch_tokens)[groups.dp.rank]
                     metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
-                                           ref, version=step, lr=cfg.optimizer.lr))
+                                           ref, version=step, lr=cfg.optimizer.lr).read())
                     weights.append(gather.state_dict())
                 out[(str(layout), scenario)] = {"metrics": metrics, "weights": weights}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
             for step, step_groups in enumerate(steps):
                 data = micro_batches(step_groups, dp_size=world, max_tokens=cfg.rl.micro_batch_tokens)[rank]
                 m = rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
-                            version=step, lr=cfg.optimizer.lr)
+                            version=step, lr=cfg.optimizer.lr).read()
                 metrics.append(m)
                 grads.append(opt.full_grads())  # unclipped, as the reference's (the AdamW kernel divides as it reads)
             opt.wait_params()  # the last step's parameter all-gathers (a next forward would wait for them)

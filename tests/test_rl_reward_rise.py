@@ -97,7 +97,7 @@ def test_grpo_raises_the_reward_of_a_pretrained_model(pretrained, tmp_path, one_
     from services.dataloader.server import DataLoaderServer
     from services.trainer.rl.step import rl_step
     from services.trainer.rl.weight_publisher import WeightPublisher
-    from services.trainer.train import seed_everything, update_router_bias
+    from services.trainer.train import advance_router_bias, seed_everything
 
     run = f"rl-rise-{uuid.uuid4().hex[:8]}"
     cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", f"run.steps={STEPS}", f"checkpoint.init_from={pretrained}",
@@ -127,8 +127,8 @@ def test_grpo_raises_the_reward_of_a_pretrained_model(pretrained, tmp_path, one_
             micro_batches = data.next_step()
             set_lr(optimizer, lr_at(step, cfg.optimizer, STEPS))
             m = rl_step(model, optimizer, micro_batches, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
-                        version=step)
-            update_router_bias(model, cfg)
+                        version=step).read()
+            advance_router_bias(model, cfg)  # before the weights are published: the bias is part of the policy
             publisher.publish(step + 1, model.state_dict())
             assert m["staleness_max"] == 0 and m["logprob_mismatch"] < 1e-4  # on-policy, and the same log-probs
             rewards.append(m["reward"])

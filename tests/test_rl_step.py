@@ -72,7 +72,7 @@ def _step(model, groups, lr=0.01, version=1, **cfg):
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     rl = RLConfig(**cfg)
     (data,) = micro_batches(groups, max_tokens=rl.micro_batch_tokens)
-    return rl_step(model, opt, data, rl, torch.device("cpu"), version=version)
+    return rl_step(model, opt, data, rl, torch.device("cpu"), version=version).read()
 
 
 def test_a_grpo_step_raises_the_likelihood_of_rewarded_samples_and_lowers_the_others():

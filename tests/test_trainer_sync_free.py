@@ -4,13 +4,17 @@ costs the next step's first milliseconds, launched one small kernel at a time; b
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from services.common.config import ModelConfig, OptimizerConfig
-from services.trainer.metrics import StepValues
+from services.trainer.metrics import StepEnd, StepValues
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step
+from services.trainer.parallel.groups import single_process
+from services.trainer.parallel.parallelize import forward_backward_parallel
 from services.trainer.step import forward_backward
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="host/device syncs exist on a CUDA device only")
@@ -73,3 +77,58 @@ def test_step_values_wait_for_their_step_only():
     got = values.read()
     assert not later.query(), "read() waited for work queued after the step"
     assert float(got["loss"]) == pytest.approx(float(loss.cpu()))
+
+
+@cuda_only
+def test_a_folded_step_queues_without_a_host_sync():
+    """`forward_backward_parallel` (the multi-rank step, here on the one-rank layout): its loss-token count and
+    micro-batch share go to the device, are all-reduced there and divide the loss and the aux losses as device tensors;
+    the count comes back as a tensor for the trainer to read with the step's other values."""
+    from tests.parallel_harness import tiny_config
+
+    cfg = tiny_config()
+    cfg.model.hidden_size, cfg.model.num_heads, cfg.model.num_kv_heads = 256, 4, 2
+    cfg.model.vocab_size, cfg.model.num_experts, cfg.model.moe_ffn_hidden_size = 264, 8, 128
+    with torch.device("cuda"):
+        model = MoETransformer(cfg.model)
+    mbs, device, groups = [micro_batch(), micro_batch()], torch.device("cuda"), single_process()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        return forward_backward_parallel(model, mbs, groups, cfg, device, torch.bfloat16)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, tokens = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.is_cuda and int(tokens) == 2 * 512
+    assert torch.isfinite(loss).item()
+
+
+def test_a_step_end_on_the_cpu_is_the_hosts_clock_when_the_work_is_done():
+    first = StepEnd(torch.device("cpu"))
+    time.sleep(0.05)
+    second = StepEnd(torch.device("cpu"))
+    second.wait()
+    assert second.seconds_since(first) == pytest.approx(second.host - first.host) and second.host - first.host >= 0.05
+
+
+@cuda_only
+def test_a_step_end_times_the_device_work_not_the_hosts_queueing():
+    """Two ends a queue of GEMMs apart: the host queues them in a moment; the time between the ends is the device's."""
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = StepEnd(torch.device("cuda"))
+    for _ in range(40):
+        x = (x @ x).clamp_(-1, 1)
+    second = StepEnd(torch.device("cuda"))
+    queued = time.perf_counter() - t0
+    second.wait()
+    wall = time.perf_counter() - t0
+    device = second.seconds_since(first)
+    assert device > 5 * queued, (device, queued)
+    assert device == pytest.approx(wall, rel=0.2), (device, wall)

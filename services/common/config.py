@@ -19,7 +19,9 @@ class ConfigError(ValueError):
     """A config file or override that cannot describe a valid run."""
 
 
-MAX_PREFETCH = 1024  # credits a dataloader client may hold; the server builds and keeps what they pay for
+# Credits a dataloader client may hold (its `data.prefetch`, at most this); the server builds and keeps every
+# micro-batch they pay for, so a client that asks for more (a broken or hostile one: credits are uint32) is held to it.
+MAX_PREFETCH = 1024
 
 
 @dataclass
@@ -50,8 +52,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
     init_std: float = 0.02
-    # torch.compile the decoder's memory-bound glue (QK-norm + RoPE of the projected heads) into fused kernels, forward
-    # and backward. The GEMMs, attention core and MoE kernels stay as they are. First steps pay the compile time.
+    # torch.compile the decoder's memory-bound glue into fused kernels, forward and backward: QK-norm + RoPE of the
+    # projected heads, and each residual add with the RMSNorm that reads its sum. The GEMMs, attention core and MoE
+    # kernels stay as they are. First steps pay the compile time.
     compile: bool = False
     # Triton kernels on CUDA (the CPU path is always the torch reference): "permutation" (permute + unpermute),
     # "activation" (SwiGLU with the router weight folded in), "router" (fused top-k; its backward is slower than torch's

@@ -33,9 +33,6 @@ from services.dataloader.stream import Step, StepStream
 
 # How far apart (in steps) two resume positions may be and still be checked for lying on one stream; farther: reset.
 MAX_REALIGN_STEPS = 64
-# Outstanding credits a client may hold (its `data.prefetch`, at most this). A client that asks for more (a hostile or
-# broken one: credits are uint32) is held to it: the server builds and keeps every micro-batch a credit pays for.
-MAX_CREDITS = MAX_PREFETCH
 
 
 @dataclass
@@ -167,13 +164,13 @@ class Engine:
             return (f"rank {msg.rank} asks for step {msg.start_step} but the stream holds steps {oldest}.."
                     f"{newest}; call ResumeFromState with the state of step {msg.start_step} first")
         self.clients[msg.rank] = Client(ident, msg.rank, msg.dp_rank, max(1, msg.group_size), msg.start_step, 0,
-                                        min(msg.credits, MAX_CREDITS), self.generation)
+                                        min(msg.credits, MAX_PREFETCH), self.generation)
         return None
 
     def credit(self, rank: int, credits: int) -> None:
         client = self.clients.get(rank)
         if client is not None:
-            client.credits = min(client.credits + credits, MAX_CREDITS)
+            client.credits = min(client.credits + credits, MAX_PREFETCH)
 
     def client_rank(self, ident: bytes) -> int | None:
         for c in self.clients.values():

@@ -51,6 +51,38 @@ class StepValues:
         return self._host
 
 
+class StepEnd:
+    """Where a step's work ends in the device's queue, and when the device got there. A step's time is the time from
+    the previous step's end to its own, on the device's clock: `ends[k].seconds_since(ends[k - 1])`.
+
+    Not the host's clock at each report: the trainer reports step k after it has queued step k+1 (`StepValues`). When
+    the device is the bottleneck, report k returns as the device finishes step k, so reports are a step apart; but when
+    the host is (a CPU run, where queuing a step computes it, or launch-bound steps), report k returns once step k+1 is
+    queued, and the time between reports k-1 and k is step k+1's: every record one step late, the first holding two
+    steps' time and the last (no step queued after it) next to none. The device's clock has neither bias: on CUDA, a
+    timed event queued where the step's work ends (the time to the previous step's event is the device's work plus any
+    time it sat idle waiting for the host: data, launches, a checkpoint stall); on the CPU the work is done when the
+    host records the end, so the host's clock then."""
+
+    def __init__(self, device: torch.device):
+        self.host = time.perf_counter()
+        self.event = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> None:
+        """Until the device has reached this end (and so every earlier one on its stream)."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def seconds_since(self, earlier: "StepEnd") -> float:
+        """Seconds from `earlier` to this end, both reached (`wait`)."""
+        if self.event is not None and earlier.event is not None:
+            return earlier.event.elapsed_time(self.event) / 1000
+        return self.host - earlier.host
+
+
 def datasheet_peak(device: torch.device) -> float:
     if device.type != "cuda":
         return 0.0

@@ -12,16 +12,18 @@ from torch import nn
 from services.trainer.model.loss import IGNORE_INDEX
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Copies the micro-batch's tensors to `device` without waiting for the device: a copy from pageable host memory
-    first synchronizes the stream (CUDA's rule), which would drain the queue the host has built ahead, so host
-    tensors go through pinned memory (torch's caching host allocator) first."""
-    def move(t: torch.Tensor) -> torch.Tensor:
-        if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-            t = t.pin_memory()
-        return t.to(device, non_blocking=True)
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without waiting for the device: a copy from pageable host memory first synchronizes the stream
+    (CUDA's rule), which would drain the queue the host has built ahead, so host tensors go through pinned memory
+    (torch's caching host allocator, which keeps the pinned buffer until the copy has run) first."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
-    return {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The micro-batch's tensors on `device`, copied without waiting for the device (`host_to_device`)."""
+    return {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def count_loss_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> int:

@@ -18,7 +18,8 @@ from services.common.config import Config, ConfigError, load_config, validate
 from services.common.metrics import TrainerMetrics
 from services.common.registry import Registry, RegistryError, redis_url
 from services.trainer import checkpointing
-from services.trainer.metrics import (MetricsLog, StepValues, datasheet_peak, flops_per_token, measure_peak_tflops)
+from services.trainer.metrics import (MetricsLog, StepEnd, StepValues, datasheet_peak, flops_per_token,
+                                      measure_peak_tflops)
 from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
@@ -100,16 +101,17 @@ def train(cfg: Config) -> int:
     log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
     printer.header(cfg, rt.device, peak_sheet, peak_measured, start_step)
 
-    def report(step: int, values: StepValues, lr: float, step_tokens: int, data_wait: float, stall: float,
-               since: float) -> float:
-        """Write step's record once its values are on the host; returns the time it was written."""
+    def report(step: int, values: StepValues, end: StepEnd, lr: float, data_wait: float, stall: float,
+               since: StepEnd) -> StepEnd:
+        """Write step's record once its values are on the host; `since`: the previous step's end. Returns `end`."""
         v = values.read()
-        now = time.perf_counter()
-        dt = now - since
+        end.wait()
+        dt = end.seconds_since(since)
         tps = tokens_per_step / dt
         load = expert_load_summary(v["loads"], cfg, groups.dp.size)
         record = {
-            "step": step + 1, "loss": float(v["loss_sum"]) / step_tokens, "grad_norm": float(v["grad_norm"]),
+            "step": step + 1, "loss": float(v["loss_sum"]) / max(int(v["step_tokens"]), 1),
+            "grad_norm": float(v["grad_norm"]),
             "lr": lr, "tokens_per_s": tps, "step_time_s": dt, "data_wait_s": data_wait, "ckpt_stall_s": stall,
             "aux_loss": float(v["aux_loss"]),
             "mfu": tps * flops_tok / 1e12 / rt.world_size / peak_sheet if peak_sheet else None,
@@ -123,11 +125,14 @@ def train(cfg: Config) -> int:
         exporter.observe(record)
         printer.step(record)
         registry.set_state("step", step + 1) if rt.rank == 0 else None
-        return now
+        return end
 
     # Step k is reported after step k+1 has been queued (StepValues): the host never drains the device's queue between
-    # steps. A step's time is the time between two reports, i.e. its device time once the host runs ahead.
-    pending, last_report = None, time.perf_counter()
+    # steps. A step's time runs from the previous step's end to its own, as the device saw them (StepEnd: the time
+    # between reports would be a step late whenever the host is the bottleneck, and the last step's next to nothing).
+    # A step ends after its checkpoint save: the save's copies, and any time the device idles while the host saves,
+    # count in the step that saves.
+    pending, last_end = None, StepEnd(rt.device)
     try:
         for step in range(start_step, cfg.run.steps):
             t0 = time.perf_counter()
@@ -136,6 +141,7 @@ def train(cfg: Config) -> int:
             lr = lr_at(step, cfg.optimizer, cfg.run.steps)
             if parallel:
                 optimizer.zero_grad()
+                # the token count stays on the device (the divisor of the step's loss): read with the step's values
                 loss_sum, step_tokens = forward_backward_parallel(model, micro_batches, groups, cfg, rt.device,
                                                                   rt.autocast_dtype, optimizer)
                 grad_norm = optimizer.step(lr)
@@ -146,17 +152,18 @@ def train(cfg: Config) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
                 grad_norm = clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
-            values = StepValues(loss_sum=loss_sum, grad_norm=torch.as_tensor(grad_norm),
+            values = StepValues(loss_sum=loss_sum, step_tokens=torch.as_tensor(step_tokens),
+                                grad_norm=torch.as_tensor(grad_norm),
                                 aux_loss=sum((m.last_aux_loss for m in model.moe_layers()), torch.zeros(())),
                                 loads=advance_router_bias(model, cfg))
             if pending is not None:  # the previous step: done on the device by now, this one still queued
-                last_report = report(*pending, since=last_report)
-            stall = 0.0  # counted in this step's time, which ends at its own report
+                last_end = report(*pending, since=last_end)
+            stall = 0.0
             if checkpointing.due(cfg, step + 1):  # copies ordered after this step on the device; the host goes on
                 stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups)
-            pending = (step, values, lr, step_tokens, data_wait, stall)
-        if pending is not None:
-            report(*pending, since=last_report)
+            pending = (step, values, StepEnd(rt.device), lr, data_wait, stall)
+        if pending is not None:  # the last step: nothing queued after it, its end is the last work on the device
+            report(*pending, since=last_end)
         saver.wait()
     finally:
         beat.stop()
@@ -194,11 +201,6 @@ def expert_load_summary(loads: torch.Tensor, cfg: Config, data_parallel: int = 1
         "max_ratio": float((loads.max(-1).values / loads.mean(-1).clamp_min(1e-9)).max()),
         "dropped_frac": float(1 - kept.mean() / routed) if routed else 0.0,
     }
-
-
-def update_router_bias(model: MoETransformer, cfg: Config, data_parallel: int = 1) -> dict:
-    """`advance_router_bias`, then its summary read at once (waits for the device): for loops that read every step."""
-    return expert_load_summary(advance_router_bias(model, cfg).cpu(), cfg, data_parallel)
 
 
 def main(argv: list[str] | None = None) -> int:

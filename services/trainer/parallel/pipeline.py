@@ -173,7 +173,7 @@ UnitForward = Callable[[list[int], list[torch.Tensor | None]], list[torch.Tensor
 class _StageRunner:
     """Forward/backward of one schedule unit (a micro-batch, or a pair) on this stage, keeping what backward needs."""
 
-    def __init__(self, unit_forward: UnitForward, link: StageLink, step_tokens: int):
+    def __init__(self, unit_forward: UnitForward, link: StageLink, step_tokens: int | torch.Tensor):
         self.unit_forward, self.link, self.step_tokens = unit_forward, link, step_tokens
         self.inputs: dict[int, torch.Tensor | None] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -201,10 +201,11 @@ class _StageRunner:
         return [None if h is None else h.grad for h in hiddens]
 
 
-def one_f_one_b(stage_forward: StageForward, link: StageLink, step_tokens: int,
+def one_f_one_b(stage_forward: StageForward, link: StageLink, step_tokens: int | torch.Tensor,
                 unit_forward: UnitForward | None = None, unit_size: int = 1) -> torch.Tensor:
     """Forward and backward of every micro-batch of `link.tokens` through the pipeline; `stage_forward` returns the
-    micro-batch's summed loss on the last stage, which the schedule divides by `step_tokens` before its backward.
+    micro-batch's summed loss on the last stage, which the schedule divides by `step_tokens` (≥ 1: a host number, or a
+    0-d tensor on the device, where the folded pre-training step's all-reduced count stays) before its backward.
     Returns the summed loss on the last stage (zero elsewhere).
 
     The schedule moves units of `unit_size` consecutive micro-batches (the last one may be shorter): with a
@@ -257,8 +258,9 @@ def forward_only(stage_forward: StageForward, link: StageLink) -> list[torch.Ten
 # ---------------------------------------------------------------- pre-training
 
 
-def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tensor]], step_tokens: int,
-                              device: torch.device, autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None,
+def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tensor]],
+                              step_tokens: int | torch.Tensor, device: torch.device,
+                              autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None,
                               sequence_parallel_size: int = 1, pairs: bool = False) -> torch.Tensor:
     """`step.forward_backward` for a pipeline stage: 1F1B (`one_f_one_b`) over the micro-batches with the model's
     cross-entropy as the last stage's loss; returns the summed token loss on the last stage (zero elsewhere).

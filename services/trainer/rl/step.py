@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.common.config import RLConfig
+from services.trainer.metrics import StepValues
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.optim import clip_and_step
 from services.trainer.parallel.groups import Axis, ParallelGroups
@@ -107,10 +108,11 @@ def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
 
 def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]], cfg: RLConfig,
             device: torch.device, clip_grad: float = 1.0, ref_model: nn.Module | None = None,
-            autocast_dtype: torch.dtype | None = None, *, version: int, lr: float | None = None) -> dict[str, Any]:
+            autocast_dtype: torch.dtype | None = None, *, version: int, lr: float | None = None) -> "RLStepMetrics":
     """Forward/backward over this rank's micro-batches of the step (`data`, the dataloader client's `next_step`), then
-    one optimizer step; returns the step's metrics. `version` is the version of the trainer's weights before this step,
-    i.e. the step index: every sample must be within `cfg.max_staleness` versions of it (`step_sums`).
+    one optimizer step, queued; returns the step's metrics (`RLStepMetrics.read()`, which waits for the step's work).
+    `version` is the version of the trainer's weights before this step, i.e. the step index: every sample must be
+    within `cfg.max_staleness` versions of it (`step_sums`).
 
     Data parallel: when `optimizer` is the DistributedOptimizer of a layout (`folded.check_layout`), `data` is this
     rank's share of the step (the dataloader deals whole samples to the dp ranks; the TP ranks of a replica get the
@@ -131,8 +133,13 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     layout = step_layout(optimizer)  # folded layouts: see folded.py
     dp, distributed = layout.dp, layout.world.size > 1
     packed = [RLMicroBatch.from_data(mb) for mb in data]
-    # counted on the host, before the copy: no device-to-host sync per micro-batch
-    data_sums = _sum_over(step_sums(packed, version, cfg.max_staleness).to(device), dp)
+    # Counted on the host, before the copy: no device-to-host sync per micro-batch. Over several replicas the sums are
+    # read back at once: the staleness check must refuse the step before it trains, and the per-token divisor and the
+    # data metrics come from them. In the RL loop this read (and `with_fillers`' count) finds the device idle: the
+    # previous step's weights were just published from the host (train_rl.py).
+    data_sums = step_sums(packed, version, cfg.max_staleness)
+    if dp.size > 1:
+        data_sums = _all_reduce(data_sums.to(device), dp).cpu()
     if data_sums[5] > 0:  # on every rank at once: the sums are global
         raise ValueError(f"the dataloader served {int(data_sums[5])} samples of policy versions outside "
                          f"[{version - cfg.max_staleness}, {version}] for step {version} (rl.max_staleness="
@@ -156,7 +163,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         optimizer.begin_step(len(micro_batches))  # gradient reductions launch as the last backward completes buckets
     else:
         optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(len(_LOSS_SUMS), dtype=torch.float64, device=device)  # on the device: read once, after backward
+    sums = torch.zeros(len(_LOSS_SUMS), dtype=torch.float64, device=device)  # on the device: read with the metrics
 
     def policy_loss(i: int, logp: torch.Tensor) -> torch.Tensor:
         """Micro-batch i's summed policy loss from its per-token log-probs; its metric sums go into `sums`."""
@@ -174,28 +181,40 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         for i, mb in enumerate(micro_batches):
             (policy_loss(i, token_logprobs(model, mb, temperature, autocast_dtype)) / max(step_tokens, 1)).backward()
     # the loss sums live on the last pipeline stage (zeros on the others), on each of its TP ranks alike
-    totals = dict(zip(_LOSS_SUMS, _sum_over(sums, layout.pp, dp).tolist()))
+    _all_reduce(sums, layout.pp, dp)
     if distributed:
         if lr is None:
             raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
         grad_norm = optimizer.step(lr)  # sums the replicas' gradients, clips by the global norm
     else:
         grad_norm = clip_and_step(optimizer, model.parameters(), clip_grad)
-    per_token = max(step_tokens, 1)
-    return {
-        "loss": totals["loss"] / per_token, "grad_norm": float(grad_norm), "reward": reward_mean,
-        "reward_std": max(reward_var, 0.0) ** 0.5, "samples": int(data_sums[1]),
-        "response_length": float(data_sums[4]) / samples, "response_tokens": step_tokens,
-        "clip_frac": totals["clipped"] / per_token, "kl": totals["kl_sum"] / per_token,
-        "logprob_mismatch": totals["mismatch_abs_sum"] / per_token,
-        "rollout_kl": totals["mismatch_kl_sum"] / per_token,
-        "tis_weight": totals["tis_weight_sum"] / per_token,
-        "policy_versions": sorted(versions),
-        "staleness_max": version - min(versions) if versions else 0,
-    }
+    data_metrics = {"reward": reward_mean, "reward_std": max(reward_var, 0.0) ** 0.5, "samples": int(data_sums[1]),
+                    "response_length": float(data_sums[4]) / samples, "response_tokens": step_tokens,
+                    "policy_versions": sorted(versions),
+                    "staleness_max": version - min(versions) if versions else 0}
+    return RLStepMetrics(data_metrics, step_tokens, sums, grad_norm)
 
 
 _LOSS_SUMS = ("loss", *PolicyLoss.STATS)
+
+
+class RLStepMetrics:
+    """One RL step's metrics; `read()` gives them as numbers. The data figures (reward, lengths, versions) were summed
+    on the host before the step was queued; the loss sums and the gradient norm are the step's results on the device,
+    copied to the host as it is queued (`StepValues`), so `read()` waits for this step's work and nothing queued after
+    it: the RL loop reads a step's metrics once it has queued the next step's work."""
+
+    def __init__(self, data: dict[str, Any], step_tokens: int, sums: torch.Tensor, grad_norm: torch.Tensor):
+        self.data, self.step_tokens = data, step_tokens
+        self.values = StepValues(sums=sums, grad_norm=torch.as_tensor(grad_norm))
+
+    def read(self) -> dict[str, Any]:
+        v = self.values.read()
+        per_token = max(self.step_tokens, 1)
+        mean = {k: total / per_token for k, total in zip(_LOSS_SUMS, v["sums"].tolist())}  # per response token
+        return {"loss": mean["loss"], "grad_norm": float(v["grad_norm"]), **self.data, "clip_frac": mean["clipped"],
+                "kl": mean["kl_sum"], "logprob_mismatch": mean["mismatch_abs_sum"],
+                "rollout_kl": mean["mismatch_kl_sum"], "tis_weight": mean["tis_weight_sum"]}
 
 
 def _loss_sums(terms: PolicyLoss) -> torch.Tensor:
@@ -210,8 +229,9 @@ def _all_logprobs(model: nn.Module, micro_batches: list[RLMicroBatch], temperatu
     return [token_logprobs(model, mb, temperature, autocast_dtype) for mb in micro_batches]
 
 
-def _sum_over(t: torch.Tensor, *axes: Axis) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, *axes: Axis) -> torch.Tensor:
+    """`t` summed over `axes`, in place, queued (nothing here waits for the device)."""
     for axis in axes:
         if axis.size > 1:
             dist.all_reduce(t, group=axis.group)
-    return t.cpu()
+    return t

@@ -39,7 +39,7 @@ from services.common.registry import Registry, RegistryError, redis_url
 from services.dataloader.client import DataClient
 from services.dataloader.errors import DataError
 from services.trainer import checkpointing
-from services.trainer.metrics import MetricsLog
+from services.trainer.metrics import MetricsLog, StepValues
 from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, lr_at, set_lr
@@ -49,9 +49,10 @@ from services.trainer.parallel.groups import ParallelGroups, init_groups
 from services.trainer.parallel.parallelize import build_optimizer, parallelize
 from services.trainer.progress import StepPrinter
 from services.trainer.rl.folded import frozen_copy
-from services.trainer.rl.step import rl_step
+from services.trainer.rl.step import RLStepMetrics, rl_step
 from services.trainer.rl.weight_publisher import WeightPublisher, sync_dtype
-from services.trainer.train import init_runtime, seed_everything, update_router_bias
+from services.trainer.step import host_to_device
+from services.trainer.train import advance_router_bias, expert_load_summary, init_runtime, seed_everything
 
 
 def validate_rl(cfg: Config) -> None:
@@ -165,6 +166,30 @@ def train_rl(cfg: Config) -> int:
     printer = RLStepPrinter(cfg.run.steps, start_step, enabled=lead)
     log = MetricsLog(cfg.run.metrics_file if lead else None)
     printer.rl_header(cfg, rt.device, start_step)
+
+    def report(step: int, metrics: RLStepMetrics, loads: StepValues, timings: StepValues, lr: float, stall: float,
+               position: dict, micro_batches: int) -> None:
+        """Write step's record (the lead rank) once its values are on the host."""
+        if not lead:
+            return
+        wait, step_time = timings.read()["timings"].tolist()
+        load = expert_load_summary(loads.read()["loads"], cfg, groups.dp.size)
+        # the share of the step the trainer sat idle waiting for trajectories: near 1, rollout is the bottleneck
+        # (add workers); near 0, the trainer is (the workers wait on the backlog bound)
+        record = {"step": step + 1, **metrics.read(), "lr": lr, "step_time_s": step_time, "rollout_wait_s": wait,
+                  "rollout_wait_frac": wait / step_time if step_time > 0 else 0.0, "ckpt_stall_s": stall,
+                  "max_load_ratio": load["max_ratio"], **position, "micro_batches": micro_batches,
+                  "trainer_ranks": rt.world_size}
+        log.write(record)
+        printer.step(record)
+        registry.set_state("step", step + 1)
+
+    # As in pre-training, step k is reported after step k+1 has been queued (its values come back through StepValues).
+    # The loop still waits for the device once a step, at its end: the workers generate step k+1's trajectories with
+    # version k+1, which exists only once step k is done (`publish`), so what a step reads at its start (rl_step: the
+    # data sums over the replicas) finds the device idle. A step's time is the host's, on each rank from asking for the
+    # step's data to the end of its checkpoint save, after that wait: the whole step, the last one's too.
+    pending = None
     try:
         for step in range(start_step, cfg.run.steps):
             t0 = time.perf_counter()
@@ -177,25 +202,29 @@ def train_rl(cfg: Config) -> int:
             if not parallel:
                 set_lr(optimizer, lr)
             metrics = rl_step(model, optimizer, micro_batches, cfg.rl, rt.device, cfg.optimizer.clip_grad, ref,
-                              rt.autocast_dtype, version=step, lr=lr)
+                              rt.autocast_dtype, version=step, lr=lr)  # queued: its results are read at its report
             if parallel:
                 sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
-            load = update_router_bias(model, cfg, groups.dp.size)  # the bias moves the rollout's routing: policy
-            publish(publisher, gather, step + 1, sync_dtype(cfg.rl))  # collective: every rank sends its shards
+            # the bias moves the rollout's routing, so it is part of the policy: updated (on the device) before the
+            # weights are gathered below; the loads are only reported
+            loads = StepValues(loads=advance_router_bias(model, cfg))
+            if pending is not None:  # the previous step: done by now (its publish waited), this one still queued
+                report(*pending)
+            # Collective: every rank sends its shards; rank 0 takes the full weights to host memory, so it waits here
+            # for this step's work, the one wait the loop keeps (the workers need version step+1 on the host).
+            publish(publisher, gather, step + 1, sync_dtype(cfg.rl))
+            if parallel:
+                # No rank asks for the next step's data before version step+1 is published: the dataloader builds a
+                # step from the stream as it stands when asked, and an early ask would build it from older
+                # trajectories (rollout_source.py). On NCCL the barrier also waits for the rank's own share of this
+                # step, so every rank's step time below holds its work, not only rank 0's.
+                torch.distributed.barrier()
             stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups) \
                 if checkpointing.due(cfg, step + 1) else 0.0
-            step_time = time.perf_counter() - t0
-            wait, step_time = _mean_over_ranks([wait, step_time], rt.device) if parallel else (wait, step_time)
-            # the share of the step the trainer sat idle waiting for trajectories: near 1, rollout is the bottleneck
-            # (add workers); near 0, the trainer is (the workers wait on the backlog bound)
-            record = {"step": step + 1, **metrics, "lr": lr, "step_time_s": step_time, "rollout_wait_s": wait,
-                      "rollout_wait_frac": wait / step_time if step_time > 0 else 0.0, "ckpt_stall_s": stall,
-                      "max_load_ratio": load["max_ratio"], **data_position(data.state()),
-                      "micro_batches": len(micro_batches), "trainer_ranks": rt.world_size}
-            log.write(record)
-            printer.step(record)
-            if lead:
-                registry.set_state("step", step + 1)
+            timings = _mean_over_ranks([wait, time.perf_counter() - t0], rt.device, parallel)
+            pending = (step, metrics, loads, timings, lr, stall, data_position(data.state()), len(micro_batches))
+        if pending is not None:
+            report(*pending)
         saver.wait()
     finally:
         if beat is not None:
@@ -237,11 +266,16 @@ def publish(publisher: WeightPublisher | None, gather: WeightGather, version: in
         publisher.publish(version, state)
 
 
-def _mean_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Each rank waits for its own share of the step; the mean is the trainer's wait."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return (t / torch.distributed.get_world_size()).tolist()
+def _mean_over_ranks(values: list[float], device: torch.device, parallel: bool) -> StepValues:
+    """`values` (host numbers) averaged over the ranks, as "timings": each rank waits for its own share of the step,
+    the mean is the trainer's wait. Queued on the device and read with the step's record: reading it here would wait
+    for the checkpoint copies just queued."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if parallel:
+        t = host_to_device(t, device)
+        torch.distributed.all_reduce(t)
+        t /= torch.distributed.get_world_size()
+    return StepValues(timings=t)
 
 
 def main(argv: list[str] | None = None) -> int:

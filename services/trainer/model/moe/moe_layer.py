@@ -11,6 +11,7 @@ from services.trainer.model.mlp import SwiGLUMLP
 from services.trainer.model.moe.dispatcher import LocalDispatcher
 from services.trainer.model.moe.experts import GroupedExperts
 from services.trainer.model.moe.router import Router
+from services.trainer.model.precision import to_compute_dtype
 from services.trainer.model.stages import Stages, run_to_end
 
 
@@ -19,22 +20,20 @@ class AttachAuxLoss(torch.autograd.Function):
 
     This lets the aux loss join the backward pass from inside the layer, so it needs no plumbing to the loss and stays
     correct under pipeline parallelism (the loss lives on the last stage, the router may not).
+    `scale`: a number, or a 0-d tensor on the device when the scale is only known there (the folded step's
+    1 / micro-batches, all-reduced: reading it back would make the host wait for the device).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor, scale: float):
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor, scale: float | torch.Tensor):
         ctx.scale = scale
         return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if isinstance(ctx.scale, torch.Tensor):
+            return grad, ctx.scale.to(device=grad.device, dtype=torch.float32), None
         return grad, torch.full((), ctx.scale, device=grad.device, dtype=torch.float32), None
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
-    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
 
 
 class MoELayer(nn.Module):
@@ -66,7 +65,7 @@ class MoELayer(nn.Module):
         # The shared expert runs while the dispatch's all-to-all is in flight (forward and backward; EP only).
         shared: list[torch.Tensor] = []
         run_shared = (lambda: shared.append(self.shared_expert(x))) if self.shared_expert is not None else None
-        hidden = _compute_dtype(x)
+        hidden = to_compute_dtype(x)
         dispatched = yield from _staged(self.dispatcher, "dispatch", hidden, routing, in_flight=run_shared)
         expert_out = self._experts(hidden, dispatched)
         out = (yield from _staged(self.dispatcher, "combine", expert_out, dispatched)).to(x.dtype)

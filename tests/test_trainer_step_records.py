@@ -1,0 +1,283 @@
+"""The trainer loops write honest per-step records while the host runs ahead of the device: the folded step keeps its
+loss-token count on the device (and divides by it there, as the host count did), every pre-training record times its
+own step (the first and the last too), and the RL loop, which reports a step after it has queued the next one, still
+records each step's own values and publishes the weights each step trained.
+
+The loops run in-process on the CPU with their services replaced (registry, dataloader client, checkpointer, weight
+publisher): what is checked is the loop, not the services (tests/test_launcher_end_to_end.py, test_rl_launcher.py run
+those for real)."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.common.config import load_config
+from services.common.tokenizer import load_tokenizer
+from services.trainer import checkpointing
+from services.trainer.model.transformer import MoETransformer
+from services.trainer.parallel.groups import single_process
+from services.trainer.parallel.parallelize import forward_backward_parallel
+from services.trainer.step import count_loss_tokens, forward_backward
+from tests.parallel_harness import make_batches, tiny_config
+from tests.rl_helpers import micro_batches as rl_micro_batches
+
+# ---------------------------------------------------------------- the folded step's divisor
+
+
+def test_the_folded_step_keeps_its_token_count_on_the_device_and_trains_as_the_host_count_does():
+    """`forward_backward_parallel` returns the all-reduced loss-token count as a tensor (not read back: reading it would
+    make the host wait for the device at every step's start), divides the loss and the aux losses by device tensors,
+    and computes exactly what one process dividing by host numbers computes: loss, every gradient (aux-loss term
+    included)."""
+    cfg = tiny_config()
+    (mbs,) = make_batches(cfg.model, steps=1, micro=3, tokens=32)
+    mbs[1]["labels"][:] = -100  # a micro-batch without a loss token still counts in the aux-loss scale
+
+    def run(folded: bool):
+        model = MoETransformer(cfg.model)
+        model.init_weights(3)
+        if folded:
+            loss, tokens = forward_backward_parallel(model, mbs, single_process(), cfg, torch.device("cpu"), None)
+        else:
+            for m in model.moe_layers():
+                m.aux_loss_scale = 1.0 / len(mbs)
+            tokens = count_loss_tokens(mbs)
+            loss = forward_backward(model, mbs, tokens, torch.device("cpu"), None)
+        return loss, tokens, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, tokens, grads = run(folded=True)
+    want_loss, want_tokens, want_grads = run(folded=False)
+    assert isinstance(tokens, torch.Tensor) and tokens.dtype == torch.int64 and tokens.ndim == 0
+    assert int(tokens) == want_tokens
+    assert float(loss) == float(want_loss)
+    assert grads.keys() == want_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_the_aux_loss_scale_may_be_a_number_or_a_device_tensor():
+    cfg = tiny_config()
+    (mbs,) = make_batches(cfg.model, steps=1, micro=1, tokens=32)
+
+    def router_grads(scale):
+        model = MoETransformer(cfg.model)
+        model.init_weights(5)
+        for m in model.moe_layers():
+            m.aux_loss_scale = scale
+        forward_backward(model, mbs, 100, torch.device("cpu"), None)
+        return [m.router.weight.grad.clone() for m in model.moe_layers()]
+
+    for a, b in zip(router_grads(0.25), router_grads(torch.tensor(0.25)), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- the loops, in-process with fake services
+
+
+class _Registry:
+    def __init__(self, *args, **kwargs):
+        self.state: dict = {}
+
+    def register(self, *args, **kwargs):
+        return SimpleNamespace(stop=lambda: None)
+
+    def set_state(self, key, value):
+        self.state[key] = value
+
+
+class _Saver:
+    def wait(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class _Exporter:
+    endpoint = "http://127.0.0.1:0"
+
+    def serve(self, *args, **kwargs):
+        return self
+
+    def observe(self, record):
+        pass
+
+    def close(self):
+        pass
+
+
+class _Data:
+    """The dataloader client: `steps[k]` after sleeping `waits[k]` (the time the trainer waits for step k's data)."""
+
+    def __init__(self, steps: list, waits: list[float]):
+        self.steps, self.waits, self._next = steps, waits, 0
+
+    @property
+    def step(self) -> int:
+        return self._next
+
+    def next_step(self):
+        time.sleep(self.waits[self._next])
+        self._next += 1
+        return self.steps[self._next - 1]
+
+    def state(self) -> dict:  # an RL position: the stream entry after the last step served, its drop counters
+        return {"step": self._next, "stream": {"after": f"{self._next}-0", "dropped_stale": 10 * self._next}}
+
+    def close(self):
+        pass
+
+
+def _services(monkeypatch, module, data: _Data, stall: float = 0.0) -> list[int]:
+    """Fake services for `module`'s loop; returns the steps the checkpointer was asked to save, as they come."""
+    saved: list[int] = []
+
+    def save(saver, cfg, model, optimizer, data_client, step, groups=None):
+        time.sleep(stall)
+        saved.append(step)
+        return stall
+
+    monkeypatch.setattr(module, "Registry", _Registry)
+    monkeypatch.setattr(module, "redis_url", lambda: "redis://unused")
+    monkeypatch.setattr(checkpointing, "connect", lambda *a, **k: _Saver())
+    monkeypatch.setattr(checkpointing, "restore", lambda *a, **k: 0)
+    monkeypatch.setattr(checkpointing, "attach", lambda *a, **k: None)
+    monkeypatch.setattr(checkpointing, "save", save)
+    from services.dataloader import client
+
+    monkeypatch.setattr(client.DataClient, "from_registry", classmethod(lambda cls, *a, **k: data))
+    return saved
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+WAIT, STALL = 0.5, 0.3
+
+
+def test_each_pre_training_record_times_its_own_step_the_first_and_the_last_too(tmp_path, monkeypatch):
+    """Step k is reported after step k+1 is queued. On the CPU, where queuing a step computes it, the time between
+    reports was the next step's (the first record held two steps' data waits, the last next to nothing): each record
+    must hold its own step's data wait and checkpoint stall, and no other step's."""
+    from services.trainer import train as train_module
+
+    cfg = load_config("configs/tiny.yaml", [
+        "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=32",
+        "model.num_experts=4", "data.seq_len=32", "data.micro_batch_size=1", "run.steps=4", "checkpoint.interval=0",
+        f"run.metrics_file={tmp_path / 'metrics.jsonl'}", f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    waits = [0.0, 0.0, WAIT, WAIT]  # the last step also saves the final checkpoint (STALL)
+    saved = _services(monkeypatch, train_module, _Data(make_batches(cfg.model, steps=4, micro=1), waits), STALL)
+    monkeypatch.setattr(train_module, "TrainerMetrics", _Exporter)
+    monkeypatch.setattr(train_module, "measure_peak_tflops", lambda *a: 0.0)
+    t0 = time.perf_counter()
+    assert train_module.train(cfg) == 0
+    wall = time.perf_counter() - t0
+    logged = _records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [1, 2, 3, 4] and saved == [4]
+    for r, wait in zip(logged, waits, strict=True):
+        assert r["data_wait_s"] == pytest.approx(wait, abs=0.2)
+        assert r["step_time_s"] >= r["data_wait_s"] + r["ckpt_stall_s"], r  # its own wait and stall are in it
+        if wait == 0.0 and r["step"] > 1:  # (the first step also pays the lazy initialisations)
+            assert r["step_time_s"] < WAIT, r  # and no other step's
+        assert r["tokens_per_s"] == pytest.approx(cfg.data.seq_len / r["step_time_s"])  # one 32-token micro-batch
+    assert logged[-1]["ckpt_stall_s"] == STALL
+    assert sum(r["step_time_s"] for r in logged) <= wall  # the steps' times tile the loop, none counted twice
+
+
+def _rl_groups(cfg, steps: int) -> list[list]:
+    """`rl.groups_per_step` trajectory groups per step, step k's generated by version k (as fresh as can be)."""
+    from services.rl_rollout.engine import Engine, Request
+    from services.rl_rollout.publish import encode_group
+    from services.rl_rollout.sampling import SamplingParams
+
+    model = MoETransformer(cfg.model)
+    model.init_weights(11)
+    tok = load_tokenizer("byte")
+    engine = Engine(model.eval(), tok, max_batch=8, max_seq_len=32, seed=0)
+    params = SamplingParams(temperature=1.0, max_tokens=5, stop_at_eos=False)
+    out = []
+    for version in range(steps):
+        groups = []
+        for g in range(cfg.rl.groups_per_step):
+            prompt = f"{version}+{g}="
+            cs = engine.generate([Request(tok.encode(prompt), params, tag=i) for i in range(cfg.rl.group_size)])
+            rewards = [float(i % 2) for i in range(cfg.rl.group_size)]
+            groups.append(encode_group(f"w:{version}:{g}", "w", version, "test", prompt, {}, 1.0, cs, rewards))
+        out.append(groups)
+    engine.close()
+    return out
+
+
+class _Publisher:
+    def __init__(self):
+        self.published: dict[int, dict[str, torch.Tensor]] = {}
+        self.endpoint = "tcp://127.0.0.1:0"
+
+    def start(self):
+        return self
+
+    def publish(self, version, state):
+        self.published[version] = {k: v.clone() for k, v in state.items()}
+
+    def stop(self):
+        pass
+
+
+def test_each_rl_record_carries_its_own_steps_values_and_each_published_version_the_weights_it_trained(
+        tmp_path, monkeypatch):
+    """The RL loop reads step k's device results after it has queued step k+1: each record must still hold step k's
+    metrics, data position and timings (the last step's too), and version k+1 the weights after step k (router bias
+    included), as one process stepping and reading at once computes them."""
+    from services.trainer.optim import build_adamw, lr_at, set_lr
+    from services.trainer.rl import train_rl as rl_module
+    from services.trainer.rl.step import rl_step
+    from services.trainer.train import advance_router_bias, seed_everything
+
+    steps = 3
+    cfg = load_config("configs/rl_tiny.yaml", [
+        f"run.steps={steps}", "rl.groups_per_step=2", "rl.group_size=4", "rl.micro_batch_tokens=48",
+        "model.bias_update_rate=0.01", "optimizer.warmup_steps=1", f"run.metrics_file={tmp_path / 'metrics.jsonl'}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    data_steps = [rl_micro_batches(g, max_tokens=cfg.rl.micro_batch_tokens)[0] for g in _rl_groups(cfg, steps)]
+    waits = [0.0, 0.0, WAIT]
+    _services(monkeypatch, rl_module, _Data(data_steps, waits))
+    publisher = _Publisher()
+    monkeypatch.setattr(rl_module, "WeightPublisher", SimpleNamespace(from_config=lambda *a, **k: publisher))
+    monkeypatch.setattr(rl_module, "discard_backlog", lambda *a, **k: 0)
+    assert rl_module.train_rl(cfg) == 0
+    logged = _records(tmp_path / "metrics.jsonl")
+
+    seed_everything(cfg.run.seed)  # one process stepping and reading each step at once
+    model = MoETransformer(cfg.model)
+    model.init_weights(cfg.run.seed)
+    optimizer = build_adamw(model, cfg.optimizer)
+    want, weights = [], [{k: v.clone() for k, v in model.state_dict().items()}]
+    for step in range(steps):
+        set_lr(optimizer, lr_at(step, cfg.optimizer, steps))
+        want.append(rl_step(model, optimizer, data_steps[step], cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
+                            version=step, lr=lr_at(step, cfg.optimizer, steps)).read())
+        advance_router_bias(model, cfg)
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert len({r["loss"] for r in logged}) == steps  # the steps differ, so a record of another step would show
+    for step, (r, w) in enumerate(zip(logged, want, strict=True)):
+        for key in ("loss", "grad_norm", "reward", "clip_frac", "logprob_mismatch", "response_tokens", "samples"):
+            assert r[key] == pytest.approx(w[key], rel=1e-6, abs=1e-9), (step, key)
+        assert r["rollout_position"] == f"{step + 1}-0" and r["dropped_stale"] == 10 * (step + 1)
+        assert r["micro_batches"] == len(data_steps[step])
+        assert r["rollout_wait_s"] == pytest.approx(waits[step], abs=0.2)
+        assert r["step_time_s"] >= r["rollout_wait_s"]  # its own wait is in it, the last step's too
+    assert sorted(publisher.published) == [0, 1, 2, 3]
+    for version, state in publisher.published.items():
+        assert state.keys() == weights[version].keys()
+        for name, t in state.items():
+            torch.testing.assert_close(t, weights[version][name], msg=f"version {version}: {name}")
+    bias = [n for n in weights[1] if n.endswith("router.expert_bias")]
+    assert bias and any(not torch.equal(weights[1][n], weights[0][n]) for n in bias)  # the update is published
