@@ -57,12 +57,13 @@ class ModelConfig:
     # kernels stay as they are. First steps pay the compile time.
     compile: bool = False
     # Triton kernels on CUDA (the CPU path is always the torch reference): "permutation" (permute + unpermute),
-    # "activation" (SwiGLU with the router weight folded in), "router" (fused top-k; its backward is slower than torch's
-    # at Qwen3 shapes, so it is off unless a benchmark says otherwise), "cross_entropy" (output layer + loss over chunks
-    # of tokens, no [T, vocab] logits: kernels/cross_entropy.py; on an H100 +9% step throughput and -11 GiB at the
-    # Qwen3 shape, bench/RESULTS.md; not under tensor parallelism, where the vocabulary is split over ranks and the
-    # vocab-parallel cross-entropy on logits is used).
-    moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation", "cross_entropy"])
+    # "activation" (SwiGLU with the router weight folded in), "router" (scores, top-k, weights and aux statistics in one
+    # kernel, backward in one more: 1.47x torch forward + backward at Qwen3 shapes; where it does not apply, e.g.
+    # group-limited routing, capacity or the sequence aux loss, the router runs in torch), "cross_entropy" (output
+    # layer + loss over chunks of tokens, no [T, vocab] logits: kernels/cross_entropy.py; on an H100 +9% step
+    # throughput and -11 GiB at the Qwen3 shape, bench/RESULTS.md; not under tensor parallelism, where the vocabulary
+    # is split over ranks and the vocab-parallel cross-entropy on logits is used).
+    moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation", "router", "cross_entropy"])
     # FP8 GEMMs on CUDA: "" (off), "tensorwise" or "blockwise" (DeepSeek-V3: 1x128 activation, 128x128 weight blocks).
     # Routed experts: our Triton grouped GEMM (kernels/fp8_grouped_mm.py; tensorwise = a scale per activation row and
     # per expert weight; forward and dgrad in FP8, wgrad in bf16). Dense linears (attention q/k/v/o, dense and shared
