@@ -130,8 +130,12 @@ def test_distributed_optimizer_buckets_make_the_one_process_update(moment_dtype)
         norm = clip_and_step(opt, plain.parameters(), cfg.optimizer.clip_grad)
         torch.testing.assert_close(dist_opt.step(cfg.optimizer.lr), norm, rtol=1e-6, atol=0)
     masters = {s.name: b.master[s.start - b.lo:s.start - b.lo + s.numel] for b in dist_opt.buckets for s in b.slots}
+    # The two sum the squared gradients for the clipping norm in different orders (per bucket, per tensor): the norms
+    # can differ by an ulp, which flips the bf16 rounding of a few parameters, so the next step's gradients differ
+    # slightly too. Masters agree to 1% of one step's update (measured: 4e-7 at lr 3e-3 after 3 steps, one element).
     for (name, p), q in zip(plain.named_parameters(), bucketed.parameters()):
-        torch.testing.assert_close(masters[name].view_as(p), opt.state[p]["master"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(masters[name].view_as(p), opt.state[p]["master"], rtol=1e-6,
+                                   atol=0.01 * cfg.optimizer.lr)
         torch.testing.assert_close(q.detach().float(), p.detach().float(), rtol=0, atol=2 ** -7 * p.abs().max().item())
 
 
