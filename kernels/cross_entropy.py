@@ -159,6 +159,28 @@ def _chunked_loss_and_grads(h, weight, labels, dtype, chunk_size, rows: RowStep,
     return loss, grad_h, grad_w  # grad_w stays fp32: backward scales and rounds it in one pass
 
 
+@triton.jit
+def _scale_to_kernel(src_ptr, scale_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(src_ptr + offs, mask=mask) * tl.load(scale_ptr)
+    tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_to(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`src` (contiguous fp32) times the 0-d device tensor `scale`, rounded once to `dtype` (in place when fp32).
+    torch's `mul` with a 0-d CUDA operand takes its broadcasting, unvectorized path: 1.23 ms for the 151936 x 2048
+    output-layer gradient on an H100, at about half the memory bandwidth; here one vectorized pass."""
+    out = src if dtype == torch.float32 else torch.empty_like(src, dtype=dtype)
+    scale = scale.to(torch.float32)
+    if not src.is_cuda:  # not in Triton's CPU interpreter either: it truncates fp32 -> bf16 stores instead of rounding
+        return torch.mul(src, scale, out=out)
+    n = src.numel()
+    if n:
+        _scale_to_kernel[(triton.cdiv(n, 4096),)](src, scale, out, n, BLOCK=4096, num_warps=8)
+    return out
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, dtype, chunk_size, rows: RowStep, grad_h_needed, grad_w_needed):
@@ -178,8 +200,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if grad_h is not None:
             grad_h.mul_(grad_loss.to(grad_h.dtype))
         if grad_w is not None:  # fp32 sum: scaled and rounded to the weight's dtype in one pass (in place if fp32)
-            scaled = grad_w if ctx.weight_dtype == torch.float32 else torch.empty_like(grad_w, dtype=ctx.weight_dtype)
-            grad_w = torch.mul(grad_w, grad_loss.to(torch.float32), out=scaled)
+            grad_w = scale_to(grad_w, grad_loss, ctx.weight_dtype)
         return grad_h, grad_w, None, None, None, None, None, None
 
 

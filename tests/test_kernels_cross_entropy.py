@@ -172,3 +172,16 @@ def test_the_model_with_the_cross_entropy_kernel_trains_like_the_unfused_model()
     assert grads_fused.keys() == grads_plain.keys()
     for name, g in grads_plain.items():
         torch.testing.assert_close(grads_fused[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_to_rounds_the_scaled_fp32_sum_once(dtype):
+    """The backward's last pass over grad_W: fp32 times the incoming scalar, rounded once to the weight's dtype."""
+    from kernels.cross_entropy import scale_to
+
+    src = torch.randn(37, 4099, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    scale = torch.tensor(0.37, device=DEVICE)
+    want = (src * 0.37).to(dtype)
+    got = scale_to(src.clone(), scale, dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
