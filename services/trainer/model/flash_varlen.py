@@ -16,18 +16,18 @@ import torch
 class _CausalVarlenFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int):
-        out, lse, philox_seed, philox_offset, _ = torch.ops.aten._flash_attention_forward(
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, philox_seed, philox_offset)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
         ctx.max_seqlen = max_seqlen
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_seqlens, philox_seed, philox_offset = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen, 0.0,
-            True, philox_seed, philox_offset)
+            True, rng_state, unused)
         return dq, dk, dv, None, None
 
 
