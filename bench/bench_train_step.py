@@ -120,6 +120,11 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     return outcome
 
 
+# Memory-bound operators the profile lists by input shape: where casts, adds and fills come from.
+GLUE_OPS = {"aten::copy_", "aten::add_", "aten::add", "aten::mul", "aten::mul_", "aten::fill_", "aten::sum",
+            "aten::zero_", "aten::cat", "aten::index_select", "aten::embedding_dense_backward"}
+
+
 def print_profile(name: str, step, rows: int, trace: str | None = None) -> None:
     """Device time per kernel over two steps, as a share of the steps' device time: where the step goes."""
     from torch.autograd import DeviceType
@@ -152,9 +157,6 @@ def print_profile(name: str, step, rows: int, trace: str | None = None) -> None:
     for e in sorted(glue, key=lambda e: -e.self_device_time_total)[:rows]:
         print(f"{e.key:<16}{e.self_device_time_total / 2e3:>9.2f}{e.count // 2:>7}  {str(e.input_shapes)[:120]}")
 
-
-GLUE_OPS = {"aten::copy_", "aten::add_", "aten::add", "aten::mul", "aten::mul_", "aten::fill_", "aten::sum",
-            "aten::zero_", "aten::cat", "aten::index_select", "aten::embedding_dense_backward"}
 
 
 def main() -> None:

@@ -138,6 +138,15 @@ class Axis:
         return len(self.ranks)
 
 
+def sum_over(t, *axes: Axis):
+    """`t` summed over `axes` in place (all-reduce, skipped for one-rank axes), queued: nothing here waits for the
+    device. Returns `t`."""
+    for axis in axes:
+        if axis.size > 1:
+            dist.all_reduce(t, group=axis.group)
+    return t
+
+
 @dataclass(frozen=True)
 class ParallelGroups:
     layout: Layout

@@ -15,14 +15,13 @@ begins exactly where the single-device model does.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from services.common.config import Config
 from services.trainer.parallel.context_parallel import apply_context_parallel, shard_micro_batch
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.expert_parallel import apply_expert_parallel
-from services.trainer.parallel.groups import ParallelGroups
+from services.trainer.parallel.groups import ParallelGroups, sum_over
 from services.trainer.parallel.micro_batch_pairs import backward_passes
 from services.trainer.parallel.pipeline import apply_pipeline, forward_backward_pipeline
 from services.trainer.parallel.tensor_parallel import apply_tensor_parallel
@@ -43,13 +42,6 @@ def parallelize(model: nn.Module, cfg: Config, groups: ParallelGroups) -> nn.Mod
 def build_optimizer(model: nn.Module, cfg: Config, groups: ParallelGroups) -> DistributedOptimizer:
     return DistributedOptimizer(model, groups, cfg.optimizer, cfg.parallel.grad_bucket_mb,
                                 shard=cfg.parallel.distributed_optimizer)
-
-
-def _all_reduce(t: torch.Tensor, *axes) -> torch.Tensor:
-    for axis in axes:
-        if axis.size > 1:
-            dist.all_reduce(t, group=axis.group)
-    return t
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float | torch.Tensor) -> None:
@@ -78,7 +70,7 @@ def forward_backward_parallel(model: nn.Module, micro_batches: list[dict[str, to
     # A micro-batch sized for c CP ranks is held by c ranks: each contributes 1/c of it to the micro-batch count.
     share = sum(1.0 / int(mb.get("cp_size", groups.cp.size)) for mb in micro_batches)
     totals = host_to_device(torch.tensor([float(count_loss_tokens(local)), share], dtype=torch.float64), device)
-    step_tokens, num_micro = _all_reduce(totals, groups.dp_cp)  # fp64: token sums stay exact
+    step_tokens, num_micro = sum_over(totals, groups.dp_cp)  # fp64: token sums stay exact
     # max(micro-batches, 1) and max(tokens, 1) as the host numbers were, the loss divided in its dtype (fp32)
     set_aux_loss_scale(model, (1.0 / num_micro.clamp_min(1.0)).float())
     if optimizer is not None:
@@ -87,5 +79,5 @@ def forward_backward_parallel(model: nn.Module, micro_batches: list[dict[str, to
     loss = forward_backward_pipeline(model, local, step_tokens.clamp_min(1.0).float(), device, autocast_dtype,
                                      groups.pp.group, sp, pairs=p.ep_overlap)
     # The loss lives on the last stage, on every TP rank alike (vocab-parallel CE is complete after its all-reduces).
-    loss = _all_reduce(loss.detach().float().reshape(1).clone(), groups.dp_cp, groups.pp)[0]
+    loss = sum_over(loss.detach().float().reshape(1).clone(), groups.dp_cp, groups.pp)[0]
     return loss, step_tokens.round().long()

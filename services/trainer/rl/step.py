@@ -23,14 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from services.common.config import RLConfig
 from services.trainer.metrics import StepValues
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.optim import clip_and_step
-from services.trainer.parallel.groups import Axis, ParallelGroups
+from services.trainer.parallel.groups import ParallelGroups, sum_over
 from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, step_layout, with_fillers
 from services.trainer.rl.losses import PolicyLoss, ppo_clip_loss
 from services.trainer.rl.pipelined import pipeline_logprobs, pipeline_policy_backward
@@ -139,7 +138,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     # previous step's weights were just published from the host (train_rl.py).
     data_sums = step_sums(packed, version, cfg.max_staleness)
     if dp.size > 1:
-        data_sums = _all_reduce(data_sums.to(device), dp).cpu()
+        data_sums = sum_over(data_sums.to(device), dp).cpu()
     if data_sums[5] > 0:  # on every rank at once: the sums are global
         raise ValueError(f"the dataloader served {int(data_sums[5])} samples of policy versions outside "
                          f"[{version - cfg.max_staleness}, {version}] for step {version} (rl.max_staleness="
@@ -181,7 +180,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         for i, mb in enumerate(micro_batches):
             (policy_loss(i, token_logprobs(model, mb, temperature, autocast_dtype)) / max(step_tokens, 1)).backward()
     # the loss sums live on the last pipeline stage (zeros on the others), on each of its TP ranks alike
-    _all_reduce(sums, layout.pp, dp)
+    sum_over(sums, layout.pp, dp)
     if distributed:
         if lr is None:
             raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
@@ -227,11 +226,3 @@ def _all_logprobs(model: nn.Module, micro_batches: list[RLMicroBatch], temperatu
     if layout.pp.size > 1:
         return pipeline_logprobs(model, micro_batches, temperature, autocast_dtype, layout)
     return [token_logprobs(model, mb, temperature, autocast_dtype) for mb in micro_batches]
-
-
-def _all_reduce(t: torch.Tensor, *axes: Axis) -> torch.Tensor:
-    """`t` summed over `axes`, in place, queued (nothing here waits for the device)."""
-    for axis in axes:
-        if axis.size > 1:
-            dist.all_reduce(t, group=axis.group)
-    return t

@@ -31,9 +31,7 @@ class AttachAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if isinstance(ctx.scale, torch.Tensor):
-            return grad, ctx.scale.to(device=grad.device, dtype=torch.float32), None
-        return grad, torch.full((), ctx.scale, device=grad.device, dtype=torch.float32), None
+        return grad, torch.as_tensor(ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
 class MoELayer(nn.Module):
