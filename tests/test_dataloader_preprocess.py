@@ -5,7 +5,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,6 +91,23 @@ def test_output_does_not_depend_on_worker_count(corpus, tmp_path):
     two = build(corpus, tmp_path / "two", workers=2)
     assert np.array_equal(one.tokens, two.tokens) and np.array_equal(one.offsets, two.offsets)
     assert one.fingerprint == two.fingerprint
+
+
+def test_a_parallel_build_leaves_no_process_of_its_own_behind(corpus, tmp_path):
+    # `foldmoe train` builds the dataset in the launcher's process before it starts anything; a child left there
+    # (a spawn pool starts multiprocessing's resource tracker) would be ended by the launcher's final sweep as a
+    # "leftover process of this run". A fresh interpreter, so no tracker of an earlier test is already running.
+    script = ("import os, sys\n"
+              "from services.common.procs import children_of\n"
+              "from services.dataloader.preprocess import preprocess\n"
+              "preprocess([sys.argv[1]], 'byte', sys.argv[2], workers=2, progress=False)\n"
+              "print(children_of(os.getpid()))\n")
+    res = subprocess.run([sys.executable, "-c", script, str(corpus), str(tmp_path / "ds")], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+    assert "leaked" not in res.stderr  # the tracker stopped after the pool's semaphores were released, not before
+    assert len(IndexedDataset(tmp_path / "ds")) == 4
 
 
 def test_missing_corpus_entry_is_named(tmp_path):

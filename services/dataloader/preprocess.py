@@ -18,9 +18,10 @@ import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from multiprocessing import get_context
+from multiprocessing import get_context, resource_tracker
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -268,6 +269,31 @@ def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, w
     return out_dir
 
 
+@contextmanager
+def _tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """`workers` tokenizer processes for one build (None for one: tokenize in this process), all ended with it.
+
+    "All" includes multiprocessing's resource tracker: the first spawn in a process starts it, and it would otherwise
+    live as long as this process. `foldmoe train` builds the dataset in the launcher's own process, which ends every
+    child it did not start as a stray of the run, so the build stops the tracker it started (one that was already
+    running belongs to someone else). `_resource_tracker` and `_stop` are private: the stdlib has no public way.
+    """
+    if workers <= 1:
+        yield None
+        return
+    tracker = resource_tracker._resource_tracker
+    started_here = tracker._fd is None
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+    try:
+        yield pool
+    finally:
+        # Waits for the workers and drops the pool's queues, whose semaphores unregister from the tracker on the way:
+        # a tracker stopped before that would report them as leaked, and the next unregister would start a new one.
+        pool.shutdown(cancel_futures=True)
+        if started_here:
+            tracker._stop()
+
+
 def _write_tokens(sources: list[Source], tokenizer_spec: str, out_dir: Path, workers: int, progress: bool):
     """Stream each file's tokens into tokens.bin.tmp in corpus order; returns (records, count, lengths, sha256)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -278,8 +304,7 @@ def _write_tokens(sources: list[Source], tokenizer_spec: str, out_dir: Path, wor
     digest = hashlib.sha256()
     bar = Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                    TextColumn("{task.fields[docs]} docs"), disable=not progress, transient=True)
-    pool = (ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None)
-    try:
+    with _tokenizer_pool(workers) as pool:
         paths = [s.path for s in sources]
         results = (pool.map(tokenize_file, paths, [tokenizer_spec] * len(paths), chunksize=1) if pool
                    else (tokenize_file(p, tokenizer_spec) for p in paths))
@@ -302,9 +327,6 @@ def _write_tokens(sources: list[Source], tokenizer_spec: str, out_dir: Path, wor
                 bar.update(task, advance=src.size, docs=ndocs)
             out.flush()
             os.fsync(out.fileno())
-    finally:
-        if pool:
-            pool.shutdown(cancel_futures=True)
     lengths = np.concatenate(all_lengths) if all_lengths else np.empty(0, dtype=np.int64)
     return records, num_tokens, lengths, digest.hexdigest()
 
