@@ -8,7 +8,8 @@ does (torch's fused kernel then also writes the divided gradient back):
   (b) bf16 params, library path: upcast the bf16 gradient into an fp32 buffer, `torch._fused_adamw_` on the fp32
       master, then `param.copy_(master)`;
   (c) `adamw_step`: fp32 master and moments, bf16 grad, bf16 param written in the same pass;
-  (d) `adamw_step` with bf16 moments.
+  (d) `adamw_step` with bf16 moments;
+  (e) `adamw_step` with bf16 moments and the master as int16 remainders of the bf16 param (the trainer's bf16 path).
 (a) and (b) give torch lists of `--chunks` equal views of flat buffers (a model's parameters, or the distributed
 optimizer's views of its shards); the upcast and the copy of (b) are one flat call each, and (c), (d) are one call
 over the flat buffers. Prints the median milliseconds per step (CUDA events, after `warmup` steps, which also absorb
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_kernels import time_ms  # noqa: E402  (bench/ is the script's directory)
-from kernels.adamw import adamw_step  # noqa: E402
+from kernels.adamw import adamw_step, split_master  # noqa: E402
 
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 STEP = 10
@@ -75,12 +76,20 @@ def variants(n: int, chunks: int, dev: torch.device) -> list[tuple[str, int, Cal
         param = master.to(bf16)
         return lambda: adamw_step(master, grad, exp_avg, exp_avg_sq, param, **HYPER, step=STEP, grad_divisor=divisor)
 
+    def remainders():
+        master, grad, exp_avg, exp_avg_sq = buffers(bf16, bf16)
+        param, remainder = split_master(master)
+        del master
+        return lambda: adamw_step(remainder, grad, exp_avg, exp_avg_sq, param, **HYPER, step=STEP,
+                                  grad_divisor=divisor)
+
     # bytes per element: master r+w 8, grad r (+w when torch divides it in place), moments r+w, param w
     return [
         ("(a) torch fused, fp32 params", 8 + 4 + 4 + 16, torch_fp32),
         ("(b) torch: upcast + fused + copy", (2 + 4) + (8 + 4 + 4 + 16) + (4 + 2), torch_bf16_params),
         ("(c) adamw_step, fp32 moments", 8 + 2 + 16 + 2, lambda: ours(f32)),
         ("(d) adamw_step, bf16 moments", 8 + 2 + 8 + 2, lambda: ours(bf16)),
+        ("(e) same, remainders", 4 + 2 + 8 + 4, remainders),
     ]
 
 

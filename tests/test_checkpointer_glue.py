@@ -175,8 +175,8 @@ class FakeData:
 
 @pytest.mark.parametrize("param_dtype, moment_dtype", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")])
 def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype, moment_dtype):
-    """With bf16 parameters the checkpoint holds the fp32 master weights as the parameters' values, and a restore
-    brings those back exactly (not the bf16 copy rounded again)."""
+    """With bf16 parameters the checkpoint holds each bf16 parameter and the remainder of its fp32 master weight, and a
+    restore brings the master weights back exactly (not the bf16 copy rounded again)."""
     cfg = Config()
     cfg.checkpoint.dir = str(tmp_path)
     model, opt = tiny(param_dtype, moment_dtype)
@@ -191,8 +191,12 @@ def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype, moment_d
 
     with load_checkpoint(Path(tmp_path) / "step_00000001") as c:
         assert c.global_shape("model/layers.1.mlp.experts.w13") == (4, 32, 32)  # as the parallel layouts with etp=1
-        assert c.read("model/layers.1.mlp.experts.w13").dtype == torch.float32
-        assert not [n for n in c.names() if n.endswith("/master")]  # the masters are the model's values, not extra
+        bf16 = param_dtype == "bf16"
+        assert c.read("model/layers.1.mlp.experts.w13").dtype == (torch.bfloat16 if bf16 else torch.float32)
+        assert ("optim/layers.1.mlp.experts.w13/remainder" in c.names()) == bf16
+        assert "optim/embed.weight/remainder" not in c.names()  # it stays fp32
+        assert not [n for n in c.names() if n.endswith("/master")]  # fp32 masters are the model's values, not extra
+        masters = {n: checkpointing.saved_value(c.read, n, set(c.names())) for n, _ in model.named_parameters()}
     fresh, fresh_opt = tiny(param_dtype, moment_dtype)
     data = FakeData(0)
     torch.manual_seed(99)
@@ -202,10 +206,38 @@ def test_a_save_restores_model_optimizer_and_rng(tmp_path, param_dtype, moment_d
     train_step(reference, reference_opt, 0)
     for (name, a), b in zip(reference.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
-    keys = ("exp_avg", "exp_avg_sq", "step") + (("master",) if param_dtype == "bf16" else ())
-    for p, q in zip(reference.parameters(), fresh.parameters()):
+    keys = ("exp_avg", "exp_avg_sq", "step") + (("remainder",) if param_dtype == "bf16" else ())
+    for (name, p), q in zip(reference.named_parameters(), fresh.parameters()):
         for key in keys:
-            assert torch.equal(reference_opt.state[p][key], fresh_opt.state[q][key]), key
+            if key in reference_opt.state[p]:
+                assert torch.equal(reference_opt.state[p][key], fresh_opt.state[q][key]), key
+        assert torch.equal(fresh_opt.master_value(q), reference_opt.master_value(p)), name
+        assert torch.equal(masters[name], reference_opt.master_value(p)), name
+
+
+@pytest.mark.parametrize("saved_as, restored_as", [("bf16", "fp32"), ("fp32", "bf16")])
+def test_master_weights_cross_between_fp32_and_bf16_runs_exactly(tmp_path, saved_as, restored_as):
+    """A bf16 run's checkpoint (bf16 parameters + remainders) resumes an fp32 run, and its weights start another run
+    (`checkpoint.init_from`), with the fp32 master values, not their bf16 rounding; an fp32 run's checkpoint resumes a
+    bf16 run whose master weights are then those fp32 values exactly."""
+    cfg = Config()
+    cfg.checkpoint.dir = str(tmp_path)
+    model, opt = tiny(saved_as)
+    train_step(model, opt, 0)
+    masters = {n: opt.master_value(p).clone() for n, p in model.named_parameters()}
+    with checkpoint_writer(tmp_path) as saver:
+        checkpointing.save(saver, cfg, model, opt, FakeData(1), step=1)
+        saver.wait(30)
+    fresh, fresh_opt = tiny(restored_as)
+    assert checkpointing.restore(cfg, fresh, fresh_opt, FakeData(0), rank=0) == 1
+    for name, q in fresh.named_parameters():
+        assert torch.equal(fresh_opt.master_value(q), masters[name]), name
+    if saved_as == "bf16":
+        cfg.checkpoint.init_from, cfg.checkpoint.dir = str(tmp_path), str(tmp_path / "elsewhere")
+        started = MoETransformer(CFG)
+        assert checkpointing.init_from(cfg, started) is not None
+        for name, q in started.named_parameters():
+            assert torch.equal(q.detach(), masters[name]), name
 
 
 def folded(cfg: Config, model_cfg: ModelConfig = CFG, seed: int = 1) -> tuple[MoETransformer, DistributedOptimizer]:
@@ -239,8 +271,10 @@ def test_a_folded_layout_restores_its_fp32_masters_exactly_and_refuses_another_m
     assert data.position == 123 and torch.equal(torch.get_rng_state(), expected_rng)
     assert fresh_opt.step_count == 1
     for b, c in zip(opt.buckets, fresh_opt.buckets, strict=True):
-        for key in ("master", "exp_avg", "exp_avg_sq", "params"):
-            assert torch.equal(getattr(b, key), getattr(c, key)), key
+        assert (b.remainder is not None) == (b.params.dtype == torch.bfloat16)
+        for key in ("master", "remainder", "exp_avg", "exp_avg_sq", "params"):
+            if getattr(b, key) is not None:
+                assert torch.equal(getattr(b, key), getattr(c, key)), key
 
     other, other_opt = folded(cfg, dataclasses.replace(CFG, num_experts=8))
     with pytest.raises(checkpointing.CheckpointLoadError,

@@ -8,6 +8,8 @@ because Triton's interpreter truncates fp32 -> bf16 where the GPU rounds to near
 is exactly master.to(bf16), tested below). One step, so that a truncated bf16 moment is not read back and compounded.
 The reference is torch.optim.AdamW's single-tensor formulation and agrees with both of torch's fp32 implementations
 (for-loop and foreach) to rtol 1e-6, atol 1e-7 over five steps, its bf16 param exactly master.to(bf16) after each.
+Remainders (an int16 `master` beside a bf16 param) are exact: split and join are integer operations, so the master
+they stand for is bit for bit the fp32 master the same kernel computes, step after step.
 """
 
 import pytest
@@ -15,7 +17,7 @@ import torch
 from kernels_interpreter import DEVICE, ON_CUDA, kernels_on_device  # noqa: F401  (first: before triton is imported)
 
 import kernels.adamw
-from kernels.adamw import adamw_step, adamw_step_reference
+from kernels.adamw import adamw_step, adamw_step_reference, join_master, split_master
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 N = 3000  # not a multiple of any config's block: the last block is partial
@@ -62,6 +64,66 @@ def test_kernel_matches_reference(grad_dtype, moment_dtypes, param_dtype, diviso
     adamw_step_reference(*want, **HYPER, weight_decay=weight_decay, step=3, grad_divisor=div)
     assert_state_close(got, want)
     assert torch.equal(got[1], grad_before), "grad is read only"
+
+
+def with_remainders(tensors):
+    """The same state with the fp32 master as int16 remainders of the bf16 param."""
+    master, grad, exp_avg, exp_avg_sq, _ = tensors
+    param, remainder = split_master(master.clone())
+    return [remainder, grad.clone(), exp_avg.clone(), exp_avg_sq.clone(), param]
+
+
+@pytest.mark.parametrize("moment_dtypes", MOMENTS[:2], ids=lambda m: f"m_{dtype_id(m[0])}-v_{dtype_id(m[1])}")
+@pytest.mark.parametrize("fn", [adamw_step, adamw_step_reference], ids=["kernel", "reference"])
+def test_remainders_stand_for_the_fp32_master_bit_for_bit_over_steps(fn, moment_dtypes):
+    """From the same state, the remainder path's joined master is exactly the fp32-master path's, step after step,
+    and its param is that master split (rounded to nearest, ties away from zero)."""
+    fp32 = state(N, torch.bfloat16, moment_dtypes, torch.bfloat16)
+    rem = with_remainders(fp32)
+    div = torch.tensor(1.5, device=DEVICE)
+    for step in range(1, 4):
+        for tensors in (fp32, rem):
+            fn(*tensors, **HYPER, weight_decay=0.1, step=step, grad_divisor=div)
+        assert torch.equal(join_master(rem[4], rem[0]).view(torch.int32), fp32[0].view(torch.int32))
+        assert torch.equal(rem[4].view(torch.int16), split_master(fp32[0])[0].view(torch.int16))
+        for a, b in zip(rem[2:4], fp32[2:4]):
+            assert torch.equal(a, b)
+
+
+def test_remainder_kernel_matches_reference():
+    got = with_remainders(state(N, torch.bfloat16, MOMENTS[1], torch.bfloat16))
+    want = [t.clone() for t in got]
+    adamw_step(*got, **HYPER, weight_decay=0.1, step=3, grad_divisor=torch.tensor(2.0, device=DEVICE))
+    adamw_step_reference(*want, **HYPER, weight_decay=0.1, step=3, grad_divisor=torch.tensor(2.0, device=DEVICE))
+    torch.testing.assert_close(join_master(got[4], got[0]), join_master(want[4], want[0]), **FP32)
+
+
+def special_values() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(100_000, generator=g) * torch.logspace(-40, 38, 100_000)  # denormals to near the max
+    edges = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, float("inf"), -float("inf")])
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x00008000, 0x7F7F8000], dtype=torch.int32)  # low half 0x8000
+    ties = torch.cat([ties, ties | -0x80000000]).view(torch.float32)
+    return torch.cat([spread, edges, ties])
+
+
+def test_split_then_join_is_exact_and_the_param_is_rounded_to_nearest():
+    x = special_values()
+    param, remainder = split_master(x)
+    assert torch.equal(join_master(param, remainder).view(torch.int32), x.view(torch.int32))
+    rne, ours = x.bfloat16().view(torch.int16), param.view(torch.int16)
+    ties = (x.view(torch.int32) & 0xFFFF) == 0x8000
+    assert torch.equal(ours[~ties], rne[~ties]), "away from ties, round to nearest even"
+    up = (x.view(torch.int32)[ties] >> 16) + 1  # ties away from zero: the magnitude's upper half + 1
+    assert torch.equal(ours[ties], up.to(torch.int16))
+    assert torch.equal(param[x.isinf()], x[x.isinf()].bfloat16())
+
+
+def test_split_and_join_name_bad_dtypes():
+    with pytest.raises(ValueError, match="fp32"):
+        split_master(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="int16 remainder"):
+        join_master(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -111,6 +173,8 @@ def bad_calls():
     ok = dict(master=t(), grad=t(), exp_avg=t(), exp_avg_sq=t())
     return [  # (the argument the message must name, what is wrong, the call's tensors)
         ("master", "bf16", dict(ok, master=t(dtype=torch.bfloat16))),
+        ("param", "remainders_without_bf16_param", dict(ok, master=t(dtype=torch.int16))),
+        ("param", "remainders_of_fp32_param", dict(ok, master=t(dtype=torch.int16), param=t())),
         ("grad", "fp16", dict(ok, grad=t(dtype=torch.float16))),
         ("exp_avg", "fp16", dict(ok, exp_avg=t(dtype=torch.float16))),
         ("exp_avg_sq", "shape", dict(ok, exp_avg_sq=t(9))),

@@ -17,7 +17,11 @@ weights, KL to a reference model copied from the parallelized policy; the MoE au
 the padding tokens would join the micro-batch aux statistics, see rl/folded.py) and "packed" (several samples per
 micro-batch, ratio against the rollout log-probs). Compared: every metric of every step and every weight after every
 step. Tolerance (fp32): 1e-5 relative L2 for weights, 1e-5 relative plus 1e-7 absolute for scalar metrics — the
-parallel sides sum in other orders (TP row-parallel partial sums, all-reduced softmax statistics), nothing more.
+parallel sides sum in other orders (TP row-parallel partial sums, all-reduced softmax statistics), nothing more —
+except `logprob_mismatch` before the first update: the mean |log-prob - rollout log-prob| of the very policy that
+generated, i.e. fp32 rounding alone (~4e-7 here), which a different summation order changes by as much as itself. It
+gets 1e-6 absolute, a few fp32 ulps of log-probs of magnitude 1-10 (measured: 3.9e-7 one process, 5.5e-7 folded, in
+a fresh environment at 82eb50a; earlier sessions' environments agreed within 1e-7).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tests.test_rl_parallel import METRICS, MODEL_SEED, _steps
 
 RTOL = 1e-5
 ATOL = 1e-7
+ATOL_OF = {"logprob_mismatch": 1e-6}  # fp32 rounding of log-probs: see the module docstring
 TIMEOUT_S = 300.0
 LAYOUTS = {2: [dict(tp=2), dict(ep=2)], 4: [dict(tp=2, ep=2), dict(ep=2, etp=2)]}
 SCENARIOS = {
@@ -117,10 +122,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
 
-def _close(a, b) -> bool:
+def _close(a, b, metric: str = "") -> bool:
     if isinstance(a, list):
         return a == b
-    return abs(a - b) <= ATOL + RTOL * abs(b) if b is not None else a is None
+    return abs(a - b) <= ATOL_OF.get(metric, ATOL) + RTOL * abs(b) if b is not None else a is None
 
 
 def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir: str) -> None:
@@ -136,7 +141,7 @@ def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir:
             for r, rank in enumerate(ranks):
                 for step, (mr, mp_) in enumerate(zip(ref["metrics"], rank[key]["metrics"], strict=True)):
                     for k in METRICS:
-                        assert _close(mp_[k], mr[k]), f"{key} rank {r} step {step}: {k} {mp_[k]} != {mr[k]}"
+                        assert _close(mp_[k], mr[k], k), f"{key} rank {r} step {step}: {k} {mp_[k]} != {mr[k]}"
             for step, (wr, wp) in enumerate(zip(ref["weights"], ranks[0][key]["weights"], strict=True)):
                 assert list(wp) == list(wr), f"{key}: published names differ from the single-process state_dict"
                 for name, t in wr.items():

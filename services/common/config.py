@@ -143,8 +143,9 @@ class OptimizerConfig:
     warmup_steps: int = 20
     clip_grad: float = 1.0
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # how the model holds its parameters; bf16: the optimizer keeps the
-    #                                                fp32 master weights (checkpoints hold those) and updates both in
-    #                                                one pass; gradients stay bf16 in one process (fp32 buckets with dp)
+    #                                                fp32 master weights' low 16 bits beside them (exact; checkpoints
+    #                                                hold both) and updates both in one pass; gradients stay bf16 in
+    #                                                one process (fp32 buckets with dp)
     moment_dtype: Literal["fp32", "bf16"] = "fp32"  # how the optimizer stores Adam's moments (math is fp32 either
     #                                                 way); bf16 needs param_dtype=bf16: 4 B less per parameter
 

@@ -282,7 +282,8 @@ def _tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
         yield None
         return
     tracker = resource_tracker._resource_tracker
-    started_here = tracker._fd is None
+    # private API (3.11-3.13 have both): without it, the launcher's sweep ends the tracker as before
+    started_here = getattr(tracker, "_fd", 0) is None and hasattr(tracker, "_stop")
     pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
     try:
         yield pool

@@ -13,6 +13,10 @@ Which piece of which global tensor this rank saves is decided by `state_shards`,
 data parallel) saves every tensor whole, written by rank 0; a folded layout (`groups` given) takes each parameter's box
 and the ZeRO-1 moments from services/trainer/parallel/checkpoint_shards.py, so each set of replicas is written once.
 
+A bf16 parameter (`optimizer.param_dtype=bf16`) is saved as itself, `model/<param>`, with the low 16 bits of its fp32
+master weight beside it, `optim/<param>/remainder` (kernels/adamw.py `split_master`); every reader here joins the two
+(`saved_value`), so a restore gets the master weights back bit for bit, whatever dtype the restoring run holds.
+
 `init_from` starts a run from another run's model weights (`checkpoint.init_from`, e.g. RL from a pre-trained model):
 whole tensors, read before a parallel layout slices the model, with nothing else of that run.
 """
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.adamw import join_master
 from services.checkpointer.arena import TensorSpec
 from services.checkpointer.layout import MANIFEST, parse_step, verify
 from services.checkpointer.load import CheckpointError, find_latest_valid, load_checkpoint
@@ -57,6 +62,19 @@ def connect(registry: Registry, cfg: Config, rank: int, world_size: int) -> Snap
 def due(cfg: Config, step: int) -> bool:
     every = cfg.checkpoint.interval
     return step == cfg.run.steps or (every > 0 and step % every == 0)
+
+
+REMAINDER = "optim/{}/remainder"
+
+
+def saved_value(read, name: str, saved: set[str]) -> torch.Tensor:
+    """Parameter `name`'s value in a checkpoint: `read("model/<name>")`, joined with its saved remainder into the fp32
+    master weight when the run that saved it held the parameter in bf16. `read` takes a checkpoint name and returns
+    the piece this reader wants (whole, or a box)."""
+    value = read(f"model/{name}")
+    if REMAINDER.format(name) in saved:
+        return join_master(value, read(REMAINDER.format(name)))
+    return value
 
 
 # ---------------------------------------------------------------- what a rank saves
@@ -117,9 +135,8 @@ def state_shards(model: nn.Module, optimizer: Any, rank: int, groups: Any = None
                 state = optimizer.state.get(p) or (_predicted_adam_state(p, optimizer) if predict else {})
                 box = shards[f"model/{names[id(p)]}"]
                 for key, value in state.items():
-                    if key == "master":  # fp32 master weights (optim.MasterWeightAdamW): the parameter's true value
-                        shards[f"model/{names[id(p)]}"] = _like_param(box, value)
-                    elif isinstance(value, torch.Tensor):
+                    # `master` (optim.MasterWeightAdamW) is an fp32 parameter itself, saved as `model/<param>` already
+                    if key != "master" and isinstance(value, torch.Tensor):
                         shards[f"optim/{names[id(p)]}/{key}"] = _like_param(box, value)
     elif optimizer is not None:
         raise TypeError(f"cannot checkpoint an optimizer of type {type(optimizer).__name__}: neither a "
@@ -203,14 +220,15 @@ def _mismatch(path, cause: Exception) -> CheckpointLoadError:
 
 def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     try:
-        model_state = {k: _read_whole(ckpt, f"model/{k}", t) for k, t in model.state_dict().items()}
+        model_state = {k: saved_value(lambda n, t=t: _read_whole(ckpt, n, t), k, saved)
+                       for k, t in model.state_dict().items()}
         model.load_state_dict(model_state)
-    except (KeyError, RuntimeError, CheckpointError) as e:
+    except (KeyError, RuntimeError, ValueError, CheckpointError) as e:
         raise _mismatch(path, e) from None
     for name, p in model.named_parameters():
         state = optimizer.state[p]
-        if "master" in state:  # the checkpoint holds the fp32 value; the parameter got it rounded to its dtype
-            state["master"].copy_(model_state[name])
+        if "remainder" in state:  # a bf16 parameter: it and its remainder from the (fp32) master value
+            optimizer.set_master(p, model_state[name])
         for key in ("exp_avg", "exp_avg_sq", "step"):
             full = f"optim/{name}/{key}"
             if full in saved:
@@ -316,14 +334,14 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False)
         raise CheckpointLoadError(f"checkpoint.init_from: {path} holds {extra[0]!r}"
                                   f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which this model does "
                                   f"not have: it holds another model{hint}")
-    loaded = {}
+    loaded, names = {}, set(ckpt.names())
     for name, like in state.items():
         shape = ckpt.global_shape(f"model/{name}")
         if math.prod(shape) != like.numel():  # same count: the same tensor in another layout (see `_read_whole`)
             raise CheckpointLoadError(f"checkpoint.init_from: parameter {name!r} is {list(shape)} in {path} but "
                                       f"{list(like.shape)} in this model{hint}")
         try:
-            loaded[name] = _read_whole(ckpt, f"model/{name}", like).to(like.dtype)
+            loaded[name] = saved_value(lambda n: _read_whole(ckpt, n, like), name, names).to(like.dtype)
         except CheckpointError as e:
             raise CheckpointLoadError(f"checkpoint.init_from: {e}") from None
     model.load_state_dict(loaded)

@@ -2,8 +2,9 @@
 
 One process: `MasterWeightAdamW`, one pass of kernels/adamw.py per parameter. With fp32 parameters they are their own
 master weights; with `optimizer.param_dtype=bf16` the model holds bf16 parameters (no per-step weight casts under
-autocast, bf16 gradients) and the optimizer the fp32 master weights and moments, updated with the bf16 copy in the same
-pass. Several ranks: the distributed optimizer (parallel/distributed_optimizer.py) does the same over its buckets.
+autocast, bf16 gradients) and the optimizer the lower 16 bits of each fp32 master weight (the bf16 parameter holds
+the upper 16) and the moments, all updated in the same pass. Several ranks: the distributed optimizer
+(parallel/distributed_optimizer.py) does the same over its buckets.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import weakref
 import torch
 from torch import nn
 
-from kernels.adamw import adamw_step
+from kernels.adamw import adamw_step, join_master, split_master
 from services.common.config import OptimizerConfig
 
 
@@ -45,15 +46,19 @@ def stays_fp32(name: str, p: torch.Tensor) -> bool:
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
-    """AdamW over fp32 master weights, for parameters held in fp32 (their own master weights) or in a lower precision
-    (Megatron's bf16 mixed precision).
+    """AdamW over fp32 master weights, for parameters held in fp32 (their own master weights) or in bf16 (Megatron's
+    bf16 mixed precision with its precision-aware optimizer's `store_param_remainders`).
 
-    At construction each parameter's current (fp32) value becomes its master weight and the parameter itself is
-    re-stored in `param_dtype`, except those in `keep_fp32`, whose master weight is the parameter itself: the
-    optimizer owns the parameters' precision from then on. `step` reads the gradients
-    and writes master weights, moments and the parameters' copies in one kernel per parameter (kernels/adamw.py).
-    State per parameter, created here (so a checkpoint's buffers are known before the first step): `master` (fp32),
-    `exp_avg`, `exp_avg_sq` (`moment_dtype`; the kernel's math is fp32) and `step` (a host scalar). Checkpoints save `master` as the parameter's value.
+    At construction each parameter's current (fp32) value becomes its master weight: those in `keep_fp32` stay fp32
+    and are their own master weight; every other one is re-stored as bf16, rounded to nearest, and the optimizer keeps
+    only the int16 remainder that, joined with the bf16 bits, is the fp32 master exactly (kernels/adamw.py
+    `split_master`): 6 B of state per parameter, not 8. The optimizer owns the parameters' precision from then on;
+    write a value through `set_master`, never into a bf16 parameter alone (its remainder would no longer match).
+    `step` reads the gradients and writes master weights, moments and the bf16 copies in one kernel per parameter.
+    State per parameter, created here (so a checkpoint's buffers are known before the first step): `master` (fp32,
+    the parameter itself) or `remainder` (int16), `exp_avg`, `exp_avg_sq` (`moment_dtype`; the kernel's math is fp32)
+    and `step` (a host scalar). `master_value(p)` is the fp32 master either way; checkpoints save a kept parameter's
+    `master` as its value, and a bf16 parameter as itself plus its `remainder` (services/trainer/checkpointing.py).
 
     Gradients: one backward per step leaves its bf16 gradient in `.grad` and the kernel reads it as is (no copy).
     From a step's second backward on (gradient accumulation), each backward's contribution is added into an fp32 sum
@@ -63,8 +68,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 param_dtype: torch.dtype = torch.bfloat16, moment_dtype: torch.dtype = torch.float32,
-                 keep_fp32: tuple[torch.Tensor, ...] = ()):
+                 moment_dtype: torch.dtype = torch.float32, keep_fp32: tuple[torch.Tensor, ...] = ()):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         kept = {id(p) for p in keep_fp32}
         self.grad_scale: torch.Tensor | None = None
@@ -74,13 +78,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 if p.dtype != torch.float32:
                     raise ValueError(f"MasterWeightAdamW takes fp32 parameters (their values become the master "
                                      f"weights), got a {p.dtype} parameter of shape {tuple(p.shape)}")
-                master = p.detach() if id(p) in kept else p.detach().clone()
-                self.state[p] = {"step": torch.zeros((), dtype=torch.float32), "master": master,
-                                 "exp_avg": torch.zeros_like(master, dtype=moment_dtype),
-                                 "exp_avg_sq": torch.zeros_like(master, dtype=moment_dtype)}
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(p, dtype=moment_dtype),
+                                 "exp_avg_sq": torch.zeros_like(p, dtype=moment_dtype)}
                 if id(p) in kept:
+                    self.state[p]["master"] = p.detach()
                     continue  # fp32: autograd sums its gradients in fp32 already
-                p.data = p.data.to(param_dtype)
+                p.data, self.state[p]["remainder"] = split_master(p.detach())
                 # weak references only: a hook that held the optimizer would keep it (and the model) alive
                 optimizer, param = weakref.ref(self), weakref.ref(p)
                 p.register_hook(lambda g, o=optimizer, q=param: _call(o, "_sum_in_fp32", q(), g, default=g))
@@ -93,7 +97,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             state = self.state[p]
             total = state.get("grad_sum")
             if total is None:
-                total = state["grad_sum"] = torch.empty_like(state["master"])
+                total = state["grad_sum"] = torch.empty_like(p, dtype=torch.float32)
             if n == 2:
                 total.copy_(p.grad)
             total.add_(contribution)
@@ -102,6 +106,21 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def _clear_summed(self, p: torch.Tensor) -> None:
         if self._backwards.get(p, 0) > 1:
             p.grad = None  # autograd's bf16 sum: the fp32 one is the gradient
+
+    def master_value(self, p: torch.Tensor) -> torch.Tensor:
+        """`p`'s fp32 master weight: the parameter itself when it is fp32, else joined from its bf16 bits and
+        remainder (a new tensor)."""
+        state = self.state[p]
+        return state["master"] if "master" in state else join_master(p.detach(), state["remainder"])
+
+    @torch.no_grad()
+    def set_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Set `p`'s fp32 master weight (a checkpoint's value): the parameter gets it rounded, the remainder the rest."""
+        state = self.state[p]
+        if "master" in state:
+            state["master"].copy_(value)
+        else:
+            split_master(value.to(device=p.device, dtype=torch.float32).reshape(p.shape), p.data, state["remainder"])
 
     def grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The gradient this step will apply to `p`: `.grad`, or the fp32 sum over several backward passes."""
@@ -122,8 +141,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 state["step"] += 1
-                copy = None if p.dtype == torch.float32 else p  # fp32 parameters are their own master weights
-                adamw_step(state["master"], grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], copy,
+                if "master" in state:  # fp32: the parameter is its own master weight
+                    master, copy = state["master"], None
+                else:  # bf16: the kernel joins the parameter with its remainder, updates and splits again
+                    master, copy = state["remainder"], p
+                adamw_step(master, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], copy,
                            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], step=int(state["step"]), grad_divisor=self.grad_scale)
         return loss
@@ -143,31 +165,27 @@ def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer
     groups, betas = param_groups(model, cfg.weight_decay), (cfg.beta1, cfg.beta2)
     keep = tuple(p for n, p in model.named_parameters() if cfg.param_dtype == "fp32" or stays_fp32(n, p))
     return MasterWeightAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             param_dtype=DTYPES[cfg.param_dtype], moment_dtype=DTYPES[cfg.moment_dtype],
-                             keep_fp32=keep)
+                             moment_dtype=DTYPES[cfg.moment_dtype], keep_fp32=keep)
 
 
-def clip_and_step(optimizer: torch.optim.AdamW, params, max_norm: float) -> torch.Tensor:
+def clip_and_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> torch.Tensor:
     """Clip the gradients by their global L2 norm (`max_norm` > 0; 0: no clipping), step, and return the norm.
 
-    Same update as `clip_grad_norm_` then `step()`. With the fused AdamW (or `MasterWeightAdamW`) the clip factor is
-    not applied in a pass of its own: it goes to the kernel as the gradient scale (the kernel divides each gradient by
-    it as it reads it, the hook `torch.amp.GradScaler` uses), which saves reading and writing every gradient once
-    (~8 ms per step for 3.1B fp32 parameters on an H100). The scale stays on the device: no host sync. `.grad` holds the clipped gradients
-    afterwards (torch's fused kernel writes the scaled ones back), as after `clip_grad_norm_`, except with
-    `MasterWeightAdamW`, whose kernel only reads them.
+    Same update as `clip_grad_norm_` then `step()`. With `MasterWeightAdamW` (the trainer's) the clip factor is not
+    applied in a pass of its own: it goes to the kernel as the gradient divisor (`grad_scale`, applied as each
+    gradient is read), which saves reading and writing every gradient once (~8 ms per step for 3.1B fp32 parameters
+    on an H100), stays on the device (no host sync) and leaves the gradients unclipped. Any other optimizer (tests
+    drive the RL step with SGD) gets its gradients clipped in place first.
     """
     params, master_weights = list(params), isinstance(optimizer, MasterWeightAdamW)
     grads = [optimizer.grad(p) if master_weights else p.grad for p in params]
     params, grads = [p for p, g in zip(params, grads) if g is not None], [g for g in grads if g is not None]
     norm = grad_norm(grads)
-    scales_in_kernel = optimizer.defaults.get("fused") or master_weights
-    optimizer.grad_scale = None
-    if max_norm > 0:
-        if scales_in_kernel:  # clip_grad_norm_'s factor max_norm / (norm + 1e-6) ≤ 1, as a divisor ≥ 1
-            optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).to(torch.float32)
-        else:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    if master_weights:
+        # clip_grad_norm_'s factor max_norm / (norm + 1e-6) <= 1, as a divisor >= 1
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).to(torch.float32) if max_norm > 0 else None
+    elif max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     optimizer.step()
     return norm
 

@@ -1,13 +1,13 @@
 """What a rank of a folded layout hands the checkpointer, and how it reads its pieces back: boxes of global tensors.
 
 Names match the single-process checkpoint (`model/<param>`, `optim/<param>/exp_avg`, `optim/<param>/exp_avg_sq`,
-`optim/<param>/step`), so a checkpoint written by any layout is read by any other (the checkpointer reads any box).
+`optim/<param>/step`, and `optim/<param>/remainder` for bf16 parameters), so a checkpoint written by any layout is read by any other (the checkpointer reads any box).
 A parameter's box: TP-sharded parameters cover their slice along `tensor_parallel_dim`; expert parameters their
 experts (and, with ETP, their FFN slice — w13 is then saved in its [E, h, 2, f] view, the gate and up halves being
 two column blocks; layouts with etp=1, including one process, save [E, h, 2f]; reading handles both). Copies on several ranks are marked replicated; exactly one rank writes each.
 
-The ZeRO-1 moments exist on each rank only for its flat range of a bucket; at save time each bucket's moments are
-all-gathered over the reducing group (a temporary full copy of this rank's parameters' moments) so they form boxes too.
+The ZeRO-1 moments (and remainders) exist on each rank only for its flat range of a bucket; at save time each bucket's
+are all-gathered over the reducing group (a temporary full copy of this rank's parameters' moments) so they form boxes too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.adamw import split_master
 from services.checkpointer.shard import Shard
+from services.trainer.checkpointing import saved_value
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer, _all_gather_single
 from services.trainer.parallel.groups import ParallelGroups
 
@@ -67,17 +69,14 @@ def _full_moment(opt: DistributedOptimizer, bucket, which: str) -> torch.Tensor:
 
 
 def optimizer_shards(opt: DistributedOptimizer, groups: ParallelGroups) -> dict[str, Shard]:
-    """The moments and step; with bf16 parameters also the fp32 master weights, as `model/<param>` (they replace the
-    bf16 copies `model_shards` names: a checkpoint holds the parameters' true values whatever the layout)."""
+    """The moments and step; for bf16 parameters also the remainders of their fp32 master weights (beside the bf16
+    values `model_shards` names, they make a checkpoint hold the parameters' true values whatever the layout)."""
     out = {}
     for b in opt.buckets:
-        moments = {k: _full_moment(opt, b, k) for k in ("exp_avg", "exp_avg_sq")}
-        master = _full_moment(opt, b, "master") if b.params.dtype != torch.float32 else None
+        keys = ("exp_avg", "exp_avg_sq") + (() if b.remainder is None else ("remainder",))
+        moments = {k: _full_moment(opt, b, k) for k in keys}
         for s in b.slots:
             shape, offsets, replicated, writer = _box(s.param, groups)
-            if master is not None:
-                piece = _view(master[s.start:s.start + s.numel].view(s.param.shape), shape).clone()
-                out[f"model/{s.name}"] = Shard(piece, shape, offsets, replicated, writer)
             for key, flat in moments.items():
                 piece = _view(flat[s.start:s.start + s.numel].view_as(s.param), shape).clone()
                 out[f"optim/{s.name}/{key}"] = Shard(piece, shape, offsets, replicated, writer)
@@ -104,23 +103,29 @@ def _read(ckpt, name: str, p: nn.Parameter, groups: ParallelGroups) -> torch.Ten
 def load_shards(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: ParallelGroups) -> None:
     """Read this rank's boxes of every parameter, buffer and moment from `ckpt` (a `load.Checkpoint`)."""
     saved = set(ckpt.names())
+
+    def value(name: str, p: nn.Parameter) -> torch.Tensor:  # the fp32 master weight, joined if saved in two parts
+        return saved_value(lambda n: _read(ckpt, n, p, groups), name, saved).float()
+
     for name, p in model.named_parameters():
-        p.data.copy_(_read(ckpt, f"model/{name}", p, groups))
+        # a bf16 parameter gets the rounding its remainder is kept against (every replica the same), not torch's
+        p.data.copy_(split_master(value(name, p))[0] if p.dtype == torch.bfloat16 else value(name, p))
     for name, b in model.named_buffers():
         if f"model/{name}" in saved:
             b.copy_(ckpt.read(f"model/{name}"))
     for bucket in opt.buckets:
-        # the moments, and the fp32 master weights when the parameters are bf16 (p.data got them rounded above)
-        keys = {"exp_avg": "optim/{}/exp_avg", "exp_avg_sq": "optim/{}/exp_avg_sq"}
-        if bucket.params.dtype != torch.float32:
-            keys["master"] = "model/{}"
-        for key, pattern in keys.items():
+        for key in ("exp_avg", "exp_avg_sq"):
             full = torch.zeros(bucket.size, dtype=torch.float32, device=bucket.params.device)
             for s in bucket.slots:
-                name = pattern.format(s.name)
+                name = f"optim/{s.name}/{key}"
                 if name in saved:
                     full[s.start:s.start + s.numel] = _read(ckpt, name, s.param, groups).reshape(-1)
             getattr(bucket, key).copy_(full[bucket.lo:bucket.hi])
+        if bucket.remainder is not None:  # the owned range's remainders, from the master values
+            full = torch.zeros(bucket.size, dtype=torch.float32, device=bucket.params.device)
+            for s in bucket.slots:
+                full[s.start:s.start + s.numel] = value(s.name, s.param).reshape(-1)
+            split_master(full[bucket.lo:bucket.hi], remainder=bucket.remainder)
         step_name = f"optim/{bucket.slots[0].name}/step"
         if step_name in saved:
             opt.step_count = int(ckpt.read(step_name).reshape(-1)[0])

@@ -11,9 +11,9 @@ for the earlier layers. Buckets launch in index order on every rank, so collecti
 Each rank of a reducing group of size n owns 1/n of every bucket: only for that range does it keep fp32 master weights
 and Adam moments, and compute the update; an all-gather then refreshes the full bucket on every rank. With
 `optimizer.param_dtype=bf16` the buckets' parameters are bf16 (so are the all-gathers and the gradients autograd
-produces; the gradient buckets stay fp32) and the fp32 master range is a separate tensor, written together with the
-bf16 range by kernels/adamw.py; the parameters that stay fp32 (`optim.stays_fp32`: embedding, norms, router) have
-buckets of their own. The all-gathers
+produces; the gradient buckets stay fp32) and the owned range's fp32 master weights are its bf16 values plus an int16
+remainder each (kernels/adamw.py `split_master`), updated together by kernels/adamw.py; the parameters that stay fp32
+(`optim.stays_fp32`: embedding, norms, router) have buckets of their own. The all-gathers
 are launched asynchronously at the end of `step`, in the order the next forward pass needs the buckets, and each module
 waits for its own parameters' buckets (and its direct children's) in a forward pre-hook, so the gathers overlap the
 next forward. Anything else that reads parameters between steps calls `wait_params()` (the checkpoint snapshot does;
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.adamw import adamw_step
+from kernels.adamw import adamw_step, split_master
 from services.common.config import OptimizerConfig
 from services.trainer.optim import DTYPES, stays_fp32
 from services.trainer.parallel.expert_parallel import is_expert_param
@@ -73,7 +73,8 @@ class Bucket:
     work: object = None
     launched: bool = False
     grad_shard: torch.Tensor | None = None
-    master: torch.Tensor | None = None  # fp32 owned range of the parameters
+    master: torch.Tensor | None = None  # fp32 bucket: the owned range of its parameters (their own master weights)
+    remainder: torch.Tensor | None = None  # bf16 bucket: int16 remainders of the owned range (the master's low bits)
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
     decay_runs: list[tuple[int, int, bool]] = field(default_factory=list)  # owned range in (start, end, decays) runs
@@ -187,7 +188,7 @@ class DistributedOptimizer:
         grads = torch.zeros(size, dtype=torch.float32, device=ref.device)
         for (_, p), start in zip(members, itertools.accumulate((p.numel() for _, p in members), initial=0)):
             values[start:start + p.numel()].copy_(p.detach().reshape(-1))
-        params = values if dtype == values.dtype else values.to(dtype)
+        params, remainder = (values, None) if dtype == values.dtype else split_master(values)
         slots, start = [], 0
         for name, p in members:
             p.data = params[start:start + p.numel()].view_as(p)
@@ -199,8 +200,12 @@ class DistributedOptimizer:
             start += p.numel()
         b = Bucket(index, domain, axis, slots, size, params, grads)
         b.lo, b.hi = ((axis.rank * size // n, (axis.rank + 1) * size // n) if self.shard else (0, size))
-        b.master = values[b.lo:b.hi] if params is values else values[b.lo:b.hi].clone()  # fp32 master weights
-        b.exp_avg, b.exp_avg_sq = (torch.zeros_like(b.master, dtype=self.moment_dtype) for _ in range(2))
+        if remainder is None:
+            b.master = values[b.lo:b.hi]
+        else:
+            b.remainder = remainder[b.lo:b.hi].clone()
+        b.exp_avg, b.exp_avg_sq = (torch.zeros(b.hi - b.lo, dtype=self.moment_dtype, device=ref.device)
+                                   for _ in range(2))
         norm = torch.zeros(size, device=ref.device)
         for s in slots:
             norm[s.start:s.start + s.numel] = float(s.counted)
@@ -296,17 +301,17 @@ class DistributedOptimizer:
         return norm
 
     def _adamw(self, lr: float, norm: torch.Tensor) -> None:
-        """AdamW on the owned ranges: kernels/adamw.py once per run of elements with one weight-decay setting. It
-        writes the fp32 master range and, for a bf16 bucket, the bf16 range too; an fp32 bucket's master range is its
-        parameters (nothing to copy). Clipping by the global norm is the kernel's gradient divisor (it divides each
+        """AdamW on the owned ranges: kernels/adamw.py once per run of elements with one weight-decay setting. An fp32
+        bucket's owned range is its own master; a bf16 bucket's master is its owned range joined with the remainders,
+        both rewritten. Clipping by the global norm is the kernel's gradient divisor (it divides each
         gradient as it reads it), so it costs no pass of its own and leaves the gradient shards unclipped."""
         c = self.cfg
         # clip_grad_norm_'s factor clip / (norm + 1e-6) <= 1, as the divisor the kernel takes
         divisor = ((norm + 1e-6) / c.clip_grad).clamp(min=1.0) if c.clip_grad > 0 else None
         for b in self.buckets:
-            owned = b.params[b.lo:b.hi] if b.params.dtype != torch.float32 else None  # else: its own master
+            master, owned = (b.master, None) if b.remainder is None else (b.remainder, b.params[b.lo:b.hi])
             for lo, hi, decays in b.decay_runs:
-                adamw_step(b.master[lo:hi], b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
+                adamw_step(master[lo:hi], b.grad_shard[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi],
                            None if owned is None else owned[lo:hi], lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                            weight_decay=c.weight_decay if decays else 0.0, step=self.step_count, grad_divisor=divisor)
 
