@@ -272,3 +272,58 @@ def test_the_optimizer_does_not_keep_itself_or_the_model_alive():
     del model, opt
     gc.collect()
     assert all(ref() is None for ref in gone)
+
+
+def _sharded_save_worker(rank: int, world: int, out_dir: str) -> None:
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from services.trainer.parallel.groups import init_groups
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        cfg = bf16_config("bf16")
+        cfg.parallel.dp = world
+        groups = init_groups(cfg)
+        model = tiny_model()
+        opt = DistributedOptimizer(model, groups, cfg.optimizer, bucket_mb=0.01)
+        opt.zero_grad()
+        opt.begin_step(1)
+        backward(model, rank)  # each replica its own data: the step's update depends on both
+        opt.step(cfg.optimizer.lr)
+        shards = checkpointing.state_shards(model, opt, rank=rank, groups=groups)
+        owned = [(b.lo, b.hi, join_master(b.params[b.lo:b.hi], b.remainder) if b.remainder is not None else
+                  b.master.clone()) for b in opt.buckets]
+        fresh = tiny_model(seed=2)
+        fresh_opt = DistributedOptimizer(fresh, groups, cfg.optimizer, bucket_mb=0.01)
+        checkpoint_shards.load_shards(ShardCheckpoint(shards), fresh, fresh_opt, groups)
+        same = all((getattr(b, k) is None and getattr(c, k) is None) or torch.equal(getattr(b, k), getattr(c, k))
+                   for b, c in zip(opt.buckets, fresh_opt.buckets, strict=True)
+                   for k in ("remainder", "master", "exp_avg", "exp_avg_sq", "params"))
+        slots = [[(s.name, s.start, s.numel) for s in b.slots] for b in opt.buckets]
+        torch.save({"shards": {n: s.tensor.clone() for n, s in shards.items() if s.written}, "owned": owned,
+                    "slots": slots, "restored": same}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_save_gathers_every_owners_master_remainders_and_restores_them(tmp_path):
+    """Two data-parallel ranks, each owning half of every bucket's remainders: the checkpoint's bf16 values joined with
+    its remainders are, for every parameter, the masters of whichever rank owned each element; each rank restores its
+    own half from them exactly."""
+    from tests.parallel_harness import spawn_ranks
+
+    ranks = spawn_ranks(_sharded_save_worker, (2, str(tmp_path)), 2, str(tmp_path), timeout_s=120)
+    assert all(r["restored"] for r in ranks)
+    saved = ranks[0]["shards"]
+    for b, slots in enumerate(ranks[0]["slots"]):
+        flat = torch.cat([r["owned"][b][2] for r in ranks])  # the owners' ranges, in order, cover the bucket
+        assert [r["owned"][b][:2] for r in ranks] == [(0, flat.numel() // 2), (flat.numel() // 2, flat.numel())]
+        for name, start, numel in slots:
+            value = checkpointing.saved_value(lambda n: saved[n], name, set(saved))
+            assert torch.equal(value.reshape(-1).float(), flat[start:start + numel]), name

@@ -64,7 +64,9 @@ def _full_moment(opt: DistributedOptimizer, bucket, which: str) -> torch.Tensor:
     if not opt.shard or bucket.axis.size == 1:
         return local
     full = torch.empty(bucket.size, dtype=local.dtype, device=local.device)
-    _all_gather_single(full, local.contiguous(), group=bucket.axis.group)
+    # NCCL and gloo have no int16 type: the remainders travel as the bf16 of the same bits (a gather only moves them)
+    wire = torch.bfloat16 if local.dtype == torch.int16 else local.dtype
+    _all_gather_single(full.view(wire), local.contiguous().view(wire), group=bucket.axis.group)
     return full
 
 
