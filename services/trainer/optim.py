@@ -52,7 +52,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     At construction each parameter's current (fp32) value becomes its master weight: those in `keep_fp32` stay fp32
     and are their own master weight; every other one is re-stored as bf16, rounded to nearest, and the optimizer keeps
     only the int16 remainder that, joined with the bf16 bits, is the fp32 master exactly (kernels/adamw.py
-    `split_master`): 6 B of state per parameter, not 8. The optimizer owns the parameters' precision from then on;
+    `split_master`): 2 B of master weight per parameter, not 4. The optimizer owns the parameters' precision from then on;
     write a value through `set_master`, never into a bf16 parameter alone (its remainder would no longer match).
     `step` reads the gradients and writes master weights, moments and the bf16 copies in one kernel per parameter.
     State per parameter, created here (so a checkpoint's buffers are known before the first step): `master` (fp32,
