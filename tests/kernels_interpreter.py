@@ -29,6 +29,7 @@ if not ON_CUDA:
     # builds triton's library and our kernels for the interpreter
     import kernels.cross_entropy, kernels.permute, kernels.router  # noqa: E401,E402,F401
     import kernels.swiglu, kernels.unpermute, kernels.fp8_grouped_mm, kernels.adamw  # noqa: E401,E402,F401
+    import kernels.head_norm_rope  # noqa: E402,F401
 
     if _previous is None:
         del os.environ["TRITON_INTERPRET"]

@@ -14,11 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels._triton import use_triton
+from kernels.head_norm_rope import head_norm_rope as fused_head_norm_rope, supports_head_dim
+from kernels.head_norm_rope import head_norm_rope_reference as head_norm_rope
 from services.common.config import ModelConfig
 from services.trainer.model.flash_varlen import causal_gqa
 from services.trainer.model.fp8_linear import FP8Linear
 from services.trainer.model.precision import to_compute_dtype
-from services.trainer.model.rope import apply_rope, rope_frequencies
+from services.trainer.model.rope import rope_frequencies
 
 
 @functools.cache  # asked on first CUDA use: importing varlen pulls in torch._dynamo (seconds per process)
@@ -60,27 +63,11 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out.transpose(0, 1)
 
 
-def _head_norm(t: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """QK-norm of projected heads. Under autocast they are bf16 while the scale is fp32, and rms_norm runs its fused
-    kernel only for one dtype: otherwise it falls back to a composite path that also warns from C++ on every call
-    (about 1.4 ms of host time per call on an H100 host, more than the kernel). So the scale is cast to the heads' dtype."""
-    return F.rms_norm(t, (t.shape[-1],), scale.to(t.dtype), eps)
-
-
-def head_norm_rope(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None, k_scale: torch.Tensor | None,
-                   eps: float, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The projected heads' memory-bound glue: QK-norm (when the scales are given), then RoPE. Eager, a dozen
-    elementwise kernels over [T, heads, head_dim] each way; under `model.compile`, one fused kernel forward and one
-    backward (`compiled_head_norm_rope`)."""
-    if q_scale is not None:
-        q, k = _head_norm(q, q_scale, eps), _head_norm(k, k_scale, eps)
-    return apply_rope(q, position_ids, inv_freq), apply_rope(k, position_ids, inv_freq)
-
-
 @functools.cache
 def compiled_head_norm_rope():
-    """`head_norm_rope` through torch.compile, built once per process (dynamo re-traces only for new shapes and
-    dtypes: it guards on them, and the second distinct token count compiles a shape-generic version)."""
+    """The QK-norm + RoPE reference through torch.compile, for `model.compile` off CUDA (on CUDA the Triton kernels
+    of kernels/head_norm_rope.py run, ~2x faster than this). Built once per process (dynamo re-traces only for new
+    shapes and dtypes: it guards on them, and the second distinct token count compiles a shape-generic version)."""
     return torch.compile(head_norm_rope)
 
 
@@ -98,6 +85,8 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.norm_eps = cfg.norm_eps
         self.register_buffer("inv_freq", rope_frequencies(self.head_dim, cfg.rope_theta), persistent=False)
+        # QK-norm + RoPE where Triton does not run (CPU) or the head dim is no power of two; elsewhere `qkv` takes
+        # the fused kernels, `model.compile` or not.
         self.head_norm_rope = compiled_head_norm_rope() if cfg.compile else head_norm_rope
         # The core over rotated q, k, v; context parallelism swaps in one with the same signature that exchanges K/V.
         self.core = packed_causal_attention
@@ -111,7 +100,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, -1, self.head_dim)
         v = self.v_proj(x).view(T, -1, self.head_dim)
         scales = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        q, k = self.head_norm_rope(q, k, *scales, self.norm_eps, position_ids, self.inv_freq)
+        fused = use_triton(q) and supports_head_dim(self.head_dim)
+        norm_rope = fused_head_norm_rope if fused else self.head_norm_rope
+        q, k = norm_rope(q, k, *scales, self.norm_eps, position_ids, self.inv_freq)
         return q, k, v
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
