@@ -35,6 +35,26 @@ def _variants():
     router = importlib.import_module("kernels.router")
     swiglu = importlib.import_module("kernels.swiglu")
     fp8 = importlib.import_module("kernels.fp8_grouped_mm")
+    adamw = importlib.import_module("kernels.adamw")
+    hnr = importlib.import_module("kernels.head_norm_rope")
+    for remainder in (False, True):  # bf16 parameters with an fp32 master, or with its int16 remainders
+        yield (adamw._adamw_kernel,
+               {"master_ptr": "*i16" if remainder else "*fp32", "grad_ptr": "*bf16", "exp_avg_ptr": "*bf16",
+                "exp_avg_sq_ptr": "*bf16", "param_ptr": "*bf16", "divisor_ptr": "*fp32", "n": "i64",
+                **{name: "fp32" for name in ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size",
+                                             "bc2_sqrt", "eps")}},
+               {"HAS_PARAM": True, "HAS_DIVISOR": True, "REMAINDER": remainder, "BLOCK": adamw.BLOCK}, adamw.NUM_WARPS)
+    for has_scale in (False, True):  # QK-norm + RoPE, Qwen3-30B-A3B heads (32 q, 4 k, head_dim 128)
+        heads = {"HQ": 32, "HK": 4, "HALF": 64, "HAS_SCALE": has_scale}
+        yield (hnr._head_norm_rope_fwd_kernel,
+               {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "q_out", "k_out")}, "q_scale_ptr": "*fp32",
+                "k_scale_ptr": "*fp32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "T": "i32", "eps": "fp32"},
+               {**heads, "BLOCK_T": 4, "BLOCK_H": 4}, 4)
+        yield (hnr._head_norm_rope_bwd_kernel,
+               {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "dq_out", "dk_out", "dq", "dk")}, "q_scale_ptr": "*fp32",
+                "k_scale_ptr": "*fp32", "dq_scale_partial_ptr": "*fp32", "dk_scale_partial_ptr": "*fp32",
+                "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "T": "i32", "eps": "fp32"},
+               {**heads, "BLOCK_T": 16, "BLOCK_H": 2}, 4)
     for blockwise in (False, True):  # the experts' gate/up GEMM (K=2048, N=1536) and the row/weight quantisers
         yield (fp8._fp8_grouped_mm_kernel,
                {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
