@@ -31,7 +31,9 @@ class AttachAuxLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.as_tensor(ctx.scale, dtype=torch.float32, device=grad.device), None
+        # a fill times the scale: a number joins as a kernel argument, where torch.as_tensor(number, device=...) would
+        # copy it from pageable host memory and make the host wait for the device
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device) * ctx.scale, None
 
 
 class MoELayer(nn.Module):
