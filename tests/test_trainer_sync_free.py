@@ -45,6 +45,7 @@ def test_a_training_step_queues_without_a_host_sync(param_dtype):
                       moe_ffn_hidden_size=128, qk_norm=True)
     with torch.device("cuda"):
         model = MoETransformer(cfg)
+    model.init_weights(0)  # the constructor leaves the experts' and router's weights uninitialised (torch.empty)
     opt = build_adamw(model, OptimizerConfig(param_dtype=param_dtype))  # bf16: re-stores the matrices in bf16
     mbs = [micro_batch()]
     device = torch.device("cuda")
@@ -91,6 +92,7 @@ def test_a_folded_step_queues_without_a_host_sync():
     cfg.model.vocab_size, cfg.model.num_experts, cfg.model.moe_ffn_hidden_size = 264, 8, 128
     with torch.device("cuda"):
         model = MoETransformer(cfg.model)
+    model.init_weights(0)  # the constructor leaves the experts' and router's weights uninitialised (torch.empty)
     mbs, device, groups = [micro_batch(), micro_batch()], torch.device("cuda"), single_process()
 
     def step():
