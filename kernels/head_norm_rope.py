@@ -5,7 +5,7 @@
 Semantics (`head_norm_rope_reference`, which the model runs off CUDA and `model.compile` compiles there):
 - QK-norm, when the scales are given: `F.rms_norm` over head_dim with the fp32 scale cast to the heads' dtype. torch's
   kernels (CPU and CUDA) compute x · rstd · weight in fp32 and round once to the heads' dtype; so does this kernel.
-- RoPE (`services/trainer/model/rope.py`): in fp32, pairs (i, i + d/2) rotated by the angle position · inv_freq[i],
+- RoPE (`apply_rope`): in fp32, pairs (i, i + d/2) rotated by the angle position · inv_freq[i],
   rounded once to the heads' dtype.
 
 One program owns BLOCK_T tokens: it computes their cos/sin once (fp32, the same product of the same inv_freq; libdevice
@@ -30,7 +30,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels._triton import TRITON_INTERPRETED, autotune_configs, use_triton
-from services.trainer.model.rope import apply_rope
 
 # The interpreter runs tl.* in numpy but has no libdevice; compiled, tl.cos / tl.sin may lower to the approximate
 # hardware instructions, whose error grows with the angle, so the GPU takes libdevice's (as torch's CUDA cos does).
@@ -40,6 +39,14 @@ _CONFIGS = [triton.Config({"BLOCK_T": bt, "BLOCK_H": bh}, num_warps=w)
                               (8, 8, 8))]
 # Sizes the per-program partial sums of the scales' gradients for the config with the most programs.
 _MIN_BLOCK_T = min(c.kwargs["BLOCK_T"] for c in _CONFIGS)
+
+
+def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; rotates pairs (i, i + d/2) by angle pos * inv_freq[i] (computed in fp32)."""
+    angles = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def head_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None,
