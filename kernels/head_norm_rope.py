@@ -17,8 +17,9 @@ dq, dk and per-program partial sums of the scales' gradients, which torch sums a
 reaching the norm, in the heads' dtype), except the scales' gradients: the reference's are those of the bf16-cast
 scale, rounded to bf16; the kernel keeps the fp32 sum.
 
-On an H100 at q [8192, 32, 128], k [8192, 4, 128] bf16 (bench/bench_head_norm_rope.py): forward 0.094 ms (a device copy
-of its bytes: 0.103 ms), forward + backward 0.388 ms, against 0.743-0.860 ms for the reference under torch.compile.
+On an H100 at q [8192, 32, 128], k [8192, 4, 128] bf16 (bench/bench_head_norm_rope.py, two calls; bench/RESULTS.md):
+forward 0.094-0.118 ms (a device copy of its bytes: 0.103 ms), forward + backward 0.388-0.572 ms, against
+0.743-0.982 ms for the reference under torch.compile in the same calls.
 """
 
 from __future__ import annotations

@@ -106,12 +106,20 @@ def load_shards(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: Paral
     """Read this rank's boxes of every parameter, buffer and moment from `ckpt` (a `load.Checkpoint`)."""
     saved = set(ckpt.names())
 
-    def value(name: str, p: nn.Parameter) -> torch.Tensor:  # the fp32 master weight, joined if saved in two parts
-        return saved_value(lambda n: _read(ckpt, n, p, groups), name, saved).float()
-
+    slot_of = {s.name: (b, s) for b in opt.buckets for s in b.slots}
     for name, p in model.named_parameters():
-        # a bf16 parameter gets the rounding its remainder is kept against (every replica the same), not torch's
-        p.data.copy_(split_master(value(name, p))[0] if p.dtype == torch.bfloat16 else value(name, p))
+        value = saved_value(lambda n: _read(ckpt, n, p, groups), name, saved).float()  # the fp32 master weight
+        if p.dtype != torch.bfloat16:
+            p.data.copy_(value)
+            continue
+        # the rounding its remainder is kept against (every replica the same), not torch's; the remainder's part in
+        # this rank's owned range of the bucket comes from the same split (one read of the checkpoint per parameter)
+        rounded, remainder = split_master(value)
+        p.data.copy_(rounded)
+        b, s = slot_of[name]
+        lo, hi = max(s.start, b.lo), min(s.start + s.numel, b.hi)
+        if lo < hi:
+            b.remainder[lo - b.lo:hi - b.lo] = remainder.reshape(-1)[lo - s.start:hi - s.start]
     for name, b in model.named_buffers():
         if f"model/{name}" in saved:
             b.copy_(ckpt.read(f"model/{name}"))
@@ -123,11 +131,6 @@ def load_shards(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: Paral
                 if name in saved:
                     full[s.start:s.start + s.numel] = _read(ckpt, name, s.param, groups).reshape(-1)
             getattr(bucket, key).copy_(full[bucket.lo:bucket.hi])
-        if bucket.remainder is not None:  # the owned range's remainders, from the master values
-            full = torch.zeros(bucket.size, dtype=torch.float32, device=bucket.params.device)
-            for s in bucket.slots:
-                full[s.start:s.start + s.numel] = value(s.name, s.param).reshape(-1)
-            split_master(full[bucket.lo:bucket.hi], remainder=bucket.remainder)
         step_name = f"optim/{bucket.slots[0].name}/step"
         if step_name in saved:
             opt.step_count = int(ckpt.read(step_name).reshape(-1)[0])
