@@ -281,3 +281,31 @@ def test_each_rl_record_carries_its_own_steps_values_and_each_published_version_
             torch.testing.assert_close(t, weights[version][name], msg=f"version {version}: {name}")
     bias = [n for n in weights[1] if n.endswith("router.expert_bias")]
     assert bias and any(not torch.equal(weights[1][n], weights[0][n]) for n in bias)  # the update is published
+
+
+def test_profile_steps_writes_a_trace_of_exactly_those_steps(tmp_path, monkeypatch):
+    """`run.profile_steps=[2, 3]`: a Chrome trace in <run.dir>/profile with the two steps marked, and no other step."""
+    from services.trainer import train as train_module
+
+    cfg = load_config("configs/tiny.yaml", [
+        "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=32",
+        "model.num_experts=4", "data.seq_len=32", "data.micro_batch_size=1", "run.steps=4", "checkpoint.interval=0",
+        "run.profile_steps=[2,3]", f"run.dir={tmp_path}", f"run.metrics_file={tmp_path / 'metrics.jsonl'}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    _services(monkeypatch, train_module, _Data(make_batches(cfg.model, steps=4, micro=1), [0.0] * 4))
+    monkeypatch.setattr(train_module, "TrainerMetrics", _Exporter)
+    monkeypatch.setattr(train_module, "measure_peak_tflops", lambda *a: 0.0)
+    assert train_module.train(cfg) == 0
+    events = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"step 2", "step 3"} <= names and not {"step 1", "step 4"} & names
+    assert any(str(n).startswith("aten::mm") or str(n).startswith("aten::addmm") for n in names)  # the model ran in it
+    assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("steps", [[3, 2], [0, 1], [1, 5], [2]])
+def test_profile_steps_outside_the_run_are_refused(steps):
+    from services.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="run.profile_steps"):
+        load_config("configs/tiny.yaml", ["run.steps=4", f"run.profile_steps={steps}".replace(" ", "")])

@@ -179,6 +179,8 @@ class RunConfig:
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: datasheet value for the detected device
     metrics_file: str = "runs/metrics.jsonl"
     max_restarts: int = 3  # times the launcher restarts each crashed service (not the trainer) before failing the run
+    profile_steps: list[int] = field(default_factory=list)  # [first, last]: record those steps (1-based) with
+    #                                                        torch.profiler into <dir>/profile/trace_rank<r>.json
     bind_host: str = "127.0.0.1"  # interface every gRPC, ZMQ and metrics endpoint listens on; "0.0.0.0": all of them.
     #                               Clients authenticate with the FOLDMOE_AUTH_TOKEN environment variable when it is set
     advertise_host: str = ""  # host registered in Redis for clients to dial; empty: bind_host, or this host's name
@@ -406,6 +408,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            "optimizer is torch's AdamW, which keeps its moments in the parameters' dtype)")
     _check(cfg.run.steps > 0, f"`run.steps` must be positive, got {cfg.run.steps}")
     _check(cfg.run.max_restarts >= 0, f"`run.max_restarts` must be >= 0, got {cfg.run.max_restarts}")
+    ps = cfg.run.profile_steps
+    _check(not ps or len(ps) == 2 and 1 <= ps[0] <= ps[1] <= cfg.run.steps,
+           f"`run.profile_steps={ps}` must be [first, last] with 1 <= first <= last <= run.steps={cfg.run.steps}, or []")
     _check(d.replicas >= 1, f"`data.replicas` must be at least 1, got {d.replicas}")
     _check(1 <= d.prefetch <= MAX_PREFETCH, f"`data.prefetch` must be in [1, {MAX_PREFETCH}] (micro-batches in flight "
            f"per rank; the dataloader holds a client to {MAX_PREFETCH}), got {d.prefetch}")

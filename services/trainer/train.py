@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,7 @@ from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
 from services.trainer.parallel.expert_parallel import sync_expert_load
 from services.trainer.parallel.groups import init_groups
 from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
+from services.trainer.profiling import StepProfiler
 from services.trainer.progress import StepPrinter
 from services.trainer.step import count_loss_tokens, forward_backward
 
@@ -133,8 +135,10 @@ def train(cfg: Config) -> int:
     # A step ends after its checkpoint save: the save's copies, and any time the device idles while the host saves,
     # count in the step that saves.
     pending, last_end = None, StepEnd(rt.device)
+    profiler = StepProfiler(cfg.run.profile_steps, Path(cfg.run.dir) / "profile", rt.rank, rt.device)
     try:
         for step in range(start_step, cfg.run.steps):
+            profiler.begin(step + 1)
             t0 = time.perf_counter()
             micro_batches = data.next_step()
             data_wait = time.perf_counter() - t0
@@ -162,10 +166,12 @@ def train(cfg: Config) -> int:
             if checkpointing.due(cfg, step + 1):  # copies ordered after this step on the device; the host goes on
                 stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups)
             pending = (step, values, StepEnd(rt.device), lr, data_wait, stall)
+            profiler.end(step + 1)
         if pending is not None:  # the last step: nothing queued after it, its end is the last work on the device
             report(*pending, since=last_end)
         saver.wait()
     finally:
+        profiler.close()
         beat.stop()
         exporter.close()
         saver.close()
