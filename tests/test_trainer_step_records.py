@@ -309,3 +309,14 @@ def test_profile_steps_outside_the_run_are_refused(steps):
 
     with pytest.raises(ConfigError, match="run.profile_steps"):
         load_config("configs/tiny.yaml", ["run.steps=4", f"run.profile_steps={steps}".replace(" ", "")])
+
+
+def test_to_device_reads_the_longest_document_from_the_hosts_cu_seqlens():
+    """The attention kernels take the longest document as a host number; the step hands it over from the host's
+    `cu_seqlens`, so the device's copy is never read back (a host sync per micro-batch on a GPU)."""
+    from services.trainer.step import to_device
+
+    mb = {"tokens": torch.arange(10), "cu_seqlens": torch.tensor([0, 3, 9, 10], dtype=torch.int32)}
+    out = to_device(mb, torch.device("cpu"))
+    assert out["max_seqlen"] == 6 and "max_seqlen" not in mb
+    assert to_device({**mb, "max_seqlen": 7}, torch.device("cpu"))["max_seqlen"] == 7  # given: kept

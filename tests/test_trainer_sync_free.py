@@ -21,10 +21,12 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="host/devic
 
 
 def micro_batch(tokens: int = 512) -> dict:
+    """As the dataloader client delivers one: CPU tensors, no `max_seqlen` (the step reads it from the host's
+    `cu_seqlens`; the attention reading it from the device was a host sync per micro-batch)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 264, (tokens,), generator=gen)
     lengths = [200, 250, tokens - 450]
-    return {"tokens": ids, "labels": torch.roll(ids, -1), "max_seqlen": max(lengths),
+    return {"tokens": ids, "labels": torch.roll(ids, -1), "cp_size": torch.tensor(1),
             "cu_seqlens": torch.tensor([0] + lengths).cumsum(0).to(torch.int32),
             "position_ids": torch.cat([torch.arange(n) for n in lengths])}
 

@@ -22,8 +22,15 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The micro-batch's tensors on `device`, copied without waiting for the device (`host_to_device`)."""
-    return {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The micro-batch's tensors on `device`, copied without waiting for the device (`host_to_device`). Its longest
+    document (`max_seqlen`, which the attention kernels take as a host number) is read from the host's `cu_seqlens`
+    first: the attention would otherwise read it from the device's copy, a host wait at every micro-batch, and a long
+    one while a checkpoint's device-to-host copies hold the copy engine (bench/RESULTS.md, the save's 0.45 s)."""
+    out = {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    cu = batch.get("cu_seqlens")
+    if "max_seqlen" not in batch and isinstance(cu, torch.Tensor) and cu.device.type == "cpu" and len(cu) > 1:
+        out["max_seqlen"] = int((cu[1:] - cu[:-1]).max())
+    return out
 
 
 def count_loss_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> int:
