@@ -3,17 +3,21 @@
 The stall is only *enqueuing* the device-to-host copies:
 - the host buffers (`arena.HostArena`, page-locked, in /dev/shm when possible) are allocated once, ahead of the first
   save, by `prepare` (in a background thread);
-- `save` issues every copy with `non_blocking=True` on a side CUDA stream that first waits for the training stream,
-  records a "copied" event and returns; the sender thread waits for that event before the writer may read the buffers;
+- `save` orders a side CUDA stream after the training stream and returns; the sender thread then queues the
+  device-to-host copies on that stream `DRAIN_CHUNK_BYTES` at a time, at most two chunks ahead of the copy engine,
+  and hands the buffers to the writer once the last one has landed. Queuing all of a 25 GB state at once made every
+  other transfer wait for all of it: the training stream's own small copies (a step's values for its log, a batch's
+  tokens) sat ~0.45 s behind the checkpoint's copies on an H100, and the training stream with them (bench/RESULTS.md);
+  two chunks in flight bound that wait to a few milliseconds;
 - the copies read the live parameters and optimizer state, so the next optimizer step must not start before they end:
   `fence()` (call it right before the optimizer step; `services/trainer/checkpointing.py` installs it as an optimizer
-  step pre-hook) makes the training stream wait for the event. The host never blocks on it, and it costs nothing once
-  the copy is done; while the copy is still running, the GPU-side delay is (copy time - forward/backward time of one
-  step), which `bench/bench_checkpoint.py` measures;
-- `stage_on_device=True` (config `checkpoint.stage_on_device`) shortens that delay when the device has memory to spare
-  (one more copy of the rank's state): the side stream first copies the state into a device buffer (HBM to HBM, ~20x
-  faster than over PCIe), the fence waits only for that, and the device-to-host copy drains the buffer in the
-  background. Without the memory (allocation fails) the save copies straight to the host, with a warning.
+  step pre-hook) makes the training stream wait for the last copy. If the sender has not queued it yet, the host
+  waits until it has; the device meanwhile runs the forward and backward already queued. So without staging a save
+  costs a step (copy time - forward/backward time of one step), which `bench/bench_checkpoint.py` measures;
+- `stage_on_device=True` (config `checkpoint.stage_on_device`) takes that off the step when the device has memory to
+  spare (one more copy of the rank's state): `save` first copies the state into a device buffer on the side stream
+  (HBM to HBM, ~20x faster than over PCIe), the fence waits only for that, and the sender drains the buffer to the
+  host in the background. Without the memory (allocation fails) the save copies straight to the host, with a warning.
 On CPU the copy is a synchronous memcpy.
 
 Handoff: a writer on the same host that proves it sees our shared-memory directory (its `shm_probe`) reads the
@@ -41,7 +45,7 @@ import socket as socketlib
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +63,7 @@ log = logging.getLogger("foldmoe.checkpointer")
 
 SERVICE = "checkpointer"
 PART_BYTES = 256 << 20  # bytes per part: one file on disk, one ZMQ message, one writer task (the unit of parallelism)
+DRAIN_CHUNK_BYTES = 64 << 20  # device-to-host bytes queued per chunk (~1.2 ms at 55 GB/s; see the module doc)
 RECHECK_S = 1.0  # while a save awaits its answer, how often the registry is asked whether its writer still runs
 RESOLVE_POLL_S = 0.2  # while no writer is registered, how often the registry is asked again
 
@@ -68,12 +73,22 @@ class SaveError(RuntimeError):
 
 
 @dataclass
+class _Drain:
+    """A save's device-to-host copies, queued by the sender thread a chunk at a time (`Snapshotter._drain`)."""
+    device: torch.device
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (host buffer, device source); holds the sources until copied
+    queued: threading.Event = field(default_factory=threading.Event)  # set once the last copy is queued: `done`
+    done: Any = None  # CUDA event after the last copy
+
+
+@dataclass
 class _Job:
     step: int
     arena: HostArena
     parts: list[list[pb.TensorRecord]]
     extra: bytes
-    copied: Any = None  # (start, done) CUDA events around the device-to-host copies; None when nothing was on a GPU
+    drain: _Drain | None = None  # the device-to-host copies; None when nothing was on a GPU (or already copied)
+    error: str = ""  # set by the copier thread when the copies failed
 
 
 def pick_writer(records: list[dict[str, Any]], host: str, rank: int) -> dict[str, Any]:
@@ -147,16 +162,22 @@ class Snapshotter:
         self._preparing: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
         self._stream = None  # side CUDA stream for the device-to-host copies (created at the first GPU save)
-        self._unfenced = None  # (device, event) of the latest save not yet ordered before a step by `fence`
+        self._unfenced = None  # the latest save's copies not yet ordered before a step by `fence`: a _Drain, or
+        #                        (device, event) of a staged save's device-to-device copy
+        self._last_drain: _Drain | None = None  # the latest staged save's drain (it reads the staging buffer)
         self.stage_on_device = stage_on_device
         self._staging: tuple[dict, dict[str, torch.Tensor]] | None = None  # (specs, device views) for staged saves
         self._error: SaveError | None = None
         self._last_path = ""
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()  # saves to copy (the copier thread)
+        self._copied: queue.Queue[_Job | None] = queue.Queue()  # saves copied, to send (the sender thread)
         self._sock: zmq.Socket | None = None  # the sender thread's DEALER, connected to `_connected`
         self._connected = ""
         self._redis_warned = -1e9  # when a failed registry lookup was last logged
+        # Two threads, so that a save's copies never wait for the previous save's (long) delivery.
+        self._copier = threading.Thread(target=self._copy_jobs, name=f"snapshot-copy-rank{rank}", daemon=True)
         self._thread = threading.Thread(target=self._sender, name=f"snapshot-rank{rank}", daemon=True)
+        self._copier.start()
         self._thread.start()
         # Telemetry.
         self.last_stall_s = 0.0  # seconds the latest accepted save held the caller
@@ -270,10 +291,13 @@ class Snapshotter:
                              "shards instead") from None
         written = {n: s for n, s in normalized.items() if s.written}
         arena = self._take_arena({n: TensorSpec.of(s.tensor) for n, s in written.items()})
-        copied = self._copy(written, arena)
+        drain = self._copy(written, arena)
+        if drain is not None and self.sync_copy:
+            self._drain(drain)
+            drain = None
         with self._cond:
             self._in_flight += 1
-        self._jobs.put(_Job(step, arena, self._split(written, arena), extra_bytes, copied))
+        self._jobs.put(_Job(step, arena, self._split(written, arena), extra_bytes, drain))
         self.last_stall_s = time.perf_counter() - start
         return True
 
@@ -281,9 +305,13 @@ class Snapshotter:
         """Order the latest snapshot's copies before whatever the caller's CUDA stream runs next (the optimizer step
         that overwrites the saved tensors). Never blocks the host; a no-op once the copy has finished."""
         pending, self._unfenced = self._unfenced, None
-        if pending is None or pending[1].query():
+        if isinstance(pending, _Drain):  # copies straight from the live tensors: the last one, once it is queued
+            pending.queued.wait()
+            device, done = pending.device, pending.done  # (None: the copies failed; the save reports it)
+        elif pending is not None:  # staged: the device-to-device copy
+            device, done = pending
+        if pending is None or done is None or done.query():
             return
-        device, done = pending
         torch.cuda.current_stream(device).wait_event(done)
         self.fence_waits += 1
 
@@ -301,6 +329,7 @@ class Snapshotter:
         with self._cond:
             self._cond.wait_for(lambda: self._in_flight == 0)
         self._jobs.put(None)
+        self._copier.join()
         self._thread.join()
         with self._cond:
             for arena in self._free:
@@ -314,8 +343,10 @@ class Snapshotter:
         if error is not None:
             raise error
 
-    def _copy(self, shards: dict[str, Shard], arena: HostArena):
-        """Copy every shard into its buffer; returns the CUDA (start, done) events (None when all were on the host)."""
+    def _copy(self, shards: dict[str, Shard], arena: HostArena) -> _Drain | None:
+        """Copy the host shards into their buffers now; returns the device shards' copies for the sender to queue
+        (`_drain`), ordered after the training stream's work so far (None when nothing is on a GPU). Staged, the
+        device-to-device copy into the staging buffer is queued here and the drain reads that buffer."""
         on_device = [(n, s.tensor.detach()) for n, s in shards.items() if s.tensor.device.type == "cuda"]
         for name, shard in shards.items():
             if shard.tensor.device.type != "cuda":
@@ -325,26 +356,50 @@ class Snapshotter:
         device = on_device[0][1].device
         stream = self._side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # copy the values the training stream produced
-        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         staging = self._staging_for(arena, device)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            if staging is not None:  # HBM -> HBM first; the training stream need only wait for this part
-                for name, src in on_device:
-                    staging[name].copy_(src, non_blocking=True)
-                    src.record_stream(stream)
-                staged = torch.cuda.Event()
-                staged.record(stream)
-                on_device = [(name, staging[name]) for name, _ in on_device]
+        drain = _Drain(device, [(arena.views[name], src) for name, src in on_device])
+        if staging is None:
+            self._unfenced = drain
+            return drain
+        if self._last_drain is not None:
+            self._last_drain.queued.wait()  # the previous save's drain of the staging buffer is queued before ours
+        with torch.cuda.stream(stream):  # HBM -> HBM first; the training stream need only wait for this part
             for name, src in on_device:
-                arena.views[name].copy_(src, non_blocking=True)
+                staging[name].copy_(src, non_blocking=True)
                 src.record_stream(stream)  # a temporary source (e.g. a contiguous() shard) outlives its caller
-            done.record(stream)
-        if self.sync_copy:
-            done.synchronize()
-        else:
-            self._unfenced = (device, done if staging is None else staged)
-        return start, done
+            staged = torch.cuda.Event()
+            staged.record(stream)
+        self._unfenced = (device, staged)
+        drain.copies = [(arena.views[name], staging[name]) for name, _ in on_device]
+        self._last_drain = drain
+        return drain
+
+    def _drain(self, drain: _Drain) -> None:
+        """Queue `drain`'s copies on the side stream, `DRAIN_CHUNK_BYTES` at a time with at most two chunks in flight,
+        and return once the last has landed (see the module doc)."""
+        stream = self._stream
+        try:
+            with torch.cuda.device(drain.device), torch.cuda.stream(stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                in_flight, queued = None, 0
+                for dst, src in _chunks(drain.copies, DRAIN_CHUNK_BYTES):
+                    dst.copy_(src, non_blocking=True)
+                    queued += src.numel() * src.element_size()
+                    if queued >= DRAIN_CHUNK_BYTES:
+                        chunk = torch.cuda.Event()
+                        chunk.record(stream)
+                        if in_flight is not None:
+                            in_flight.synchronize()
+                        in_flight, queued = chunk, 0
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(stream)
+            drain.done = done
+        finally:
+            drain.queued.set()  # a fence never waits for copies that will not come (on failure: `done` is None)
+        done.synchronize()  # the writer may read the buffers only once the copy has landed
+        drain.copies = []
+        self.last_copy_s = start.elapsed_time(done) / 1e3
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
@@ -463,15 +518,23 @@ class Snapshotter:
             self._sock.close(linger=0)
         self._sock, self._connected = None, ""
 
+    def _copy_jobs(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if job.drain is not None:
+                try:
+                    self._drain(job.drain)
+                except Exception as e:  # failed by the sender, which owns the job's buffers from here
+                    job.error = f"copying it to host memory failed: {e}"
+            self._copied.put(job)
+        self._copied.put(None)
+
     def _sender(self) -> None:
         ctx = zmq.Context.instance()
-        while (job := self._jobs.get()) is not None:
+        while (job := self._copied.get()) is not None:
             reusable = False
             try:
-                if job.copied is not None:
-                    start, done = job.copied
-                    done.synchronize()  # the writer may read the buffers only once the copy has landed
-                    self.last_copy_s = start.elapsed_time(done) / 1e3
+                if job.error:
+                    raise RuntimeError(job.error)
                 self._last_path = self._deliver(ctx, job)
                 reusable = True
             except SaveError as e:
@@ -584,6 +647,18 @@ class Snapshotter:
 
 
 _NO_BASELINE = object()
+
+
+def _chunks(copies: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int):
+    """(host buffer, source) pairs with every contiguous source larger than `chunk_bytes` cut into byte ranges."""
+    for dst, src in copies:
+        nbytes = src.numel() * src.element_size()
+        if nbytes <= chunk_bytes or not (src.is_contiguous() and dst.is_contiguous()):
+            yield dst, src
+            continue
+        dst_bytes, src_bytes = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        for lo in range(0, nbytes, chunk_bytes):
+            yield dst_bytes[lo:lo + chunk_bytes], src_bytes[lo:lo + chunk_bytes]
 
 
 def _identity(record: dict[str, Any]) -> tuple:

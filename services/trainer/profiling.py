@@ -6,8 +6,8 @@ host range ("step N", "checkpoint save"). Rank 0 also prints the operators with 
 
 Steps are numbered as the trainer prints them (1-based). The trainer normally queues step k+1 before it waits for step k
 (services/trainer/train.py); recording starts before step `first` is queued, and after step `last` is queued the
-profiler waits for the device to finish it, so the trace holds exactly those steps' work (and the saves they made).
-That one wait is the only change to how the run executes.
+profiler waits for the training stream to finish it, so the trace holds exactly those steps' work (and the copies of
+the saves they made, as far as they got). That one wait is the only change to how the run executes.
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ class StepProfiler:
             self._range.__enter__()
 
     def end(self, number: int) -> None:
-        """After queuing step `number` (and its save); at `last`, waits for the device, stops and writes the trace."""
+        """After queuing step `number` (and its save); at `last`, waits for the training stream, stops and writes the trace."""
         if self._prof is None:
             return
         self._range.__exit__(None, None, None)
         if number < self.last:
             return
         prof, self._prof = self._prof, None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # the training stream only: a checkpoint may still be copying on its own
+            torch.cuda.current_stream(self.device).synchronize()
         prof.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.path))
