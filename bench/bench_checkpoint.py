@@ -2,7 +2,7 @@
 
     python bench/bench_checkpoint.py [--gpu-state-gb 22] [--step-ms 111] [--interval 10] [--saves 2]
                                      [--host-buffers 1] [--on-busy wait] [--stage-on-device] [--torch-saves 2]
-                                     [--dir /tmp/foldmoe-ckbench]
+                                     [--no-transfers] [--dir /tmp/foldmoe-ckbench]
 
 A synthetic training loop holds `--gpu-state-gb` of fp32 state the way AdamW does (parameters, exp_avg, exp_avg_sq:
 a third each; gradients come on top) and takes steps of about `--step-ms` (bf16 GEMMs, then a fused AdamW step over
@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 from services.common.config import Config  # noqa: E402
 from services.common.registry import Registry  # noqa: E402
 from services.trainer import checkpointing  # noqa: E402
+from services.trainer.metrics import StepValues  # noqa: E402
+from services.trainer.step import host_to_device  # noqa: E402
 
 TENSOR_BYTES = 256 << 20
 AFTER_STEPS = 10  # steps after a save whose extra time counts as its stall
@@ -61,10 +63,19 @@ class SyntheticModel(nn.Module):
 
 
 class Loop:
-    """Steps of roughly `step_ms`: GEMMs, then AdamW over the whole state (fused on CUDA)."""
+    """Steps of roughly `step_ms`: GEMMs, then AdamW over the whole state (fused on CUDA).
 
-    def __init__(self, state_gb: float, step_ms: float, device: torch.device):
+    With `transfers` (the default), each step also moves what a trainer step moves: its micro-batch's tokens from
+    pageable host memory to the device at its start (services/trainer/step.py `host_to_device`) and its values to the
+    host at its end (services/trainer/metrics.py `StepValues`), and the host waits for the previous step's values
+    rather than for the stream, one step behind as the trainer is. Without them the loop drains the stream each step."""
+
+    def __init__(self, state_gb: float, step_ms: float, device: torch.device, transfers: bool = True):
         self.device = device
+        self.transfers = transfers and device.type == "cuda"
+        self.tokens = torch.randint(0, 150_000, (2 * 4096,))
+        self.loss = torch.zeros((), device=device)
+        self._previous = None
         self.model = SyntheticModel(int(state_gb * 1e9 / 3), device)
         for p in self.model.parameters():
             p.grad = torch.full_like(p, 1e-3)
@@ -87,13 +98,21 @@ class Loop:
             torch.cuda.current_stream(self.device).synchronize()
 
     def step(self) -> float:
-        """One step, timed from the end of the previous one (which synchronised the training stream)."""
+        """One step, timed from the end of the previous one (which synchronised the training stream, or read the step
+        before it: with `transfers` the times are a step late, as the trainer's host clock would be)."""
         start = time.perf_counter()
+        if self.transfers:
+            host_to_device(self.tokens, self.device)
         for _ in range(self.gemms):
             self.a @ self.b
         if self.device.type == "cuda":  # on 2 CPU cores an AdamW step over the state would dwarf everything else
             self.opt.step()
-        self.sync()
+        if self.transfers:
+            values, self._previous = self._previous, StepValues(loss=self.loss)
+            if values is not None:
+                values.read()
+        else:
+            self.sync()
         return time.perf_counter() - start
 
     def state_bytes(self) -> int:
@@ -128,7 +147,7 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
     try:
         registry = Registry(redis_url, run_name)
         registry.wait_for("checkpointer", timeout=60)
-        loop = Loop(state_gb, args.step_ms, device)
+        loop = Loop(state_gb, args.step_ms, device, transfers=not args.no_transfers)
         nbytes = loop.state_bytes()
         cfg = Config()
         cfg.checkpoint.on_busy, cfg.checkpoint.host_buffers = args.on_busy, args.host_buffers
@@ -203,6 +222,8 @@ def main() -> None:
     parser.add_argument("--on-busy", choices=("wait", "skip"), default="wait")
     parser.add_argument("--stage-on-device", action="store_true", help="checkpoint.stage_on_device=true")
     parser.add_argument("--torch-saves", type=int, default=2, help="synchronous torch.save runs to compare (best)")
+    parser.add_argument("--no-transfers", action="store_true",
+                        help="no per-step batch/values copies; the host drains the stream each step (see Loop)")
     parser.add_argument("--dir", default="/tmp/foldmoe-ckbench")
     args = parser.parse_args()
     url = os.environ.get("REDIS_URL")
