@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,6 +46,7 @@ from services.common.config import Config  # noqa: E402
 from services.common.registry import Registry  # noqa: E402
 from services.trainer import checkpointing  # noqa: E402
 from services.trainer.metrics import StepValues  # noqa: E402
+from services.trainer.train import MAX_UNREPORTED  # noqa: E402
 from services.trainer.step import host_to_device  # noqa: E402
 
 TENSOR_BYTES = 256 << 20
@@ -68,14 +70,15 @@ class Loop:
     With `transfers` (the default), each step also moves what a trainer step moves: its micro-batch's tokens from
     pageable host memory to the device at its start (services/trainer/step.py `host_to_device`) and its values to the
     host at its end (services/trainer/metrics.py `StepValues`), and the host waits for the previous step's values
-    rather than for the stream, one step behind as the trainer is. Without them the loop drains the stream each step."""
+    rather than for the stream, one step behind as the trainer is (further while a save copies, `MAX_UNREPORTED`). Without them the loop drains the stream each step."""
 
     def __init__(self, state_gb: float, step_ms: float, device: torch.device, transfers: bool = True):
         self.device = device
         self.transfers = transfers and device.type == "cuda"
         self.tokens = torch.randint(0, 150_000, (2 * 4096,))
         self.loss = torch.zeros((), device=device)
-        self._previous = None
+        self._pending: deque[StepValues] = deque()
+        self.copying = lambda: False  # set to the snapshotter's `copying` once it exists
         self.model = SyntheticModel(int(state_gb * 1e9 / 3), device)
         for p in self.model.parameters():
             p.grad = torch.full_like(p, 1e-3)
@@ -107,10 +110,11 @@ class Loop:
             self.a @ self.b
         if self.device.type == "cuda":  # on 2 CPU cores an AdamW step over the state would dwarf everything else
             self.opt.step()
-        if self.transfers:
-            values, self._previous = self._previous, StepValues(loss=self.loss)
-            if values is not None:
-                values.read()
+        if self.transfers:  # as services/trainer/train.py reports steps
+            behind = MAX_UNREPORTED if self.copying() else 0
+            while self._pending and (len(self._pending) > behind or self._pending[0].ready()):
+                self._pending.popleft().read()
+            self._pending.append(StepValues(loss=self.loss))
         else:
             self.sync()
         return time.perf_counter() - start
@@ -153,6 +157,7 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
         cfg.checkpoint.on_busy, cfg.checkpoint.host_buffers = args.on_busy, args.host_buffers
         cfg.checkpoint.stage_on_device = args.stage_on_device
         saver = checkpointing.connect(registry, cfg, rank=0, world_size=1)
+        loop.copying = lambda: saver.copying
         t0 = time.perf_counter()
         checkpointing.attach(saver, loop.model, loop.opt, rank=0)  # what the trainer does at start-up
         baseline = [loop.step() for _ in range(args.interval)]  # the buffers are pinned in the background meanwhile

@@ -91,6 +91,8 @@ class _Registry:
 
 
 class _Saver:
+    copying = False
+
     def wait(self):
         pass
 
@@ -320,3 +322,35 @@ def test_to_device_reads_the_longest_document_from_the_hosts_cu_seqlens():
     out = to_device(mb, torch.device("cpu"))
     assert out["max_seqlen"] == 6 and "max_seqlen" not in mb
     assert to_device({**mb, "max_seqlen": 7}, torch.device("cpu"))["max_seqlen"] == 7  # given: kept
+
+
+@pytest.mark.parametrize("copying", [False, True])
+def test_the_host_does_not_wait_for_step_values_while_a_save_copies(tmp_path, monkeypatch, copying):
+    """Step k is reported once step k+1 is queued; while a checkpoint's device-to-host copies run, a step's values come
+    back only after them (the copy engine serves device-to-host copies in order), so the host queues further steps
+    instead of waiting (up to train.MAX_UNREPORTED) and reports them, in order, as their values arrive."""
+    from services.trainer import metrics, train as train_module
+
+    cfg = load_config("configs/tiny.yaml", [
+        "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=32",
+        "model.num_experts=4", "data.seq_len=32", "data.micro_batch_size=1", "run.steps=4", "checkpoint.interval=0",
+        f"run.metrics_file={tmp_path / 'metrics.jsonl'}", f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    data = _Data(make_batches(cfg.model, steps=4, micro=1), [0.0] * 4)
+    _services(monkeypatch, train_module, data)
+    monkeypatch.setattr(_Saver, "copying", copying)
+    served_at_read: list[int] = []
+
+    class Values(metrics.StepValues):
+        def ready(self) -> bool:
+            return not copying  # held back by the copies
+
+        def read(self):
+            served_at_read.append(data.step)
+            return super().read()
+
+    monkeypatch.setattr(train_module, "StepValues", Values)
+    monkeypatch.setattr(train_module, "TrainerMetrics", _Exporter)
+    monkeypatch.setattr(train_module, "measure_peak_tflops", lambda *a: 0.0)
+    assert train_module.train(cfg) == 0
+    assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert served_at_read == ([4, 4, 4, 4] if copying else [2, 3, 4, 4])

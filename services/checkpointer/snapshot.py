@@ -165,6 +165,7 @@ class Snapshotter:
         self._unfenced = None  # the latest save's copies not yet ordered before a step by `fence`: a _Drain, or
         #                        (device, event) of a staged save's device-to-device copy
         self._last_drain: _Drain | None = None  # the latest staged save's drain (it reads the staging buffer)
+        self._copying = 0  # saves whose device-to-host copies have not all landed
         self.stage_on_device = stage_on_device
         self._staging: tuple[dict, dict[str, torch.Tensor]] | None = None  # (specs, device views) for staged saves
         self._error: SaveError | None = None
@@ -259,6 +260,13 @@ class Snapshotter:
             self._cond.notify_all()
 
     # ------------------------------------------------------------ caller side
+
+    @property
+    def copying(self) -> bool:
+        """A save's device-to-host copies are still running. Meanwhile every other device-to-host copy waits for them
+        (the copy engine serves them in order), so the trainer does not wait for its step values then (train.py)."""
+        with self._cond:
+            return self._copying > 0
 
     @property
     def busy(self) -> bool:
@@ -358,6 +366,8 @@ class Snapshotter:
         stream.wait_stream(torch.cuda.current_stream(device))  # copy the values the training stream produced
         staging = self._staging_for(arena, device)
         drain = _Drain(device, [(arena.views[name], src) for name, src in on_device])
+        with self._cond:
+            self._copying += 1
         if staging is None:
             self._unfenced = drain
             return drain
@@ -379,26 +389,30 @@ class Snapshotter:
         and return once the last has landed (see the module doc)."""
         stream = self._stream
         try:
-            with torch.cuda.device(drain.device), torch.cuda.stream(stream):
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                in_flight, queued = None, 0
-                for dst, src in _chunks(drain.copies, DRAIN_CHUNK_BYTES):
-                    dst.copy_(src, non_blocking=True)
-                    queued += src.numel() * src.element_size()
-                    if queued >= DRAIN_CHUNK_BYTES:
-                        chunk = torch.cuda.Event()
-                        chunk.record(stream)
-                        if in_flight is not None:
-                            in_flight.synchronize()
-                        in_flight, queued = chunk, 0
-                done = torch.cuda.Event(enable_timing=True)
-                done.record(stream)
-            drain.done = done
+            try:
+                with torch.cuda.device(drain.device), torch.cuda.stream(stream):
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    in_flight, queued = None, 0
+                    for dst, src in _chunks(drain.copies, DRAIN_CHUNK_BYTES):
+                        dst.copy_(src, non_blocking=True)
+                        queued += src.numel() * src.element_size()
+                        if queued >= DRAIN_CHUNK_BYTES:
+                            chunk = torch.cuda.Event()
+                            chunk.record(stream)
+                            if in_flight is not None:
+                                in_flight.synchronize()
+                            in_flight, queued = chunk, 0
+                    done = torch.cuda.Event(enable_timing=True)
+                    done.record(stream)
+                drain.done = done
+            finally:
+                drain.queued.set()  # a fence never waits for copies that will not come (on failure: `done` is None)
+            done.synchronize()  # the writer may read the buffers only once the copy has landed
         finally:
-            drain.queued.set()  # a fence never waits for copies that will not come (on failure: `done` is None)
-        done.synchronize()  # the writer may read the buffers only once the copy has landed
-        drain.copies = []
+            drain.copies = []
+            with self._cond:
+                self._copying -= 1
         self.last_copy_s = start.elapsed_time(done) / 1e3
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:

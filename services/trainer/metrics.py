@@ -34,21 +34,45 @@ class StepValues:
     queued. `read()` waits for that step's work only (an event recorded after the copies), not for work queued after
     it: the trainer queues step k+1 before it reads step k, so the device never idles while the host logs. Reading a
     device tensor directly (`float(loss)`) would wait for everything queued, and the next step would start on an
-    empty queue, its first milliseconds bound by the host's launches."""
+    empty queue, its first milliseconds bound by the host's launches.
+
+    The copies run on a stream of their own (`_readback_stream`), ordered after the step: a device-to-host copy waits
+    for every device-to-host copy queued before it on the copy engine, a checkpoint's too (0.45 s for a 25 GB state on
+    an H100, bench/RESULTS.md), and on the training stream it would hold every kernel queued after it as long. Here
+    only `read()` waits; `ready()` says whether it would."""
 
     def __init__(self, **tensors: torch.Tensor):
-        # non_blocking copies from CUDA land in pinned host memory (torch allocates the result pinned)
-        self._host = {k: t.detach().to("cpu", non_blocking=True) for k, t in tensors.items()}
         device = next((t.device for t in tensors.values() if t.is_cuda), None)
-        self._done = None
-        if device is not None:
+        self._done, self._sources = None, None
+        if device is None:
+            self._host = {k: t.detach().to("cpu") for k, t in tensors.items()}
+            return
+        stream = _readback_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            # non_blocking copies from CUDA land in pinned host memory (torch allocates the result pinned)
+            self._host = {k: t.detach().to("cpu", non_blocking=True) for k, t in tensors.items()}
             self._done = torch.cuda.Event()
-            self._done.record(torch.cuda.current_stream(device))
+            self._done.record(stream)
+        self._sources = tensors  # alive until copied: the training stream may reuse their memory once they are freed
+
+    def ready(self) -> bool:
+        return self._done is None or self._done.query()
 
     def read(self) -> dict[str, torch.Tensor]:
         if self._done is not None:
             self._done.synchronize()
+            self._sources = None
         return self._host
+
+
+_READBACK: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _readback_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _READBACK:
+        _READBACK[device] = torch.cuda.Stream(device=device)
+    return _READBACK[device]
 
 
 class StepEnd:

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,12 @@ from services.trainer.parallel.parallelize import build_optimizer, forward_backw
 from services.trainer.profiling import StepProfiler
 from services.trainer.progress import StepPrinter
 from services.trainer.step import count_loss_tokens, forward_backward
+
+
+# Steps the host may queue ahead of the last one it reported while a checkpoint's device-to-host copies run: their
+# values come back only after those copies (services/trainer/metrics.py StepValues), and waiting for them would leave
+# the device without work.
+MAX_UNREPORTED = 16
 
 
 @dataclass
@@ -130,11 +137,11 @@ def train(cfg: Config) -> int:
         return end
 
     # Step k is reported after step k+1 has been queued (StepValues): the host never drains the device's queue between
-    # steps. A step's time runs from the previous step's end to its own, as the device saw them (StepEnd: the time
+    # steps (while a save's copies run, up to MAX_UNREPORTED steps later). A step's time runs from the previous step's end to its own, as the device saw them (StepEnd: the time
     # between reports would be a step late whenever the host is the bottleneck, and the last step's next to nothing).
     # A step ends after its checkpoint save: the save's copies, and any time the device idles while the host saves,
     # count in the step that saves.
-    pending, last_end = None, StepEnd(rt.device)
+    pending, last_end = deque(), StepEnd(rt.device)
     profiler = StepProfiler(cfg.run.profile_steps, Path(cfg.run.dir) / "profile", rt.rank, rt.device)
     try:
         for step in range(start_step, cfg.run.steps):
@@ -160,15 +167,18 @@ def train(cfg: Config) -> int:
                                 grad_norm=torch.as_tensor(grad_norm),
                                 aux_loss=sum((m.last_aux_loss for m in model.moe_layers()), torch.zeros(())),
                                 loads=advance_router_bias(model, cfg))
-            if pending is not None:  # the previous step: done on the device by now, this one still queued
-                last_end = report(*pending, since=last_end)
+            # The previous steps: done on the device by now (this one still queued), unless a save's copies hold
+            # their values back; then the host goes on queuing steps, up to MAX_UNREPORTED.
+            behind = MAX_UNREPORTED if saver.copying else 0
+            while pending and (len(pending) > behind or pending[0][1].ready()):
+                last_end = report(*pending.popleft(), since=last_end)
             stall = 0.0
             if checkpointing.due(cfg, step + 1):  # copies ordered after this step on the device; the host goes on
                 stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups)
-            pending = (step, values, StepEnd(rt.device), lr, data_wait, stall)
+            pending.append((step, values, StepEnd(rt.device), lr, data_wait, stall))
             profiler.end(step + 1)
-        if pending is not None:  # the last step: nothing queued after it, its end is the last work on the device
-            report(*pending, since=last_end)
+        while pending:  # the last steps: nothing queued after them, the last end is the last work on the device
+            last_end = report(*pending.popleft(), since=last_end)
         saver.wait()
     finally:
         profiler.close()
