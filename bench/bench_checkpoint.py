@@ -179,6 +179,7 @@ def run(args: argparse.Namespace, redis_url: str) -> None:
                                         copy=saver.last_copy_s, shared=saver.last_shared, accepted_at=accepted_at))
         commit_start = time.perf_counter()
         saver.wait()
+        rows[-1].copy, rows[-1].shared = saver.last_copy_s, saver.last_shared  # known once that save was sent
         drain = time.perf_counter() - commit_start
         start = time.perf_counter()  # one save alone, from the call to its commit: the writer's throughput
         checkpointing.save(saver, cfg, loop.model, loop.opt, data, step=(args.saves + 1) * args.interval)

@@ -253,6 +253,9 @@ def test_cuda_the_training_stream_does_not_wait_for_a_checkpoint_copy(fake_write
     snap = Snapshotter(endpoint, stage_on_device=stage_on_device)
     snap.prepare(state, background=False)
     x = torch.ones(1024, device="cuda")
+    StepValues(loss=x.sum()).read()
+    x.add_(0)  # every kernel below loaded once before: a kernel's first launch loads its module, which waits for the copy
+    torch.cuda.synchronize()
     snap.save(1, state)
     time.sleep(0.01)  # the copier thread has queued its first chunks
     assert snap.copying
