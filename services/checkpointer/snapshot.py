@@ -3,20 +3,21 @@
 The stall is only *enqueuing* the device-to-host copies:
 - the host buffers (`arena.HostArena`, page-locked, in /dev/shm when possible) are allocated once, ahead of the first
   save, by `prepare` (in a background thread);
-- `save` orders a side CUDA stream after the training stream and returns; the sender thread then queues the
-  device-to-host copies on that stream `DRAIN_CHUNK_BYTES` at a time, at most two chunks ahead of the copy engine,
-  and hands the buffers to the writer once the last one has landed. Queuing all of a 25 GB state at once made every
-  other transfer wait for all of it: the training stream's own small copies (a step's values for its log, a batch's
-  tokens) sat ~0.45 s behind the checkpoint's copies on an H100, and the training stream with them (bench/RESULTS.md);
-  two chunks in flight bound that wait to a few milliseconds;
+- `save` orders a side CUDA stream after the training stream and returns; a copier thread then queues the
+  device-to-host copies on that stream `DRAIN_CHUNK_BYTES` at a time, at most two chunks in flight, and the sender
+  thread hands the buffers to the writer once the last one has landed. While they run, any other device-to-host copy
+  waits for all of them (the copy engine serves them in order, however they are queued: bench/bench_copy_engine.py),
+  so the trainer copies its step values on a stream of its own and does not wait for them meanwhile (`copying`,
+  services/trainer/metrics.py). Queued in chunks rather than all at once, the next step's forward and backward ran
+  beside the copy through the launcher (bench/RESULTS.md; why the all-at-once queue held them was not found);
 - the copies read the live parameters and optimizer state, so the next optimizer step must not start before they end:
   `fence()` (call it right before the optimizer step; `services/trainer/checkpointing.py` installs it as an optimizer
-  step pre-hook) makes the training stream wait for the last copy. If the sender has not queued it yet, the host
+  step pre-hook) makes the training stream wait for the last copy. If the copier has not queued it yet, the host
   waits until it has; the device meanwhile runs the forward and backward already queued. So without staging a save
   costs a step (copy time - forward/backward time of one step), which `bench/bench_checkpoint.py` measures;
 - `stage_on_device=True` (config `checkpoint.stage_on_device`) takes that off the step when the device has memory to
   spare (one more copy of the rank's state): `save` first copies the state into a device buffer on the side stream
-  (HBM to HBM, ~20x faster than over PCIe), the fence waits only for that, and the sender drains the buffer to the
+  (HBM to HBM, ~20x faster than over PCIe), the fence waits only for that, and the copier drains the buffer to the
   host in the background. Without the memory (allocation fails) the save copies straight to the host, with a warning.
 On CPU the copy is a synchronous memcpy.
 
@@ -74,7 +75,7 @@ class SaveError(RuntimeError):
 
 @dataclass
 class _Drain:
-    """A save's device-to-host copies, queued by the sender thread a chunk at a time (`Snapshotter._drain`)."""
+    """A save's device-to-host copies, queued by the copier thread a chunk at a time (`Snapshotter._drain`)."""
     device: torch.device
     copies: list[tuple[torch.Tensor, torch.Tensor]]  # (host buffer, device source); holds the sources until copied
     queued: threading.Event = field(default_factory=threading.Event)  # set once the last copy is queued: `done`
@@ -311,7 +312,8 @@ class Snapshotter:
 
     def fence(self) -> None:
         """Order the latest snapshot's copies before whatever the caller's CUDA stream runs next (the optimizer step
-        that overwrites the saved tensors). Never blocks the host; a no-op once the copy has finished."""
+        that overwrites the saved tensors). A no-op once the copy has finished; blocks the host only while the copier
+        has not yet queued an unstaged save's last copy."""
         pending, self._unfenced = self._unfenced, None
         if isinstance(pending, _Drain):  # copies straight from the live tensors: the last one, once it is queued
             pending.queued.wait()
@@ -332,7 +334,7 @@ class Snapshotter:
         return self._last_path
 
     def close(self) -> None:
-        """Finish the saves in flight (errors are logged, not raised), stop the sender thread, free the buffers."""
+        """Finish the saves in flight (errors are logged, not raised), stop the copier and sender threads, free the buffers."""
         self._join_prepare()
         with self._cond:
             self._cond.wait_for(lambda: self._in_flight == 0)
@@ -352,7 +354,7 @@ class Snapshotter:
             raise error
 
     def _copy(self, shards: dict[str, Shard], arena: HostArena) -> _Drain | None:
-        """Copy the host shards into their buffers now; returns the device shards' copies for the sender to queue
+        """Copy the host shards into their buffers now; returns the device shards' copies for the copier to queue
         (`_drain`), ordered after the training stream's work so far (None when nothing is on a GPU). Staged, the
         device-to-device copy into the staging buffer is queued here and the drain reads that buffer."""
         on_device = [(n, s.tensor.detach()) for n, s in shards.items() if s.tensor.device.type == "cuda"]
