@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from proto import checkpointer_pb2 as pb
-from services.checkpointer.arena import SHM_PREFIX, TensorSpec, remove_stale_files
+from services.checkpointer.arena import SHM_PREFIX, HostArena, TensorSpec, remove_stale_files
 from services.checkpointer.load import load_checkpoint
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import Snapshotter
@@ -211,6 +211,27 @@ def test_the_writer_writes_the_parts_of_a_save_on_several_threads(tmp_path, monk
     assert peak[0] >= 3 and elapsed < 8 * 0.2  # serial writing would take 1.6 s
     with load_checkpoint(tmp_path / "step_00000001") as c:
         assert all(torch.equal(c.read(n), t) for n, t in state.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking host memory needs a CUDA device")
+def test_cuda_a_directory_cuda_cannot_page_lock_falls_back_and_leaves_no_cuda_error(tmp_path, monkeypatch):
+    """CUDA refuses to page-lock a shared mapping of a disk file; the arena then pins anonymous memory instead. The
+    refused cudaHostRegister must not stay behind as the thread's CUDA error: PyTorch would report it from the next
+    kernel launch ("CUDA error: invalid argument" in an unrelated operation; seen in a training step's model init)."""
+    disk = tmp_path / "not-tmpfs"
+    disk.mkdir()
+    monkeypatch.setenv("FOLDMOE_SHM_DIR", str(disk))
+    torch.ones(1, device="cuda")  # CUDA initialised before the arena's calls
+    arena = HostArena({"w": TensorSpec((1024, 1024), torch.float32)}, pin=True)
+    try:
+        if arena.shared:
+            pytest.skip(f"{tmp_path} is on a filesystem CUDA can page-lock; this test needs one it refuses")
+        assert arena.views["w"].is_pinned()
+        torch.empty(16, device="cuda").normal_()  # raised the stale error before clear_cuda_error
+        torch.cuda.synchronize()
+    finally:
+        arena.close()
+    assert not list(disk.iterdir())  # the refused file was unlinked
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous device-to-host copy needs a CUDA device")

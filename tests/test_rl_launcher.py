@@ -73,9 +73,10 @@ def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path
             assert r["policy_versions"][-1] <= r["step"] - 1  # trained on weights it had published, never later ones
             assert r["samples"] == 2 * 8  # rl.groups_per_step whole groups of rl.group_size
         assert logged[0]["policy_versions"] == [0] and logged[0]["logprob_mismatch"] < 1e-4
-        # Both workers pulled weights and generated (a worker logs each version it loads).
+        # Both workers pulled weights (a worker logs each version it loads). Which version first depends on when the
+        # worker came up: one that starts after the trainer's first step pulls version 1 or later.
         for name in ("rollout0", "rollout1"):
-            assert "loaded weights version 0" in (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+            assert re.search(r"loaded weights version \d+ ", (tmp_path / "run" / "logs" / f"{name}.log").read_text())
         assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [2, 4]
         assert not (tmp_path / "data").exists()
 

@@ -61,6 +61,25 @@ def test_replayed_routing_reproduces_the_rollout_logprobs_and_other_routing_does
     assert all(layer.router.replay_ids is None for layer in model.moe_layers())  # replay never leaks out
 
 
+def test_the_policy_forward_gives_the_attention_the_longest_sample_from_the_host():
+    """The attention kernels take the longest document as a host number; without one they read it from the device's
+    cu_seqlens, a host sync in every layer on a GPU. A micro-batch takes it from the dataloader's host cu_seqlens and
+    keeps it through `to(device)`."""
+    from services.trainer.rl.folded import policy_input
+
+    model = tiny_model(seed=1)
+    mb = _one_micro_batch(_groups(model))
+    longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
+    assert mb.max_seqlen == longest and mb.to(torch.device("cpu")).max_seqlen == longest
+    seen = []
+    for block in model.layers.values():
+        block.attn.register_forward_pre_hook(lambda _, args: seen.append(args[3]))
+    with torch.no_grad():
+        token_logprobs(model, mb, TEMPERATURE)
+    assert seen == [longest] * len(model.layers)
+    assert policy_input(model, mb).max_seqlen == longest  # the folded forward's input; unpadded without TP
+
+
 def test_replay_refuses_routing_recorded_for_another_model_shape():
     model = tiny_model(seed=2)
     with pytest.raises(ValueError, match="MoE layers"):

@@ -87,6 +87,20 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def clear_cuda_error() -> None:
+    """Take a failed CUDA runtime call's error off this host thread, after the failure has been handled.
+
+    The runtime keeps a failed call's error as the thread's "last error" until something reads it, and PyTorch reads
+    it after its next kernel launch: an unrelated operation then fails with the stale error (a cudaHostRegister that
+    CUDA refused surfaced as "CUDA error: invalid argument" in the next `normal_`). `torch.cuda.cudart()` does not
+    bind cudaGetLastError, so this launches a kernel and lets PyTorch's check read (and so reset) the error here.
+    """
+    try:
+        torch.ones(1, device=torch.device("cuda", torch.cuda.current_device()))  # a fill kernel, checked at launch
+    except torch.AcceleratorError as e:
+        log.debug("cleared a handled CUDA error: %s", str(e).splitlines()[0])
+
+
 class HostArena:
     """Host buffers for `specs` in one mapping. `pin=True` registers them with CUDA (needs a CUDA device)."""
 
@@ -157,6 +171,7 @@ class HostArena:
     def _register(self, ptr: int, nbytes: int) -> None:
         err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
         if err != 0:
+            clear_cuda_error()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}; the host may limit "
                                "locked memory (ulimit -l) or be out of memory")
         self._registered.append(ptr)
@@ -171,7 +186,10 @@ class HostArena:
     def close(self) -> None:
         """Unpin, unmap and unlink. A writer still reading keeps its own mapping of the (unlinked) file valid."""
         for ptr in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+            if err != 0:
+                clear_cuda_error()
+                log.warning("cudaHostUnregister of a snapshot buffer failed with cudaError %d", err)
         self._registered = []
         self.views = {}
         if self._map is not None:

@@ -114,7 +114,7 @@ def _filler(model: nn.Module, device: torch.device):
                       rollout_logp=torch.zeros(n, device=device), advantages=torch.zeros(n, device=device),
                       routing=torch.arange(k, device=device).expand(layers, n, k).clone(),
                       rewards=torch.zeros(n, device=device),
-                      versions=torch.full((n,), -1, dtype=torch.int32, device=device))
+                      versions=torch.full((n,), -1, dtype=torch.int32, device=device), max_seqlen=n)
     mb.is_filler = True
     return mb
 
@@ -178,6 +178,7 @@ class PolicyInput:
     routing: torch.Tensor  # [MoE layers of the whole model, (T + pad) / sp, k]
     local_pad: torch.Tensor | None  # the padding tokens' ids among them, for this model's MoE layers
     filler: bool
+    max_seqlen: int | None  # the longest document, padding included (None: the attention reads it on the device)
 
 
 def policy_input(model: nn.Module, mb: Any) -> PolicyInput:
@@ -195,7 +196,8 @@ def policy_input(model: nn.Module, mb: Any) -> PolicyInput:
         local_pad = owned_routing(model, routing)[:, local_mask] if pad else None
     elif pad:
         local_pad = owned_routing(model, routing)[:, T:]
-    return PolicyInput(mb, tokens, pos, cu, routing, local_pad, getattr(mb, "is_filler", False))
+    max_seqlen = None if mb.max_seqlen is None else max(mb.max_seqlen, pad)
+    return PolicyInput(mb, tokens, pos, cu, routing, local_pad, getattr(mb, "is_filler", False), max_seqlen)
 
 
 @contextmanager
@@ -222,5 +224,5 @@ def folded_token_logprobs(model: nn.Module, mb: Any, temperature: float,
     """`step.token_logprobs` on a TP (sequence-parallel) model or for a filler micro-batch: [T] fp32 on each TP rank."""
     p = policy_input(model, mb)
     with policy_forward(model, p, autocast_dtype):
-        logits = model(p.tokens, p.position_ids, p.cu_seqlens)
+        logits = model(p.tokens, p.position_ids, p.cu_seqlens, p.max_seqlen)
     return logits_to_logprobs(model, logits, p, temperature)

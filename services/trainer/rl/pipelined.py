@@ -41,7 +41,7 @@ def _stage_forward(model: nn.Module, inputs: list[PolicyInput], link: StageLink,
     def forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
         p = inputs[i]
         with policy_forward(model, p, autocast_dtype):
-            out = model(p.tokens, p.position_ids, p.cu_seqlens, hidden=hidden)
+            out = model(p.tokens, p.position_ids, p.cu_seqlens, p.max_seqlen, hidden=hidden)
         return last_stage(i, out) if link.last else out
 
     return forward

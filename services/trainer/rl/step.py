@@ -19,6 +19,7 @@ in the last stage (`pipelined.py`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,22 +48,25 @@ class RLMicroBatch:
     routing: torch.Tensor  # [moe layers, T, top_k]
     rewards: torch.Tensor  # [T] the sample's reward on its completion tokens
     versions: torch.Tensor  # [T] int32, the policy version that generated the sample on its completion tokens, else -1
+    # The longest sample, a host number for the attention kernels (None: they read it from the device, a host sync)
+    max_seqlen: int | None = None
 
     @classmethod
     def from_data(cls, mb: dict[str, torch.Tensor]) -> "RLMicroBatch":
-        """From one micro-batch dict of the dataloader's RL source."""
-        mask = mb["loss_mask"]
-        return cls(mb["tokens"], mb["position_ids"], mb["cu_seqlens"],
+        """From one micro-batch dict of the dataloader's RL source (host tensors)."""
+        mask, cu = mb["loss_mask"], mb["cu_seqlens"]
+        return cls(mb["tokens"], mb["position_ids"], cu,
                    torch.where(mask, mb["labels"], torch.full_like(mb["labels"], IGNORE_INDEX)),
                    mb["rollout_logprobs"], mb["advantages"], mb["routing_ids"].permute(1, 0, 2).long(),
-                   mb["rewards"], mb["versions"])
+                   mb["rewards"], mb["versions"], int((cu[1:] - cu[:-1]).max()))
 
     @property
     def response(self) -> torch.Tensor:
         return self.targets != IGNORE_INDEX
 
     def to(self, device: torch.device) -> "RLMicroBatch":
-        return RLMicroBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return dataclasses.replace(self, **{f.name: v.to(device) for f in dataclasses.fields(self)
+                                            if isinstance(v := getattr(self, f.name), torch.Tensor)})
 
 
 def step_sums(micro_batches: list[RLMicroBatch], version: int, max_staleness: int) -> torch.Tensor:
@@ -98,7 +102,7 @@ def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
     device = mb.tokens.device
     with routing_replay(model, mb.routing), torch.autocast(device.type, dtype=autocast_dtype,
                                                           enabled=autocast_dtype is not None):
-        logits = model(mb.tokens, mb.position_ids, mb.cu_seqlens)
+        logits = model(mb.tokens, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
     logits = logits.float()
     if temperature > 0:
         logits = logits / temperature
