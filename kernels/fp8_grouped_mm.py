@@ -174,7 +174,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K: tl.constexpr, stride_xm, st
         mask = row_ok[:, None] & (cols < K)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=1), EPS) / FP8_MAX
-        q = _to_e4m3(x / scale[:, None], q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
+        q = _to_e4m3(tl.div_rn(x, scale[:, None]), q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
         tl.store(q_rows + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + tl.program_id(1) * stride_sk, scale, mask=row_ok)
     else:  # whole rows: an amax pass, then a quantising pass (the second read mostly hits cache)
@@ -188,7 +188,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K: tl.constexpr, stride_xm, st
             cols = start + tl.arange(0, BLOCK_K)
             mask = row_ok[:, None] & (cols < K)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = _to_e4m3(x / scale[:, None], q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
+            q = _to_e4m3(tl.div_rn(x, scale[:, None]), q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
             tl.store(q_rows + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm, scale, mask=row_ok)
 
@@ -214,7 +214,7 @@ def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, K, N, stride_se, stride_sk, str
         tl.store(s_ptr + e * stride_se + kb * stride_sk + nb * stride_sn, scale)
     else:  # the expert's scale (tensorwise: its amax computed beforehand, block strides 0) or the block's
         scale = tl.load(s_ptr + e * stride_se + kb * stride_sk + nb * stride_sn)
-    q = _to_e4m3(w / scale, q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
+    q = _to_e4m3(tl.div_rn(w, scale), q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
     if TRANSPOSE:
         tl.store(q_ptr + base + ns[:, None] * K + ks[None, :], q, mask=mask)
     else:
