@@ -49,8 +49,10 @@ def assert_same(a: Permutation, b: Permutation) -> None:
         assert torch.equal(a.permuted_probs, b.permuted_probs)
 
 
-# T, k, E, h: one token; k=1; E=1; E not a power of two; more token blocks (64) and expert blocks (16) than one.
-SHAPES = [(1, 1, 1, 8), (1, 2, 5, 3), (9, 1, 3, 16), (37, 3, 7, 20), (130, 2, 5, 9), (70, 4, 21, 12)]
+# T, k, E, h: one token; k=1; E=1; E not a power of two; more token blocks than one (64 tokens per block up to 31
+# experts, 16 from 128); more expert blocks than one (256 buckets per block).
+SHAPES = [(1, 1, 1, 8), (1, 2, 5, 3), (9, 1, 3, 16), (37, 3, 7, 20), (130, 2, 5, 9), (70, 4, 21, 12),
+          (70, 4, 300, 8)]
 
 
 def test_reference_matches_the_definition_including_dropped_copies():
