@@ -7,11 +7,18 @@ expire so an abandoned save leaves nothing behind. With one replica the same pro
 
 A failed save may be retried under the same step and session; its stale outcome is told apart by time, read from the
 Redis server's clock only (one clock, so "published before this attempt began" is exact across hosts).
+
+A replica killed mid-save leaves its arrivals and, if it got that far, its claim behind: killed while committing, it
+holds the claim of a save it will never publish, and the trainer re-sends the whole save to its replacement. So only
+replicas registered now (a killed one's heartbeat lapses; the trainer re-sends only after that) count: their arrivals
+toward `world_size`, and their claims; a claim whose holder is gone is taken over.
 """
 
 from __future__ import annotations
 
 import json
+
+import redis
 
 from services.common.registry import Registry
 
@@ -19,8 +26,9 @@ KEY_TTL_S = 3600
 
 
 class Barrier:
-    def __init__(self, registry: Registry, instance: str, ttl_s: int = KEY_TTL_S):
-        self.client, self.run, self.instance, self.ttl_s = registry.client, registry.run, instance, ttl_s
+    def __init__(self, registry: Registry, instance: str, ttl_s: int = KEY_TTL_S, service: str = "checkpointer"):
+        self.registry, self.client, self.run = registry, registry.client, registry.run
+        self.instance, self.ttl_s, self.service = instance, ttl_s, service
 
     def _key(self, run: str, step: int, session: str, what: str) -> str:
         return f"foldmoe:{run or self.run}:ckpt:{step}:{session or '-'}:{what}"
@@ -31,10 +39,33 @@ class Barrier:
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(ranks, str(rank), self.instance)
         pipe.expire(ranks, self.ttl_s)
-        pipe.hlen(ranks)
-        if pipe.execute()[-1] < world_size:
+        pipe.hgetall(ranks)
+        arrived = pipe.execute()[-1]  # rank -> the replica that wrote it
+        live = self._live()
+        if sum(holder in live for holder in arrived.values()) < world_size:
             return False
-        return bool(self.client.set(self._key(run, step, session, "claim"), self.instance, nx=True, ex=self.ttl_s))
+        return self._claim(self._key(run, step, session, "claim"), live)
+
+    def _live(self) -> set[str]:
+        """The replicas registered now, and this one (registered or not: a test's writer may not be)."""
+        return {r.get("instance") for r in self.registry.lookup(self.service)} | {self.instance}
+
+    def _claim(self, key: str, live: set[str]) -> bool:
+        """SET NX; a claim held by a replica no longer registered is taken over (WATCH: one taker wins)."""
+        if self.client.set(key, self.instance, nx=True, ex=self.ttl_s):
+            return True
+        with self.client.pipeline() as pipe:
+            try:
+                pipe.watch(key)
+                holder = pipe.get(key)
+                if holder in live:
+                    return holder == self.instance
+                pipe.multi()
+                pipe.set(key, self.instance, ex=self.ttl_s)
+                pipe.execute()
+                return True
+            except redis.WatchError:  # another replica took it (or published) meanwhile
+                return False
 
     def now(self) -> float:
         seconds, micros = self.client.time()
