@@ -334,7 +334,8 @@ class Snapshotter:
         return self._last_path
 
     def close(self) -> None:
-        """Finish the saves in flight (errors are logged, not raised), stop the copier and sender threads, free the buffers."""
+        """Finish the saves in flight (errors are logged, not raised), stop the copier and sender threads, free the
+        buffers."""
         self._join_prepare()
         with self._cond:
             self._cond.wait_for(lambda: self._in_flight == 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.trainer.model.attention import longest_document
 from services.trainer.model.loss import IGNORE_INDEX
 
 
@@ -29,7 +30,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     out = {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     cu = batch.get("cu_seqlens")
     if "max_seqlen" not in batch and isinstance(cu, torch.Tensor) and cu.device.type == "cpu" and len(cu) > 1:
-        out["max_seqlen"] = int((cu[1:] - cu[:-1]).max())
+        out["max_seqlen"] = longest_document(cu)
     return out
 
 

@@ -137,8 +137,9 @@ def train(cfg: Config) -> int:
         return end
 
     # Step k is reported after step k+1 has been queued (StepValues): the host never drains the device's queue between
-    # steps (while a save's copies run, up to MAX_UNREPORTED steps later). A step's time runs from the previous step's end to its own, as the device saw them (StepEnd: the time
-    # between reports would be a step late whenever the host is the bottleneck, and the last step's next to nothing).
+    # steps (while a save's copies run, up to MAX_UNREPORTED steps later). A step's time runs from the previous step's
+    # end to its own, as the device saw them (StepEnd: the time between reports would be a step late whenever the host
+    # is the bottleneck, and the last step's next to nothing).
     # A step ends after its checkpoint save: the save's copies, and any time the device idles while the host saves,
     # count in the step that saves.
     pending, last_end = deque(), StepEnd(rt.device)

@@ -33,6 +33,12 @@ def _varlen_supports_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
+def longest_document(cu_seqlens: torch.Tensor) -> int:
+    """The longest segment of `cu_seqlens`, as the attention kernels take it: a host number. Read it from host
+    `cu_seqlens` where the batch still has them (on a device tensor this waits for the device)."""
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Segment index of every token: [T] int64. No host sync: a boundary at or past `total` (an empty trailing
     segment) adds 0 rather than being filtered out with a mask, whose size the host would have to wait for."""
@@ -49,7 +55,7 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu_seqlens.to(torch.int32)
-        max_len = max_seqlen or int((cu[1:] - cu[:-1]).max())
+        max_len = max_seqlen or longest_document(cu)
         if k.shape[1] != q.shape[1]:
             if _varlen_supports_gqa():
                 return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)

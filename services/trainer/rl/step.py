@@ -28,6 +28,7 @@ from torch import nn
 
 from services.common.config import RLConfig
 from services.trainer.metrics import StepValues
+from services.trainer.model.attention import longest_document
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.optim import clip_and_step
 from services.trainer.parallel.groups import ParallelGroups, sum_over
@@ -58,7 +59,7 @@ class RLMicroBatch:
         return cls(mb["tokens"], mb["position_ids"], cu,
                    torch.where(mask, mb["labels"], torch.full_like(mb["labels"], IGNORE_INDEX)),
                    mb["rollout_logprobs"], mb["advantages"], mb["routing_ids"].permute(1, 0, 2).long(),
-                   mb["rewards"], mb["versions"], int((cu[1:] - cu[:-1]).max()))
+                   mb["rewards"], mb["versions"], longest_document(cu))
 
     @property
     def response(self) -> torch.Tensor:
