@@ -34,6 +34,15 @@ from services.trainer.step import count_loss_tokens, forward_backward
 RTOL = 1e-5  # relative L2 error allowed for every gradient, parameter and step loss (fp32)
 LR = 1e-2
 TIMEOUT_S = 120.0
+# A compiled model's first step waits for inductor to build its CPU kernels with a C++ compiler. With a cold cache that
+# took 159 s per rank on the H100 machine's host (torch 2.11) for the pp2 case of test_model_compile.py, 22 s on the
+# 2-core CI machine: one rank's compile is another's wait in a collective.
+COMPILE_TIMEOUT_S = 600.0
+
+
+def timeout_of(cfg: Config) -> float:
+    """Seconds a parallel run of `cfg` may take, and a rank may wait in one collective."""
+    return COMPILE_TIMEOUT_S if cfg.model.compile else TIMEOUT_S
 
 
 def tiny_config(**parallel) -> Config:
@@ -187,7 +196,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
     torch.set_num_threads(1)
     # A file rendezvous in the run's own directory: no free-port race with other tests running at the same time.
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
+                            timeout=timedelta(seconds=timeout_of(cfg)))
     try:
         groups = init_groups(cfg)
         model = MoETransformer(cfg.model)
@@ -261,7 +270,7 @@ def run_parallel(cfg: Config, batches: list[list[dict]], world: int, out_dir: st
     """Run the layout `cfg.parallel` on `world` gloo processes; merge what every rank recorded. `as_on_gpu`: compute
     under bf16 autocast with fp32 parameters too (see `autocast_of`)."""
     os.makedirs(out_dir, exist_ok=True)
-    results = spawn_ranks(_worker, (world, cfg, batches, out_dir, seed, as_on_gpu), world, out_dir)
+    results = spawn_ranks(_worker, (world, cfg, batches, out_dir, seed, as_on_gpu), world, out_dir, timeout_of(cfg))
     merged = {"losses": next(r["losses"] for r in results if r["last_stage"]), "grads": [], "params": {},
               "kept": {}, "moe_out": {}, "overlap": [r["overlap"] for r in results], "pending": [r["pending"] for r in results],
               "loads": results[0]["loads"],

@@ -10,8 +10,10 @@ Redis server's clock only (one clock, so "published before this attempt began" i
 
 A replica killed mid-save leaves its arrivals and, if it got that far, its claim behind: killed while committing, it
 holds the claim of a save it will never publish, and the trainer re-sends the whole save to its replacement. So only
-replicas registered now (a killed one's heartbeat lapses; the trainer re-sends only after that) count: their arrivals
-toward `world_size`, and their claims; a claim whose holder is gone is taken over.
+replicas registered now count: their arrivals toward `world_size`, and their claims; a claim whose holder is gone is
+taken over. A killed replica's registry record outlives it until its heartbeat lapses, and a re-sent part can reach
+the replacement inside that window, so the replacement also deletes the interrupted step's arrivals before it
+registers (writer.forget_stale_arrivals).
 """
 
 from __future__ import annotations

@@ -453,8 +453,10 @@ def forget_stale_arrivals(registry: Registry, removed: list[Path]) -> None:
 
     A writer killed mid-save leaves in Redis the ranks it had recorded (Barrier.arrive) for that step and session; the
     trainer then re-sends the whole save to this replacement (snapshot.Snapshotter), under the same step and session.
-    Were the old entries kept, the first re-sent rank would complete the count and this writer would commit with the
-    other ranks' records missing. Runs before this writer registers, so before any re-sent part can arrive."""
+    The barrier counts only registered replicas' arrivals, but the killed writer's registry record lingers until its
+    heartbeat lapses, and the first re-sent part can arrive inside that window: were the old entries kept, that rank
+    would complete the count and this writer would commit with the other ranks' parts missing. Runs before this writer
+    registers, so before any re-sent part can arrive."""
     barrier = Barrier(registry, "")
     for p in removed:
         if not p.name.endswith(TMP_SUFFIX) or (step := parse_step(p.name.removesuffix(TMP_SUFFIX))) is None:
