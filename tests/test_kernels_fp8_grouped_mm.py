@@ -102,9 +102,9 @@ def test_quantiser_round_trip_is_within_fp8_rounding(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("N", [128, 192])
-def test_grouped_mm_matches_reference_on_the_same_quantised_inputs(recipe, N):
-    K, M = 256, sum(COUNTS) + TAIL
+@pytest.mark.parametrize("K, N", [(256, 128), (256, 192), (192, 128)])  # partial column tile; partial K block
+def test_grouped_mm_matches_reference_on_the_same_quantised_inputs(recipe, K, N):
+    M = sum(COUNTS) + TAIL
     offs = _offs(COUNTS)
     xq, xs = quantize_rows_reference(torch.randn(M, K, device=DEVICE), recipe)
     wq, wq_t, ws = quantize_weight_reference(torch.randn(len(COUNTS), K, N, device=DEVICE) * 0.05, recipe)
@@ -114,6 +114,28 @@ def test_grouped_mm_matches_reference_on_the_same_quantised_inputs(recipe, N):
         assert got.dtype == torch.bfloat16 and got.shape == (M, N)
         torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3 * want.float().abs().max().item())
         assert got[-TAIL:].abs().max() == 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_mm_copies_operands_the_tma_cannot_read_in_place(recipe):
+    # The tiles are loaded through TMA descriptors, which need 16-byte aligned bases and row strides: a row stride of
+    # K + 8 bytes, a base 1 byte past an allocation's start and a non-contiguous weight all give the same product.
+    K, N, M = 256, 128, sum(COUNTS) + TAIL
+    offs = _offs(COUNTS)
+    xq, xs = quantize_rows_reference(torch.randn(M, K, device=DEVICE), recipe)
+    wq, wq_t, ws = quantize_weight_reference(torch.randn(len(COUNTS), K, N, device=DEVICE) * 0.05, recipe)
+    want = fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe)
+    wide = torch.zeros(M, K + 8, dtype=FP8, device=DEVICE)
+    wide[:, :K] = xq
+    shifted = torch.zeros(M * K + 1, dtype=FP8, device=DEVICE)
+    shifted[1:] = xq.flatten()
+    for a in (wide[:, :K], shifted[1:].view(M, K)):
+        assert a.stride(0) % 16 or a.data_ptr() % 16
+        torch.testing.assert_close(fp8_grouped_mm(a, xs, wq_t, ws.transpose(1, 2), offs, recipe).float(),
+                                   want.float(), rtol=0, atol=0)
+    strided = wq.transpose(1, 2)  # [E, N, K] values with N contiguous
+    torch.testing.assert_close(fp8_grouped_mm(xq, xs, strided, ws.transpose(1, 2), offs, recipe).float(),
+                               want.float(), rtol=0, atol=0)
 
 
 def test_reference_is_the_dequantised_product_expert_by_expert():
@@ -258,12 +280,18 @@ def test_gpu_fp8_linear_forward_and_backward_never_wait_for_the_device(recipe):
 @cuda_only
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_gpu_experts_in_fp8_are_close_to_bf16(recipe):
+    # Errors compound along the path: the output passes two FP8 GEMMs (four quantised operands), grad x those and
+    # two dgrads under a loss (out^2) whose gradient carries the output's error. Over input seeds 0-199 on an H100
+    # (one-off sweep, bench/RESULTS.md) the largest were out 0.067, grad x 0.080, grad w13 0.070, grad w2 0.060, the
+    # same for both recipes (at K=64 a 1x128 or 128x128 block spans a whole row or expert); bounds ~25% above those.
+    torch.manual_seed(0)
     counts = torch.tensor([300, 0, 129, 211], device="cuda")
     x, weights = torch.randn(640, 64, device="cuda"), torch.rand(640, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got = _experts_run(_experts(recipe, "cuda"), x, counts, weights)
         want = _experts_run(_experts("", "cuda"), x, counts, weights)
     rows = int(counts.sum())
-    for name, a, b in zip(("out", "grad x", "grad w13", "grad w2"), got, want):
+    bounds = {"out": 0.085, "grad x": 0.10, "grad w13": 0.09, "grad w2": 0.075}
+    for (name, bound), a, b in zip(bounds.items(), got, want):
         a, b = (a[:rows], b[:rows]) if name in ("out", "grad x") else (a, b)
-        assert _rel(a, b) < 0.08, name  # two FP8 GEMMs in a row (5% each, module docstring)
+        assert _rel(a, b) < bound, name

