@@ -445,6 +445,9 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         wq, wq_t, w_scale = quantize_weight(w, recipe)
         # forward operand [E, N, K]: the blockwise scales [E, Kb, Nb] read transposed
         out = fp8_grouped_mm(xq, x_scale, wq_t, w_scale.transpose(1, 2), offs, recipe)
+        # A copy of the weight, not an activation, for memory accounting (services/trainer/memory_report.py): made
+        # here, it has no autograd history that would tell it apart.
+        wq.is_weight_copy = True
         ctx.save_for_backward(x, wq, w_scale, offs)
         ctx.recipe, ctx.w_dtype = recipe, w.dtype
         return out

@@ -93,3 +93,27 @@ def test_with_bf16_parameters_master_weights_are_optimizer_state_and_fp32_parame
     assert r.parameters == 2 * (total - kept) + 4 * kept
     assert 10 * total - 2 * kept <= r.optimizer_state <= 10 * total - 2 * kept + 4 * len(list(model.parameters()))
     assert r.parameter_copies == 0
+
+
+def test_fp8_experts_e4m3_weights_are_parameter_copies_not_activations():
+    """The FP8 experts' linear quantises its weight inside an autograd function and keeps the e4m3 copy for dgrad:
+    counted as a parameter copy (1 B per element), and the activations are only what the function saves per token."""
+    from kernels.fp8_grouped_mm import fp8_grouped_linear
+
+    E, K, N, M = 3, 64, 48, 40
+    w = torch.nn.Parameter(torch.randn(E, K, N) * 0.1)
+    module = torch.nn.Module()
+    module.w = w
+    opt = torch.optim.SGD([w], lr=0.1)
+    x = torch.randn(M, K)
+    offs = torch.tensor([10, 25, M], dtype=torch.int32)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        fp8_grouped_linear(x, w, offs, "tensorwise").float().sum().backward()  # sum: saves nothing
+        opt.step()
+
+    r = measure_step(module, opt, step, torch.device("cpu"))
+    assert r.parameter_copies == E * K * N
+    # saved per token: x itself (fp32); plus the per-expert scales and offs, a few bytes
+    assert M * K * 4 <= r.activations <= M * K * 4 + 64

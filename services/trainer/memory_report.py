@@ -8,7 +8,8 @@ Categories are counted from the tensors themselves (each storage once), not gues
   in `optimizer.state`, on `device`, after the step;
 - parameter copies: storages saved for backward that are casts of parameters (their autograd history is a dtype copy,
   possibly re-viewed, of a parameter): under autocast or the experts' explicit cast, the bf16 copies of fp32 weights
-  that the GEMMs keep for their backward. They scale with the parameters, not with the tokens, so they are not
+  that the GEMMs keep for their backward, and the FP8 experts' e4m3 weights (kernels/fp8_grouped_mm.py marks them,
+  having made them where autograd records nothing). They scale with the parameters, not with the tokens, so they are not
   counted as activations (for 128 experts they are most of what a step saves);
 - activations: every other storage the step saved for backward on `device` (a saved-tensors hook around the step;
   parameters excluded). All of them are alive together at the end of the forward pass, the usual peak. Tensors that a
@@ -99,7 +100,10 @@ _COPY_OR_VIEW = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "Permute
 
 
 def _is_parameter_copy(t: torch.Tensor, params: set[int]) -> bool:
-    """True when `t` is a dtype copy (or a view of one) of a parameter, going by its autograd history."""
+    """True when `t` is a dtype copy (or a view of one) of a parameter, going by its autograd history, or a copy made
+    inside an autograd function and marked `is_weight_copy` there (the FP8 experts' e4m3 weights)."""
+    if getattr(t, "is_weight_copy", False):
+        return True
     node, copied = t.grad_fn, False
     for _ in range(8):  # a cast and a few views; anything longer was computed, not copied
         if node is None:
