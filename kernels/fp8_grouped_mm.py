@@ -271,7 +271,8 @@ def quantize_weight(w: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torc
         scale = _scale_of(torch.linalg.vector_norm(w, ord=float("inf"), dim=(1, 2))).view(E, 1, 1)
     strides = (scale.stride(0), scale.stride(1), scale.stride(2)) if blockwise else (scale.stride(0), 0, 0)
     # Two passes, [K, N] then [N, K]: a transposed masked fp8 store from one pass miscompiled on sm_90 with Triton
-    # 3.6 (tests/test_kernels_fp8_grouped_mm.py caught it at N=192), and torch's fp8 transpose copy is slow.
+    # 3.6 (tests/test_kernels_fp8_grouped_mm.py caught it at N=192), and torch's fp8 transpose copy is slow. One pass
+    # transposing in registers (fp32 or the e4m3 bytes) was also 1.4x slower on an H100 (bench/RESULTS.md).
     for transpose, out in ((False, q), (True, qt)):
         if w.numel():
             _quantize_weight_kernel[(nb, kb, E)](w, out, scale, K, N, *strides, BLOCKWISE=blockwise,
