@@ -14,7 +14,8 @@ Rows per shape:
 TFLOP/s counts 2*M*K*N per GEMM (3 GEMMs for fwd+bwd), over the median of `reps` CUDA-event timings after `warmup`
 runs (which absorb Triton's autotuning); "of dense" is that over a dense bf16 torch.mm of the same M, K, N measured in
 the same run. "err" is max|out - bf16| / max|bf16| of the forward output against bf16 torch._grouped_mm.
-Prints one table; records nothing (bench/RESULTS.md is written by hand). Exits with a message without CUDA.
+Prints one table; `--record [PATH]` appends it to bench/RESULTS.md (or PATH) with machine, command and commit.
+Exits with a message without CUDA.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_kernels import time_ms  # noqa: E402
+from bench.record import Table, add_record_argument  # noqa: E402
 from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, fp8_grouped_linear, fp8_grouped_mm,  # noqa: E402
                                     quantize_rows, quantize_weight)
 
@@ -68,7 +70,7 @@ def scaled_grouped_mm_case(x, w, offs):
     return fn
 
 
-def run_shape(name: str, warmup: int, reps: int) -> None:
+def run_shape(name: str, warmup: int, reps: int, table: Table) -> None:
     E, per_expert, K, N, uneven = SHAPES[name]
     counts = token_counts(E, per_expert, uneven)
     M = int(counts.sum())
@@ -111,12 +113,12 @@ def run_shape(name: str, warmup: int, reps: int) -> None:
             rows.append((label, "gemm+quant", time_ms(linear, warmup, reps), flops, None))
         rows.append((label, "fwd+bwd", time_ms(fwd_bwd(linear), warmup, reps), 3 * flops, None))
 
-    print(f"{name}: E={E} M={M} K={K} N={N}{' uneven' if uneven else ''} | dense bf16 mm {dense:.3f} ms = "
-          f"{flops / dense / 1e9:.0f} TFLOP/s")
+    table.line(f"{name}: E={E} M={M} K={K} N={N}{' uneven' if uneven else ''} | dense bf16 mm {dense:.3f} ms = "
+               f"{flops / dense / 1e9:.0f} TFLOP/s")
     for label, what, ms, fl, out in rows:
         tflops = fl / ms / 1e9
         err = f"{((out.float() - ref).abs().max() / ref.abs().max()).item():.2e}" if out is not None else ""
-        print(f"  {label:<27} {what:<11} {ms:9.3f} {tflops:9.0f} {tflops / (flops / dense / 1e9):8.2f} {err:>9}")
+        table.line(f"  {label:<27} {what:<11} {ms:9.3f} {tflops:9.0f} {tflops / (flops / dense / 1e9):8.2f} {err:>9}")
     del x, w, grad
     torch.cuda.empty_cache()
 
@@ -126,6 +128,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {list(SHAPES)}")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
+    add_record_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_grouped_mm needs a CUDA GPU (torch.cuda.is_available() is False here); the "
@@ -134,10 +137,12 @@ def main() -> None:
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown --shapes {unknown}; choose among {list(SHAPES)}")
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
-    print(f"  {'variant':<27} {'pass':<11} {'ms':>9} {'TFLOP/s':>9} {'of dense':>8} {'err':>9}")
+    table = Table()
+    table.line(f"{torch.cuda.get_device_name()} | torch {torch.__version__}")
+    table.line(f"  {'variant':<27} {'pass':<11} {'ms':>9} {'TFLOP/s':>9} {'of dense':>8} {'err':>9}")
     for name in names:
-        run_shape(name, args.warmup, args.reps)
+        run_shape(name, args.warmup, args.reps, table)
+    table.record(args.record, "FP8 grouped GEMM for the experts vs bf16 torch._grouped_mm")
 
 
 if __name__ == "__main__":

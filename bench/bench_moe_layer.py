@@ -12,6 +12,7 @@ Rates count the expert GEMMs only (18·T·k·h·f FLOPs for a forward + backward
 reference figures do, and are also given as a fraction of a dense bf16 GEMM measured in the same run. Outputs are
 checked against foldmoe's (same weights, same routing: both renormalise the top-k softmax probabilities).
 Needs `transformers` for the peer rows (skipped with a note when it is missing). On CPU, use tiny shapes (--cpu-smoke).
+Prints one table; `--record [PATH]` appends it to bench/RESULTS.md (or PATH) with machine, command and commit.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.record import Table, add_record_argument  # noqa: E402
 from services.common.config import ModelConfig, load_config  # noqa: E402
 from services.trainer.metrics import measure_peak_tflops  # noqa: E402
 from services.trainer.model.moe.moe_layer import MoELayer  # noqa: E402
@@ -121,16 +123,20 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, for a run without a GPU")
     ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
                     help="also print the ROWS kernels with the most device time in foldmoe's layer (torch.profiler)")
+    add_record_argument(ap)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = 256 if args.cpu_smoke else args.tokens
     dense = measure_peak_tflops(device, dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {name} | torch {torch.__version__} | {tokens} tokens | {dtype} | dense GEMM {dense:.0f} TFLOP/s")
-    header = f"{'shape':<14} {'implementation':<36} {'ms':>8} {'TFLOP/s':>8} {'% dense':>8} {'vs hf grouped':>13} {'max rel err':>11}"
-    print(header)
-    print("-" * len(header))
+    table = Table()
+    table.line(f"device {name} | torch {torch.__version__} | {tokens} tokens | {dtype} | "
+               f"dense GEMM {dense:.0f} TFLOP/s")
+    header = (f"{'shape':<14} {'implementation':<36} {'ms':>8} {'TFLOP/s':>8} {'% dense':>8} {'vs hf grouped':>13} "
+              f"{'max rel err':>11}")
+    table.line(header)
+    table.line("-" * len(header))
     for shape in args.shapes:
         m = shape_config(shape, args.cpu_smoke)
         torch.manual_seed(0)
@@ -144,7 +150,7 @@ def main() -> None:
         for impl in ("grouped_mm", "eager"):
             block = peer_block(shape, m, ours, impl, device, dtype)
             if block is None:
-                print(f"{shape:<14} transformers is not installed: peer rows skipped")
+                table.line(f"{shape:<14} transformers is not installed: peer rows skipped")
                 break
             label = "per-expert loop" if impl == "eager" else impl
             rows.append((f"transformers block ({label})", lambda t, b=block: b(t[None])[0], block))
@@ -171,7 +177,8 @@ def main() -> None:
         for label, ms, err in results:
             rate = flops / ms / 1e9
             vs = f"{hf / ms:12.2f}x" if hf else f"{'-':>13}"
-            print(f"{shape:<14} {label:<36} {ms:8.2f} {rate:8.1f} {100 * rate / dense:7.1f}% {vs} {err:11.1e}")
+            table.line(f"{shape:<14} {label:<36} {ms:8.2f} {rate:8.1f} {100 * rate / dense:7.1f}% {vs} {err:11.1e}")
+    table.record(args.record, f"MoE layer forward+backward vs the transformers blocks, {tokens} tokens")
 
 
 if __name__ == "__main__":

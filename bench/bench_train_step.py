@@ -5,7 +5,8 @@
 
 Prints tokens/s, MFU against the datasheet peak and against a GEMM peak measured in the same run, peak memory, and
 the memory of one step by category (parameters, gradients, optimizer state, activations, other: memory_report.py).
-The data path (dataloader service) is excluded on purpose: this isolates compute.
+The data path (dataloader service) is excluded on purpose: this isolates compute. `--record [PATH]` appends the final
+tables to bench/RESULTS.md (or PATH) with machine, command and commit.
 
 Side by side: each `--variant "NAME key=value ..."` runs the same steps on the same initial weights with those config
 overrides on top of the base config, one after the other in this process (weights are initialised once), and a table
@@ -34,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.record import Table, add_record_argument  # noqa: E402
 from services.common.config import Config, load_config  # noqa: E402
 from services.trainer.memory_report import MemoryReport, measure_step  # noqa: E402
 from services.trainer.metrics import (StepValues, active_params, datasheet_peak, flops_per_token,  # noqa: E402
@@ -169,6 +171,7 @@ def main() -> None:
     ap.add_argument("--trace", default=None, metavar="PREFIX",
                     help="with --profile, also write the profiled steps as a Chrome trace, PREFIX.<variant>.json")
     ap.add_argument("overrides", nargs="*")
+    add_record_argument(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train_step needs a CUDA device")
@@ -196,17 +199,20 @@ def main() -> None:
         print(f"memory of one step, {name}:\n{o.memory.table()}", flush=True)
     measured = measure_peak_tflops(device, torch.bfloat16)
     fpt = flops_per_token(base.model, base.data.seq_len)
-    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | active params "
-          f"{active_params(base.model) / 1e9:.3f}B | GEMM peak measured {measured:.0f} TFLOP/s")
-    print(f"{'variant':<24}{'tokens/s':>12}{'MFU sheet':>11}{'MFU meas.':>11}{'peak GiB':>10}{'step ms':>9}")
+    table = Table()
+    table.line(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | active params "
+               f"{active_params(base.model) / 1e9:.3f}B | GEMM peak measured {measured:.0f} TFLOP/s")
+    table.line(f"{'variant':<24}{'tokens/s':>12}{'MFU sheet':>11}{'MFU meas.':>11}{'peak GiB':>10}{'step ms':>9}")
     for o in outcomes:
-        print(f"{o.name:<24}{o.tokens_per_s:>12,.0f}{o.mfu:>10.1f}%{100 * o.tokens_per_s * fpt / 1e12 / measured:>10.1f}%"
-              f"{o.peak_gib:>10.1f}{o.step_ms:>9.0f}")
-    print("\nmemory by category, GiB (services/trainer/memory_report.py; one step after the timed ones)")
+        table.line(f"{o.name:<24}{o.tokens_per_s:>12,.0f}{o.mfu:>10.1f}%"
+                   f"{100 * o.tokens_per_s * fpt / 1e12 / measured:>10.1f}%{o.peak_gib:>10.1f}{o.step_ms:>9.0f}")
+    table.line("\nmemory by category, GiB (services/trainer/memory_report.py; one step after the timed ones)")
     names = [r[0] for r in outcomes[0].memory.rows()]
-    print(f"{'variant':<16}" + "".join(f"{n.split(' (')[0][:16]:>17}" for n in names))
+    table.line(f"{'variant':<16}" + "".join(f"{n.split(' (')[0][:16]:>17}" for n in names))
     for o in outcomes:
-        print(f"{o.name:<16}" + "".join(f"{v / 2**30:>17.2f}" for _, v in o.memory.rows()))
+        table.line(f"{o.name:<16}" + "".join(f"{v / 2**30:>17.2f}" for _, v in o.memory.rows()))
+    table.record(args.record, "Training step, one GPU" + (f", {args.config}" if args.config else "")
+                 + (f" {' '.join(args.overrides)}" if args.overrides else ""))
 
 
 if __name__ == "__main__":
