@@ -14,7 +14,7 @@ Rows per shape:
 TFLOP/s counts 2*M*K*N per GEMM (3 GEMMs for fwd+bwd), over the median of `reps` CUDA-event timings after `warmup`
 runs (which absorb Triton's autotuning); "of dense" is that over a dense bf16 torch.mm of the same M, K, N measured in
 the same run. "err" is max|out - bf16| / max|bf16| of the forward output against bf16 torch._grouped_mm.
-Prints one table; `--record [PATH]` appends it to bench/RESULTS.md (or PATH) with machine, command and commit.
+Prints one table; `--record bench/RESULTS.md` appends it there with machine, command and commit.
 Exits with a message without CUDA.
 """
 

@@ -12,7 +12,7 @@ Rates count the expert GEMMs only (18·T·k·h·f FLOPs for a forward + backward
 reference figures do, and are also given as a fraction of a dense bf16 GEMM measured in the same run. Outputs are
 checked against foldmoe's (same weights, same routing: both renormalise the top-k softmax probabilities).
 Needs `transformers` for the peer rows (skipped with a note when it is missing). On CPU, use tiny shapes (--cpu-smoke).
-Prints one table; `--record [PATH]` appends it to bench/RESULTS.md (or PATH) with machine, command and commit.
+Prints one table; `--record bench/RESULTS.md` appends it there with machine, command and commit.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
 
 Prints tokens/s, MFU against the datasheet peak and against a GEMM peak measured in the same run, peak memory, and
 the memory of one step by category (parameters, gradients, optimizer state, activations, other: memory_report.py).
-The data path (dataloader service) is excluded on purpose: this isolates compute. `--record [PATH]` appends the final
-tables to bench/RESULTS.md (or PATH) with machine, command and commit.
+The data path (dataloader service) is excluded on purpose: this isolates compute. `--record bench/RESULTS.md` appends the
+final tables there with machine, command and commit.
 
 Side by side: each `--variant "NAME key=value ..."` runs the same steps on the same initial weights with those config
 overrides on top of the base config, one after the other in this process (weights are initialised once), and a table

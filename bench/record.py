@@ -1,8 +1,9 @@
-"""A benchmark's table: printed as it is built and, with `--record`, appended to bench/RESULTS.md with what made it.
+"""A benchmark's table: printed as it is built and, with `--record PATH`, appended to PATH (bench/RESULTS.md) with
+what made it.
 
     table = Table()
     table.line("...")                                  # printed now, kept for the record
-    table.record(args.record, "MoE layer alone vs the transformers blocks")
+    table.record(args.record, "MoE layer alone vs the transformers blocks")   # `--record bench/RESULTS.md`
 
 The entry names the machine (GPU model and count, else the CPU), the torch and Triton versions, the command line, the
 code (`git describe --always --dirty`; FOLDMOE_COMMIT overrides it where the checkout's HEAD is not the code that
@@ -25,8 +26,9 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
 def add_record_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--record", nargs="?", const=str(RESULTS), default=None, metavar="PATH",
-                        help=f"append the table, with machine, command and commit, to PATH (default {RESULTS.name})")
+    # PATH is not optional: a bare `--record` would take the next word, and bench_train_step's overrides follow.
+    parser.add_argument("--record", default=None, metavar="PATH",
+                        help="append the table, with machine, command and commit, to PATH (bench/RESULTS.md)")
 
 
 def machine() -> str:

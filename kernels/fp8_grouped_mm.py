@@ -333,8 +333,8 @@ def _fp8_grouped_mm_kernel(a_ptr, a_desc, b_ptr, b_desc, a_scale_ptr, b_scale_pt
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Blockwise loads its tiles through TMA descriptors: a_desc of a [M, K], b_desc of b viewed [E * N, K] (a tile's
     rows past its group's end and columns past N load the next group's rows or zeros, and are never stored).
-    Tensorwise loads them through masked pointers (a_desc and b_desc are None): TMA measured 0-5% slower there at
-    the Qwen3 shapes, while it makes blockwise 1.2-1.5x faster (bench/RESULTS.md)."""
+    Tensorwise loads them through masked pointers (a_desc and b_desc are None): TMA was no faster there (within the
+    bench's spread between calls), while blockwise gained most at the down and Mixtral shapes (bench/RESULTS.md)."""
     tl.static_assert(not BLOCKWISE or (BLOCK_K == SCALE_BLOCK and SCALE_BLOCK % BLOCK_N == 0))
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)

@@ -29,14 +29,15 @@ def test_a_table_is_printed_and_appended_with_machine_command_and_code(tmp_path,
     assert "```\nname   ms\none  1.50\ntwo  2.50\n```\n" in text
 
 
-def test_record_flag_defaults_to_bench_results(tmp_path):
+def test_record_takes_a_path_and_leaves_positional_overrides_alone(tmp_path):
     import argparse
 
     parser = argparse.ArgumentParser()
+    parser.add_argument("overrides", nargs="*")  # as bench_train_step has
     add_record_argument(parser)
     assert parser.parse_args([]).record is None
-    assert parser.parse_args(["--record"]).record == str(RESULTS) == str(ROOT / "bench" / "RESULTS.md")
-    assert parser.parse_args(["--record", str(tmp_path / "r.md")]).record == str(tmp_path / "r.md")
+    args = parser.parse_args(["--record", str(RESULTS), "model.num_layers=4"])
+    assert args.record == str(ROOT / "bench" / "RESULTS.md") and args.overrides == ["model.num_layers=4"]
 
 
 def test_the_moe_layer_bench_records_the_table_it_prints(tmp_path):
