@@ -56,8 +56,8 @@ def _variants():
                 "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "T": "i32", "eps": "fp32"},
                {**heads, "BLOCK_T": 16, "BLOCK_H": 2}, 4)
     for blockwise in (False, True):  # the experts' gate/up GEMM (K=2048, N=1536) and the row/weight quantisers
-        # blockwise loads through TMA descriptors (tiles 128x64 here, its most often tuned config), tensorwise through
-        # pointers (its descriptors are None)
+        # blockwise loads through TMA descriptors (a 128x64 tile, one of its configs), tensorwise through pointers (its
+        # descriptors are None; a 128x256 tile, one of its configs)
         tiles = {"BLOCK_M": 128, "BLOCK_N": 64 if blockwise else 256}
         descs = ({"a_desc": "tensordesc<fp8e4nv[128, 128]>", "b_desc": "tensordesc<fp8e4nv[64, 128]>"} if blockwise
                  else {})

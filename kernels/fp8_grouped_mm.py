@@ -308,18 +308,23 @@ def _set_block_shapes(nargs: dict) -> None:
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K stays 128, the blockwise scale block. Tensorwise tunes over its
+# own tiles; blockwise over the 4-warp 128x64 / 64x128 tiles added for it (more programs per SM to overlap its
+# scaling) and those of the shared ones at most one 128-wide scale block wide.
+_TENSORWISE_TILES = [(128, 128, 8, 4), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (64, 256, 8, 4)]
+_BLOCKWISE_TILES = [(128, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2)]
 _MM_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 128}, num_warps=w, num_stages=s,
-                             pre_hook=_set_block_shapes)  # BLOCK_K stays 128: the blockwise scale block
-               for m, n, w, s in [(128, 128, 8, 4), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4),
-                                  (64, 256, 8, 4), (128, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2)]]
+                             pre_hook=_set_block_shapes) for m, n, w, s in _TENSORWISE_TILES + _BLOCKWISE_TILES]
+
+
+def _tile(c: triton.Config) -> tuple[int, int, int, int]:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
 
 
 def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Blockwise applies one weight scale per tile and K step, so its tiles are at most one 128-wide scale block;
-    the 4-warp 128x64 / 64x128 tiles were added for it (more programs per SM to overlap its scaling), and tensorwise
-    keeps the five configs it was measured with."""
+    """Blockwise applies one weight scale per tile and K step, so its tiles are at most one scale block wide."""
     if not {**named_args, **kwargs}["BLOCKWISE"]:  # constexprs passed by keyword arrive in kwargs
-        return configs[:5]
+        return [c for c in configs if _tile(c) in _TENSORWISE_TILES]
     return [c for c in configs if c.kwargs["BLOCK_N"] <= SCALE_BLOCK]
 
 
