@@ -2,7 +2,8 @@
 
     fp8_grouped_mm(a [M, K] e4m3, a_scale, b [E, N, K] e4m3, b_scale, offs [E] int32, recipe) -> [M, N] bf16
         out[offs[g-1]:offs[g]] = (a[offs[g-1]:offs[g]] @ b[g].T) * scales;  rows from offs[E-1] on: zero
-    fp8_grouped_linear(x [M, K], w [E, K, N], offs, recipe) -> [M, N] bf16   (autograd; quantises on the device)
+    fp8_grouped_linear(x [M, K], w [E, K, N], offs, recipe, w_quantized=None) -> [M, N] bf16
+        (autograd; quantises on the device, the weight unless `w_quantized` holds quantize_weight(w, recipe))
 
 Recipes (the scales are fp32, computed on the device from amaxes: amax / 448, e4m3's largest value):
 - "tensorwise": one scale per activation row (a_scale [M, 1]) and one per expert weight (b_scale [E, 1, 1]); the
@@ -24,7 +25,9 @@ partial tile; the +1 is the tail past offs[E-1], which is written with zeros), a
 prefix sum over the per-group tile counts; programs past the last tile exit at once. Preconditions: offs
 non-decreasing, offs[E-1] <= M, K and N multiples of 16.
 
-The autograd function quantises x and w in forward and keeps x (bf16, as the bf16 path does) and the fp8 weight.
+The autograd function quantises x and w in forward (w only when not given quantised: the experts quantise each weight
+once per optimizer step when a step reads it more than once, services/trainer/model/moe/experts.py) and keeps x
+(bf16, as the bf16 path does) and the fp8 weight.
 Backward: dgrad with this kernel (dY quantised to e4m3 by the same recipe, along N); wgrad dW[g] = X_g^T dY_g in
 bf16 through torch._grouped_mm (an FP8 wgrad would need X and dY quantised along M, the token dimension).
 
@@ -180,7 +183,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K: tl.constexpr, stride_xm, st
         q = _to_e4m3(tl.div_rn(x, scale[:, None]), q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
         tl.store(q_rows + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows * stride_sm + tl.program_id(1) * stride_sk, scale, mask=row_ok)
-    else:  # whole rows: an amax pass, then a quantising pass (the second read mostly hits cache)
+    elif BLOCK_K >= K:  # whole rows held in registers: one read
+        cols = tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), EPS) / FP8_MAX
+        q = _to_e4m3(tl.div_rn(x, scale[:, None]), q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
+        tl.store(q_rows + cols[None, :], q, mask=mask)
+        tl.store(s_ptr + rows * stride_sm, scale, mask=row_ok)
+    else:  # longer rows: an amax pass, then a quantising pass (the second read mostly hits cache)
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
@@ -198,30 +209,37 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K: tl.constexpr, stride_xm, st
 
 @triton.jit
 def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, K, N, stride_se, stride_sk, stride_sn,
-                            BLOCKWISE: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr,
+                            BLOCKWISE: tl.constexpr, BLOCK: tl.constexpr,
                             FP8_MAX: tl.constexpr, EPS: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """One BLOCKxBLOCK block of one expert's [K, N] weight, written [K, N], or [N, K] with TRANSPOSE (read
-    transposed, stored row by row: the same block's values, with the scale the first pass stored)."""
+    """One BLOCKxBLOCK block of one expert's [K, N] weight, quantised into q, laid out as w."""
     nb, kb, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ks = kb * BLOCK + tl.arange(0, BLOCK)
     ns = nb * BLOCK + tl.arange(0, BLOCK)
     base = e.to(tl.int64) * K * N
-    if TRANSPOSE:
-        mask = (ns < N)[:, None] & (ks < K)[None, :]
-        w = tl.load(w_ptr + base + ks[None, :] * N + ns[:, None], mask=mask, other=0.0).to(tl.float32)
-    else:
-        mask = (ks < K)[:, None] & (ns < N)[None, :]
-        w = tl.load(w_ptr + base + ks[:, None] * N + ns[None, :], mask=mask, other=0.0).to(tl.float32)
-    if BLOCKWISE and not TRANSPOSE:
+    mask = (ks < K)[:, None] & (ns < N)[None, :]
+    w = tl.load(w_ptr + base + ks[:, None] * N + ns[None, :], mask=mask, other=0.0).to(tl.float32)
+    if BLOCKWISE:
         scale = tl.maximum(tl.max(tl.max(tl.abs(w), axis=1), axis=0), EPS) / FP8_MAX
         tl.store(s_ptr + e * stride_se + kb * stride_sk + nb * stride_sn, scale)
-    else:  # the expert's scale (tensorwise: its amax computed beforehand, block strides 0) or the block's
+    else:  # the expert's scale, its amax computed beforehand (block strides 0)
         scale = tl.load(s_ptr + e * stride_se + kb * stride_sk + nb * stride_sn)
     q = _to_e4m3(tl.div_rn(w, scale), q_ptr.dtype.element_ty, FP8_MAX, ROUND_FIRST)
-    if TRANSPOSE:
-        tl.store(q_ptr + base + ns[:, None] * K + ks[None, :], q, mask=mask)
-    else:
-        tl.store(q_ptr + base + ks[:, None] * N + ns[None, :], q, mask=mask)
+    tl.store(q_ptr + base + ks[:, None] * N + ns[None, :], q, mask=mask)
+
+
+@triton.jit
+def _transpose_bytes_kernel(q_ptr, qt_ptr, K, N, BLOCK: tl.constexpr):
+    """One BLOCKxBLOCK block of one expert's [K, N] bytes, read transposed and stored row by row into [N, K]."""
+    nb, kb, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ks = kb * BLOCK + tl.arange(0, BLOCK)
+    ns = nb * BLOCK + tl.arange(0, BLOCK)
+    base = e.to(tl.int64) * K * N
+    mask = (ns < N)[:, None] & (ks < K)[None, :]
+    t = tl.load(q_ptr + base + ks[None, :] * N + ns[:, None], mask=mask, other=0)
+    tl.store(qt_ptr + base + ns[:, None] * K + ks[None, :], t, mask=mask)
+
+
+_ROW_IN_REGISTERS = 4096
 
 
 def quantize_rows(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,11 +257,14 @@ def quantize_rows(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.
     kb = triton.cdiv(K, SCALE_BLOCK) if blockwise else 1
     scale = torch.empty(kb, M, dtype=torch.float32, device=x.device).t()  # [M, kb] view of [kb, M]
     if M and K:
-        block_m = 16 if blockwise else 8
+        # tensorwise: a row of up to 4096 in one program's registers (32 values per thread), read once; that was 1.2x
+        # (K=2048) to 1.8x (K=768) faster on an H100 than 8 rows per program read twice (bench/RESULTS.md)
+        whole_row = not blockwise and K <= _ROW_IN_REGISTERS
+        block_m = 16 if blockwise else 1 if whole_row else 8
+        block_k = SCALE_BLOCK if blockwise else next_power_of_2(K) if whole_row else 1024
         grid = (triton.cdiv(M, block_m), kb)
         _quantize_rows_kernel[grid](x, q, scale, M, K, x.stride(0), scale.stride(0), scale.stride(1),
-                                    BLOCKWISE=blockwise, BLOCK_M=block_m,
-                                    BLOCK_K=SCALE_BLOCK if blockwise else min(1024, next_power_of_2(K)),
+                                    BLOCKWISE=blockwise, BLOCK_M=block_m, BLOCK_K=block_k,
                                     FP8_MAX=FP8_MAX, EPS=EPS, ROUND_FIRST=TRITON_INTERPRETED, num_warps=4)
     elif M:
         scale.fill_(EPS / FP8_MAX)
@@ -270,14 +291,16 @@ def quantize_weight(w: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torc
     else:  # one fused abs-max reduction per expert
         scale = _scale_of(torch.linalg.vector_norm(w, ord=float("inf"), dim=(1, 2))).view(E, 1, 1)
     strides = (scale.stride(0), scale.stride(1), scale.stride(2)) if blockwise else (scale.stride(0), 0, 0)
-    # Two passes, [K, N] then [N, K]: a transposed masked fp8 store from one pass miscompiled on sm_90 with Triton
-    # 3.6 (tests/test_kernels_fp8_grouped_mm.py caught it at N=192), and torch's fp8 transpose copy is slow. One pass
-    # transposing in registers (fp32 or the e4m3 bytes) was also 1.4x slower on an H100 (bench/RESULTS.md).
-    for transpose, out in ((False, q), (True, qt)):
-        if w.numel():
-            _quantize_weight_kernel[(nb, kb, E)](w, out, scale, K, N, *strides, BLOCKWISE=blockwise,
-                                                 TRANSPOSE=transpose, BLOCK=SCALE_BLOCK, FP8_MAX=FP8_MAX, EPS=EPS,
-                                                 ROUND_FIRST=TRITON_INTERPRETED, num_warps=8)
+    # Two passes: quantise into [K, N], then copy those bytes transposed into [N, K] (the same values with the same
+    # scales: a 128x128 scale block transposes with its values). A transposed masked fp8 store miscompiled on sm_90
+    # with Triton 3.6 (tests/test_kernels_fp8_grouped_mm.py caught it at N=192), so the copy reads transposed and
+    # stores rows, as bytes. Reading the 1-byte copy instead of the weight again was ~1.5x faster on an H100 than
+    # quantising the weight a second time, transposed; one pass writing both layouts 1.4x slower (bench/RESULTS.md).
+    if w.numel():
+        grid = (nb, kb, E)
+        _quantize_weight_kernel[grid](w, q, scale, K, N, *strides, BLOCKWISE=blockwise, BLOCK=SCALE_BLOCK,
+                                      FP8_MAX=FP8_MAX, EPS=EPS, ROUND_FIRST=TRITON_INTERPRETED, num_warps=8)
+        _transpose_bytes_kernel[grid](q.view(torch.uint8), qt.view(torch.uint8), K, N, BLOCK=SCALE_BLOCK, num_warps=8)
     return q, qt, scale
 
 
@@ -448,9 +471,9 @@ def grouped_wgrad(x: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor) -
 
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offs, recipe):
+    def forward(ctx, x, w, offs, recipe, w_quantized):
         xq, x_scale = quantize_rows(x, recipe)
-        wq, wq_t, w_scale = quantize_weight(w, recipe)
+        wq, wq_t, w_scale = quantize_weight(w, recipe) if w_quantized is None else w_quantized
         # forward operand [E, N, K]: the blockwise scales [E, Kb, Nb] read transposed
         out = fp8_grouped_mm(xq, x_scale, wq_t, w_scale.transpose(1, 2), offs, recipe)
         # A copy of the weight, not an activation, for memory accounting (services/trainer/memory_report.py): made
@@ -470,15 +493,31 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             grad_x = fp8_grouped_mm(gq, g_scale, wq, w_scale, offs, ctx.recipe).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grad_w = grouped_wgrad(x, grad_out, offs).to(ctx.w_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
-def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+def _check_quantized(w: torch.Tensor, w_quantized: tuple, recipe: Recipe) -> None:
+    """`w_quantized` must be what `quantize_weight(w, recipe)` returns: shapes, dtypes and device."""
+    E, K, N = w.shape
+    kb, nb = triton.cdiv(K, SCALE_BLOCK), triton.cdiv(N, SCALE_BLOCK)
+    want = [((E, K, N), FP8), ((E, N, K), FP8), ((E, 1, 1) if recipe == "tensorwise" else (E, kb, nb), torch.float32)]
+    got = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (type(t).__name__,) for t in w_quantized]
+    if len(w_quantized) != 3 or got != want or any(t.device != w.device for t in w_quantized):
+        raise ValueError(f"fp8_grouped_linear: `w_quantized` must be quantize_weight(w, {recipe!r}) for w "
+                         f"{tuple(w.shape)} on {w.device}, i.e. (q, q_t, scale) of {want}; got {got}")
+
+
+def fp8_grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
+                       w_quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] @ w[g] [K, N] for the rows of each group g, through FP8: bf16 [M, N], rows from offs[-1] on zero.
-    x and w keep their dtypes (w is the master weight, bf16 or fp32); both are quantised on the device each call.
+    x and w keep their dtypes (w is the master weight, bf16 or fp32); x is quantised on the device each call, w too
+    unless `w_quantized` gives `quantize_weight(w, recipe)` made earlier (weights that have not changed since: several
+    micro-batches of one optimizer step). The gradient still flows to w.
     Backward: dgrad in FP8 (grad_out quantised to e4m3 by the same recipe), wgrad in bf16 (module docstring)."""
     _check_recipe(recipe)
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"fp8_grouped_linear wants x [M, K] and w [E, K, N], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
-    return _Fp8GroupedLinear.apply(x, w, offs, recipe)
+    if w_quantized is not None:
+        _check_quantized(w, w_quantized, recipe)
+    return _Fp8GroupedLinear.apply(x, w, offs, recipe, w_quantized)

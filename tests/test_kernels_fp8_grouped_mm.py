@@ -35,7 +35,8 @@ def _rel(got, want):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("K", [256, 192])  # 192: a partial 1x128 block
+# 192: a partial 1x128 block; 4160: tensorwise rows too long for one program's registers, read in 1024-wide chunks
+@pytest.mark.parametrize("K", [256, 192, 4160])
 def test_row_quantiser_is_exact_against_the_reference(recipe, K):
     x = torch.randn(37, K, device=DEVICE, dtype=torch.bfloat16) * 3
     x[5] = 0  # an all-zero row: a tiny scale, zeros out
@@ -178,6 +179,33 @@ def test_fp8_linear_forward_and_grads_are_close_to_fp32(recipe):
     assert w.grad[1].abs().max() == 0  # the empty expert
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_given_the_quantised_weight_computes_the_same(recipe):
+    # Same kernels on the same e4m3 bytes: bit for bit, forward and both gradients; the gradient still reaches w.
+    K, N, M = 256, 192, sum(COUNTS) + TAIL
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    w0 = (torch.randn(len(COUNTS), K, N, generator=g) * 0.05).to(DEVICE)
+    grad = torch.randn(M, N, generator=g).to(DEVICE, torch.bfloat16)
+    runs = []
+    for given in (None, quantize_weight(w0, recipe)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fp8_grouped_linear(x, w, _offs(COUNTS), recipe, given)
+        out.backward(grad)
+        runs.append((out, x.grad, w.grad))
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
+
+
+def test_fp8_linear_names_a_quantised_weight_that_is_not_the_weights():
+    x, w = torch.randn(8, 256, device=DEVICE), torch.randn(2, 256, 32, device=DEVICE)
+    offs = _offs([4, 4])
+    with pytest.raises(ValueError, match=r"w_quantized.*quantize_weight\(w, 'blockwise'\)"):
+        fp8_grouped_linear(x, w, offs, "blockwise", quantize_weight(w, "tensorwise"))  # scales of the other recipe
+    with pytest.raises(ValueError, match="w_quantized"):
+        fp8_grouped_linear(x, w, offs, "tensorwise", quantize_weight(w[:1], "tensorwise"))  # another weight's shape
+
+
 def test_kernels_run_on_cuda_or_in_the_interpreter_and_plain_cpu_runs_the_reference(monkeypatch):
     x = torch.randn(8, 32, device=DEVICE)
     ran = []
@@ -234,6 +262,91 @@ def test_experts_on_cpu_accept_fp8_and_run_the_torch_path():
     for got, want in zip(_experts_run(_experts("blockwise", "cpu"), x, counts, weights),
                          _experts_run(_experts("", "cpu"), x, counts, weights)):
         assert torch.equal(got, want)
+
+
+def _count_weight_quantisations(monkeypatch) -> list:
+    import kernels.fp8_grouped_mm as mod
+
+    calls, quantize = [], mod.quantize_weight
+    monkeypatch.setattr(mod, "quantize_weight", lambda w, recipe: calls.append(tuple(w.shape)) or quantize(w, recipe))
+    return calls
+
+
+def _micro_batches(experts, n):
+    """n forward+backward passes of the experts' grouped (CUDA) path, gradients accumulating; returns the outputs."""
+    counts = torch.tensor([5, 0, 7, 4], device=DEVICE)
+    g = torch.Generator().manual_seed(2)
+    outs = []
+    for _ in range(n):
+        x = torch.randn(18, 64, generator=g).to(DEVICE).requires_grad_()  # 2 tail rows
+        out = experts._grouped(x, counts, torch.rand(18, generator=g).to(DEVICE))
+        out[:16].square().sum().backward()
+        outs.append(out[:16])
+    return outs
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_experts_quantise_each_weight_once_inside_fp8_weights_held(recipe, monkeypatch):
+    from services.trainer.model.moe.experts import fp8_weights_held
+
+    calls = _count_weight_quantisations(monkeypatch)
+    plain = _experts(recipe, DEVICE)
+    want = _micro_batches(plain, 3)
+    assert len(calls) == 6  # both weights at every micro-batch
+    calls.clear()
+    held = _experts(recipe, DEVICE)
+    with fp8_weights_held(held, forwards=3):
+        got = _micro_batches(held, 3)
+        assert set(held.fp8_weights) == {"w13", "w2"}
+    assert sorted(calls) == sorted([tuple(held.w13.shape), tuple(held.w2.shape)])  # once each for the step
+    assert held.fp8_weights is None  # dropped: the optimizer may change the weights now
+    for a, b in zip(got + [held.w13.grad, held.w2.grad], want + [plain.w13.grad, plain.w2.grad]):
+        assert torch.equal(a, b)
+
+
+def test_fp8_weights_held_only_where_a_copy_is_read_again(monkeypatch):
+    from services.trainer.model.moe.experts import fp8_weights_held
+
+    calls = _count_weight_quantisations(monkeypatch)
+    experts = _experts("tensorwise", DEVICE)
+    with fp8_weights_held(experts, forwards=1):  # one pass reads each copy once: nothing to hold
+        assert experts.fp8_weights is None
+        _micro_batches(experts, 1)
+    assert len(calls) == 2
+    calls.clear()
+    experts.recompute_fc1 = True  # backward runs the first GEMM again
+    _micro_batches(experts, 1)
+    assert len(calls) == 3  # w13 twice, w2 once
+    calls.clear()
+    with fp8_weights_held(experts, forwards=1):
+        _micro_batches(experts, 1)
+    assert len(calls) == 2
+    bf16 = _experts("", DEVICE)
+    with fp8_weights_held(bf16, forwards=4):  # bf16 experts have nothing to hold
+        assert bf16.fp8_weights is None
+
+
+def test_the_step_holds_fp8_weights_across_its_micro_batches():
+    from torch import nn
+
+    from services.trainer.step import forward_backward
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = _experts("tensorwise", "cpu")
+            self.held = []
+
+        def forward(self, tokens, position_ids, cu_seqlens, max_seqlen, labels):
+            self.held.append(self.experts.fp8_weights is not None)
+            return (self.experts.w2.sum() + tokens.float().sum()) * 0
+
+    mb = {"tokens": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.zeros(1, 4, dtype=torch.long),
+          "cu_seqlens": torch.tensor([0, 4], dtype=torch.int32), "labels": torch.zeros(1, 4, dtype=torch.long)}
+    for n, held in ((2, [True, True]), (1, [False])):
+        model = Probe()
+        forward_backward(model, [mb] * n, 4, torch.device("cpu"), None)
+        assert model.held == held and model.experts.fp8_weights is None
 
 
 # ---- GPU only: a realistic shape, and no host sync

@@ -11,6 +11,7 @@ from torch import nn
 
 from services.trainer.model.attention import longest_document
 from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.model.moe.experts import fp8_weights_held
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -42,11 +43,12 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
                      device: torch.device, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """Runs forward+backward on each micro-batch; returns this rank's summed token loss (detached, fp32)."""
     total = torch.zeros((), device=device)
-    for mb in micro_batches:
-        mb = to_device(mb, device)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss_sum = model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"),
-                             labels=mb["labels"])
-        (loss_sum / step_tokens).backward()
-        total += loss_sum.detach()
+    with fp8_weights_held(model, len(micro_batches)):
+        for mb in micro_batches:
+            mb = to_device(mb, device)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss_sum = model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"),
+                                 labels=mb["labels"])
+            (loss_sum / step_tokens).backward()
+            total += loss_sum.detach()
     return total

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.trainer.model.moe.experts import fp8_weights_held
 from services.trainer.parallel.context_parallel import bind_micro_batch
 from services.trainer.parallel.differentiable import group_rank, group_size
 from services.trainer.parallel.micro_batch_pairs import pair_forward
@@ -288,7 +289,8 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
         with autocast():
             return stage_forward(i, hidden)
 
-    if not pairs:
-        return one_f_one_b(micro_batch_forward, link, step_tokens)
-    return one_f_one_b(micro_batch_forward, link, step_tokens,
-                       unit_forward=pair_forward(model_stage, mbs, stage_forward, autocast), unit_size=2)
+    with fp8_weights_held(model_stage, len(mbs)):
+        if not pairs:
+            return one_f_one_b(micro_batch_forward, link, step_tokens)
+        return one_f_one_b(micro_batch_forward, link, step_tokens,
+                           unit_forward=pair_forward(model_stage, mbs, stage_forward, autocast), unit_size=2)

@@ -30,6 +30,7 @@ from services.common.config import RLConfig
 from services.trainer.metrics import StepValues
 from services.trainer.model.attention import longest_document
 from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.model.moe.experts import fp8_weights_held
 from services.trainer.optim import clip_and_step
 from services.trainer.parallel.groups import ParallelGroups, sum_over
 from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, step_layout, with_fillers
@@ -155,35 +156,40 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     reward_var = (float(data_sums[3]) - samples * reward_mean ** 2) / (samples - 1) if samples > 1 else 0.0
     versions = [version - j for j in range(cfg.max_staleness + 1) if data_sums[6 + j] > 0]
 
-    old, ref = [None] * len(micro_batches), [None] * len(micro_batches)
-    with torch.no_grad():
-        if cfg.recompute_logprobs:
-            old = _all_logprobs(model, micro_batches, temperature, autocast_dtype, layout)
-        if ref_model is not None and cfg.kl_coef > 0:
-            ref = _all_logprobs(ref_model, micro_batches, temperature, autocast_dtype, layout)
+    # the policy's weights are fixed until the optimizer step: its FP8 experts quantise them once for every pass
+    forwards = len(micro_batches) * (2 if cfg.recompute_logprobs else 1)
+    with fp8_weights_held(model, forwards):
+        old, ref = [None] * len(micro_batches), [None] * len(micro_batches)
+        with torch.no_grad():
+            if cfg.recompute_logprobs:
+                old = _all_logprobs(model, micro_batches, temperature, autocast_dtype, layout)
+            if ref_model is not None and cfg.kl_coef > 0:
+                ref = _all_logprobs(ref_model, micro_batches, temperature, autocast_dtype, layout)
 
-    if distributed:
-        optimizer.zero_grad()
-        optimizer.begin_step(len(micro_batches))  # gradient reductions launch as the last backward completes buckets
-    else:
-        optimizer.zero_grad(set_to_none=True)
-    sums = torch.zeros(len(_LOSS_SUMS), dtype=torch.float64, device=device)  # on the device: read with the metrics
+        if distributed:
+            optimizer.zero_grad()
+            optimizer.begin_step(len(micro_batches))  # reductions launch as the last backward completes buckets
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(len(_LOSS_SUMS), dtype=torch.float64, device=device)  # on the device: read with the metrics
 
-    def policy_loss(i: int, logp: torch.Tensor) -> torch.Tensor:
-        """Micro-batch i's summed policy loss from its per-token log-probs; its metric sums go into `sums`."""
-        mb, old_lp, ref_lp = micro_batches[i], old[i], ref[i]
-        m = mb.response
-        terms = ppo_clip_loss(logp[m], mb.rollout_logp[m], mb.advantages[m], cfg.clip_eps_low, cfg.clip_eps_high,
-                              old_logp=None if old_lp is None else old_lp[m], tis_cap=cfg.tis_cap,
-                              ref_logp=None if ref_lp is None else ref_lp[m], kl_coef=cfg.kl_coef)
-        sums.add_(_loss_sums(terms))
-        return terms.loss_sum
+        def policy_loss(i: int, logp: torch.Tensor) -> torch.Tensor:
+            """Micro-batch i's summed policy loss from its per-token log-probs; its metric sums go into `sums`."""
+            mb, old_lp, ref_lp = micro_batches[i], old[i], ref[i]
+            m = mb.response
+            terms = ppo_clip_loss(logp[m], mb.rollout_logp[m], mb.advantages[m], cfg.clip_eps_low, cfg.clip_eps_high,
+                                  old_logp=None if old_lp is None else old_lp[m], tis_cap=cfg.tis_cap,
+                                  ref_logp=None if ref_lp is None else ref_lp[m], kl_coef=cfg.kl_coef)
+            sums.add_(_loss_sums(terms))
+            return terms.loss_sum
 
-    if layout.pp.size > 1:  # the loss runs in the pipeline's last stage (rl/pipelined.py)
-        pipeline_policy_backward(model, micro_batches, policy_loss, step_tokens, temperature, autocast_dtype, layout)
-    else:
-        for i, mb in enumerate(micro_batches):
-            (policy_loss(i, token_logprobs(model, mb, temperature, autocast_dtype)) / max(step_tokens, 1)).backward()
+        if layout.pp.size > 1:  # the loss runs in the pipeline's last stage (rl/pipelined.py)
+            pipeline_policy_backward(model, micro_batches, policy_loss, step_tokens, temperature, autocast_dtype,
+                                     layout)
+        else:
+            for i, mb in enumerate(micro_batches):
+                logp = token_logprobs(model, mb, temperature, autocast_dtype)
+                (policy_loss(i, logp) / max(step_tokens, 1)).backward()
     # the loss sums live on the last pipeline stage (zeros on the others), on each of its TP ranks alike
     sum_over(sums, layout.pp, dp)
     if distributed:

@@ -8,7 +8,9 @@ limits and no backward we can rely on).
 With `fp8` ("tensorwise" or "blockwise", config `model.fp8`) the two grouped GEMMs on CUDA are
 `kernels.fp8_grouped_mm.fp8_grouped_linear` instead: the rows and the (fp32 or bf16 master) weights are quantised to
 e4m3 on the device each call, forward and dgrad run the FP8 Triton kernel, wgrad runs in bf16. The CPU path ignores
-it (the torch path in the parameters' dtype), as it ignores the Triton kernels.
+it (the torch path in the parameters' dtype), as it ignores the Triton kernels. Inside `fp8_weights_held` (the step's
+forward and backward passes, where the weights cannot change) each weight is quantised once, at its first use, and
+every later micro-batch and `moe_fc1` recompute reuses the e4m3 copies.
 
 Rows past the last expert's (dropped copies, when the dispatcher keeps a fixed T·k-row buffer) are not computed: their
 output rows are left unspecified and the combine step never reads them.
@@ -25,6 +27,8 @@ checkpoint holds its input: there `moe_act` with `moe_fc1` keeps the gate/up row
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,7 @@ class GroupedExperts(nn.Module):
         self.fused_activation = fused_activation
         self.recompute_activation = False  # set by recompute.apply_memory_policy
         self.recompute_fc1 = False  # likewise
+        self.fp8_weights: dict[str, tuple] | None = None  # name -> quantize_weight(...) inside `fp8_weights_held`
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -101,11 +106,27 @@ class GroupedExperts(nn.Module):
             from kernels.fp8_grouped_mm import fp8_grouped_linear
 
             w13, w2 = self.w13, self.w2
-            mm = lambda a, w: fp8_grouped_linear(a, w, offs, self.fp8)  # noqa: E731
+            mm = lambda a, w: fp8_grouped_linear(a, w, offs, self.fp8, self._quantized(w))  # noqa: E731
         else:  # cast once: the GEMMs' backward and a `recompute_fc1` rerun share the copy
             w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
             mm = lambda a, w: torch._grouped_mm(a, w, offs=offs)  # noqa: E731
         return self._expert_path(x.to(dtype), lambda a: mm(a, w13), weights, lambda h: mm(h, w2))
+
+    def _quantized(self, w: nn.Parameter) -> tuple | None:
+        """`quantize_weight(w, self.fp8)`, made at the first call inside `fp8_weights_held` and kept until its end;
+        None outside it (the linear then quantises at each call)."""
+        if self.fp8_weights is None:
+            return None
+        from kernels.fp8_grouped_mm import quantize_weight
+
+        name = "w13" if w is self.w13 else "w2"
+        if name not in self.fp8_weights:
+            with torch.no_grad():
+                q, q_t, scale = quantize_weight(w, self.fp8)
+            # copies of a weight, not activations (services/trainer/memory_report.py)
+            q.is_weight_copy = q_t.is_weight_copy = True
+            self.fp8_weights[name] = (q, q_t, scale)
+        return self.fp8_weights[name]
 
     def _looped(self, x, tokens_per_expert, weights):
         counts = tokens_per_expert.tolist()  # the CPU path may sync: there is no device to wait for
@@ -117,3 +138,25 @@ class GroupedExperts(nn.Module):
                 break
             outs.append(self._expert_path(xe, lambda a, e=e: a @ self.w13[e], we, lambda h, e=e: h @ self.w2[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, self.w2.shape[-1])
+
+
+@contextmanager
+def fp8_weights_held(model: nn.Module, forwards: int) -> Iterator[None]:
+    """Around one optimizer step's forward and backward passes (`forwards` of them: its micro-batches, and any no-grad
+    pass over the same weights): each FP8 expert layer quantises its weights once, at first use, and reuses the e4m3
+    copies for every later micro-batch and for the `moe_fc1` recompute in backward. Transformer Engine caches its FP8
+    weights across micro-batches the same way (`is_first_microbatch`); without it every micro-batch quantises all
+    expert weights again (bench/RESULTS.md: 6.8 ms of an H100 step at the Qwen3 shape).
+
+    The weights must not change inside: the optimizer steps after it. The copies are dropped on exit. Held only where
+    one would be read again (`forwards` > 1, or a layer recomputes its first GEMM): a held copy keeps both layouts
+    (2 bytes per expert parameter) for the whole scope, where a single pass keeps one layout until its backward."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and m.fp8]
+    held = [m for m in experts if forwards > 1 or m.recompute_fc1]
+    for m in held:
+        m.fp8_weights = {}
+    try:
+        yield
+    finally:
+        for m in held:
+            m.fp8_weights = None
