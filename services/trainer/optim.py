@@ -100,6 +100,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 total = state["grad_sum"] = torch.empty_like(p, dtype=torch.float32)
             if n == 2:
                 total.copy_(p.grad)
+                p.grad = None  # so autograd stores this contribution as is, not adding it in bf16 only to be cleared
             total.add_(contribution)
         return contribution
 
