@@ -47,14 +47,14 @@ def main() -> None:
     del big
     table = Table()
     table.line(f"device {torch.cuda.get_device_name()} | copy bandwidth (1 GiB clone) {bw / 1e9:,.0f} GB/s")
-    table.line(f"{'case':<38}{'recipe':<12}{'us':>8}{'GB/s':>8}{'of copy':>9}")
+    table.line(f"{'case':<44}{'recipe':<12}{'us':>8}{'GB/s':>8}{'of copy':>9}")
     for K in ROW_WIDTHS:
         x = torch.randn(ROWS, K, device=dev, dtype=torch.bfloat16)
         for recipe in RECIPES:
             scales = 1 if recipe == "tensorwise" else -(-K // SCALE_BLOCK)
             nbytes = ROWS * K * 3 + ROWS * scales * 4
             t = seconds(lambda: quantize_rows(x, recipe))
-            table.line(f"{f'quantize_rows [{ROWS}, {K}] bf16':<38}{recipe:<12}{t * 1e6:>8.0f}{nbytes / t / 1e9:>8,.0f}"
+            table.line(f"{f'quantize_rows [{ROWS}, {K}] bf16':<44}{recipe:<12}{t * 1e6:>8.0f}{nbytes / t / 1e9:>8,.0f}"
                        f"{nbytes / t / bw:>9.0%}")
     for name, shape in WEIGHTS.items():
         w = torch.randn(*shape, device=dev, dtype=torch.bfloat16) * 0.02
@@ -63,7 +63,7 @@ def main() -> None:
             # tensorwise: amax read (2 B); then both: read 2 B, write 1 B; read 1 B, write 1 B (the transposed copy)
             nbytes = (2 * n if recipe == "tensorwise" else 0) + 3 * n + 2 * n
             t = seconds(lambda: quantize_weight(w, recipe))
-            table.line(f"{f'quantize_weight {name} {list(shape)} bf16':<38}{recipe:<12}{t * 1e6:>8.0f}"
+            table.line(f"{f'quantize_weight {name} {list(shape)} bf16':<44}{recipe:<12}{t * 1e6:>8.0f}"
                        f"{nbytes / t / 1e9:>8,.0f}{nbytes / t / bw:>9.0%}")
     table.record(args.record, "FP8 quantisers vs the copy bandwidth")
 
