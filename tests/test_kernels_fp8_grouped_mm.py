@@ -158,13 +158,18 @@ def _linear_fp32(x, w, counts):
     return torch.cat(out + [x.new_zeros(x.shape[0] - start, w.shape[2])])
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_fp8_linear_forward_and_grads_are_close_to_fp32(recipe):
+def _linear_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, 256] bf16 over COUNTS plus the tail, w [4, 256, 192] fp32, and an fp32 output gradient."""
     K, N, M = 256, 192, sum(COUNTS) + TAIL
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     x0 = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
     w0 = (torch.randn(len(COUNTS), K, N, generator=g) * 0.05).to(DEVICE)
-    grad = torch.randn(M, N, generator=g).to(DEVICE)
+    return x0, w0, torch.randn(M, N, generator=g).to(DEVICE)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_forward_and_grads_are_close_to_fp32(recipe):
+    x0, w0, grad = _linear_inputs(0)
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     out = fp8_grouped_linear(x, w, _offs(COUNTS), recipe)
     out.backward(grad.to(out.dtype))
@@ -182,11 +187,8 @@ def test_fp8_linear_forward_and_grads_are_close_to_fp32(recipe):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_linear_given_the_quantised_weight_computes_the_same(recipe):
     # Same kernels on the same e4m3 bytes: bit for bit, forward and both gradients; the gradient still reaches w.
-    K, N, M = 256, 192, sum(COUNTS) + TAIL
-    g = torch.Generator().manual_seed(1)
-    x0 = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
-    w0 = (torch.randn(len(COUNTS), K, N, generator=g) * 0.05).to(DEVICE)
-    grad = torch.randn(M, N, generator=g).to(DEVICE, torch.bfloat16)
+    x0, w0, grad = _linear_inputs(1)
+    grad = grad.to(torch.bfloat16)
     runs = []
     for given in (None, quantize_weight(w0, recipe)):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
