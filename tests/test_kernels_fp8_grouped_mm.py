@@ -328,29 +328,6 @@ def test_fp8_weights_held_only_where_a_copy_is_read_again(monkeypatch):
         assert bf16.fp8_weights is None
 
 
-def test_the_step_holds_fp8_weights_across_its_micro_batches():
-    from torch import nn
-
-    from services.trainer.step import forward_backward
-
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = _experts("tensorwise", "cpu")
-            self.held = []
-
-        def forward(self, tokens, position_ids, cu_seqlens, max_seqlen, labels):
-            self.held.append(self.experts.fp8_weights is not None)
-            return (self.experts.w2.sum() + tokens.float().sum()) * 0
-
-    mb = {"tokens": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.zeros(1, 4, dtype=torch.long),
-          "cu_seqlens": torch.tensor([0, 4], dtype=torch.int32), "labels": torch.zeros(1, 4, dtype=torch.long)}
-    for n, held in ((2, [True, True]), (1, [False])):
-        model = Probe()
-        forward_backward(model, [mb] * n, 4, torch.device("cpu"), None)
-        assert model.held == held and model.experts.fp8_weights is None
-
-
 # ---- GPU only: a realistic shape, and no host sync
 
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU (Hopper for fp8 tensor cores)")
