@@ -320,8 +320,11 @@ def assert_bf16_run_matches_fp32_run(fp32: dict, bf16: dict) -> None:
     fp32 by the distributed optimizer either way, and both update fp32 masters with kernels/adamw.py. Only the global
     grad norm (the clip divisor) is summed in another order: bf16 parameters are bucketed apart from fp32 ones, and the
     norm is summed bucket by bucket. So steps 1-2 agree to fp32 reordering (1e-6); from step 3 on a master whose last
-    bits differ can round to a neighbouring bf16 value: 1e-3, as in the DP2 bf16 test. Parameters are compared after
-    rounding the fp32 run's to the bf16 run's dtypes; the matrices must be bf16, the `optim.stays_fp32` ones fp32."""
+    bits differ can round to a neighbouring bf16 value, 2^-8 = 3.9e-3 away relative to it, and the gradients computed
+    from those weights move by less than that: 4e-3. (Whether any master flips depends on the CPU's summation order:
+    the TP2 test saw none on one host, and gradients 2.0e-3 apart at step 3 on another, bitwise equal before.)
+    Parameters are compared after rounding the fp32 run's to the bf16 run's dtypes; the matrices must be bf16, the
+    `optim.stays_fp32` ones fp32."""
     from services.trainer.optim import stays_fp32
 
     for name, p in bf16["params"].items():
@@ -330,7 +333,7 @@ def assert_bf16_run_matches_fp32_run(fp32: dict, bf16: dict) -> None:
     first = {k: fp32[k][:2] for k in ("losses", "grads", "norms")}
     assert_parity(first, {k: bf16[k][:2] for k in first}, rtol=1e-6, params=False)
     rounded = {n: p.to(bf16["params"][n].dtype) for n, p in fp32["params"].items()}
-    assert_parity({**fp32, "params": rounded}, bf16, rtol=1e-3)
+    assert_parity({**fp32, "params": rounded}, bf16, rtol=4e-3)
 
 
 def assert_same_rank_replicas(par: dict, key: str = "params") -> None:
