@@ -9,8 +9,8 @@ With `fp8` ("tensorwise" or "blockwise", config `model.fp8`) the two grouped GEM
 `kernels.fp8_grouped_mm.fp8_grouped_linear` instead: the rows and the (fp32 or bf16 master) weights are quantised to
 e4m3 on the device each call, forward and dgrad run the FP8 Triton kernel, wgrad runs in bf16. The CPU path ignores
 it (the torch path in the parameters' dtype), as it ignores the Triton kernels. Inside `fp8_weights_held` (the step's
-forward and backward passes, where the weights cannot change) each weight is quantised once, at its first use, and
-every later micro-batch and `moe_fc1` recompute reuses the e4m3 copies.
+forward and backward passes, where the weights cannot change) each weight is quantised once per step when the step
+has several passes, and every later micro-batch reuses the e4m3 copies.
 
 Rows past the last expert's (dropped copies, when the dispatcher keeps a fixed T·k-row buffer) are not computed: their
 output rows are left unspecified and the combine step never reads them.
@@ -143,16 +143,18 @@ class GroupedExperts(nn.Module):
 @contextmanager
 def fp8_weights_held(model: nn.Module, forwards: int) -> Iterator[None]:
     """Around one optimizer step's forward and backward passes (`forwards` of them: its micro-batches, and any no-grad
-    pass over the same weights): each FP8 expert layer quantises its weights once, at first use, and reuses the e4m3
-    copies for every later micro-batch and for the `moe_fc1` recompute in backward. Transformer Engine caches its FP8
-    weights across micro-batches the same way (`is_first_microbatch`); without it every micro-batch quantises all
-    expert weights again (bench/RESULTS.md: 6.8 ms of an H100 step at the Qwen3 shape).
+    pass over the same weights): with more than one, each FP8 expert layer quantises its weights once, at first use,
+    and reuses the e4m3 copies for every later pass (and any `moe_fc1` recompute in backward). Transformer Engine
+    caches its FP8 weights across micro-batches the same way (`is_first_microbatch`); without it every micro-batch
+    quantises all expert weights again (bench/RESULTS.md: 6.8 ms of an H100 step at the Qwen3 shape).
 
-    The weights must not change inside: the optimizer steps after it. The copies are dropped on exit. Held only where
-    one would be read again (`forwards` > 1, or a layer recomputes its first GEMM): a held copy keeps both layouts
-    (2 bytes per expert parameter) for the whole scope, where a single pass keeps one layout until its backward."""
+    The weights must not change inside: the optimizer steps after it. The copies are dropped on exit. A held copy keeps
+    both layouts (2 bytes per expert parameter) for the whole scope, where a pass of its own keeps one layout until its
+    backward; so with one pass nothing is held, `moe_fc1` or not: that recompute saves the [rows, 2f] gate/up
+    activations (201 MB per layer at the Qwen3 step's shape), which a held layout of the weights (604 MB per
+    layer) would more than take back. Its rerun quantises w13 again instead (~1 ms per layer on an H100)."""
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and m.fp8]
-    held = [m for m in experts if forwards > 1 or m.recompute_fc1]
+    held = experts if forwards > 1 else []
     for m in held:
         m.fp8_weights = {}
     try:
