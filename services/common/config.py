@@ -70,9 +70,11 @@ class ModelConfig:
     # SwiGLU MLPs): Transformer Engine, an optional dependency (services/trainer/model/fp8_linear.py; tensorwise = TE's
     # per-tensor current scaling; forward, dgrad and wgrad in FP8); on a machine with CUDA it must be installed or the
     # model build fails naming the fix. Master weights, router, norms, attention core and output layer keep their
-    # precision. On CPU it is accepted and everything runs the bf16/fp32 torch path. Needs hidden_size, the q/k/v/o
-    # widths, ffn_hidden_size and shared_expert_ffn_hidden_size (per parallel.tp rank), and moe_ffn_hidden_size (per
-    # parallel.etp rank) to be multiples of 16.
+    # precision. With several passes per optimizer step (data.grad_accum > 1, pipeline micro-batches, RL log-prob
+    # passes) the expert weights are quantised once per step and held in both e4m3 layouts (2 B per expert parameter)
+    # until the step ends; with one pass, at each call. On CPU it is accepted and everything runs the bf16/fp32 torch
+    # path. Needs hidden_size, the q/k/v/o widths, ffn_hidden_size and shared_expert_ffn_hidden_size (per parallel.tp
+    # rank), and moe_ffn_hidden_size (per parallel.etp rank) to be multiples of 16.
     fp8: Literal["", "tensorwise", "blockwise"] = ""
     # Activation memory (services/trainer/model/recompute.py). Recompute in backward instead of keeping: "norm",
     # "attn_core", "moe_act" (expert activation), "moe_fc1" (the experts' gate/up GEMM output, by a second GEMM),
