@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_kernels import time_ms  # noqa: E402  (bench/ is the script's directory)
+from bench.record import Table, add_record_argument  # noqa: E402
 from kernels.adamw import adamw_step, split_master  # noqa: E402
 
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=64, help="tensors in torch's lists for (a) and (b)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
+    add_record_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_adamw times GPU memory bandwidth and needs a CUDA GPU; on CPU only --help works")
@@ -110,11 +112,12 @@ def main() -> None:
     del src, dst
     torch.cuda.empty_cache()
 
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | N={n:,} | (a), (b): {args.chunks} tensors | "
-          f"median of {args.reps} | d2d copy {copy_gbs:.0f} GB/s")
+    table = Table()
+    table.line(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | N={n:,} | (a), (b): {args.chunks} "
+               f"tensors | median of {args.reps} | d2d copy {copy_gbs:.0f} GB/s")
     header = f"{'variant':<34} {'ms':>9} {'B/elem':>7} {'GB/s':>7} {'of copy':>8} {'vs (b)':>7}"
-    print(header)
-    print("-" * len(header))
+    table.line(header)
+    table.line("-" * len(header))
     baseline = None
     for label, bytes_per_elem, build in variants(n, args.chunks, dev):
         ms = time_ms(build(), args.warmup, args.reps)  # the step's buffers die with its closure
@@ -122,8 +125,9 @@ def main() -> None:
         gbs = bytes_per_elem * n / ms / 1e6
         baseline = ms if label.startswith("(b)") else baseline
         speedup = f"{baseline / ms:6.2f}x" if baseline else f"{'-':>7}"
-        print(f"{label:<34} {ms:9.2f} {bytes_per_elem:7d} {gbs:7.0f} {gbs / copy_gbs:8.1%} {speedup}")
+        table.line(f"{label:<34} {ms:9.2f} {bytes_per_elem:7d} {gbs:7.0f} {gbs / copy_gbs:8.1%} {speedup}")
 
+    table.record(args.record, "AdamW kernel vs torch's AdamW paths")
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.record import Table, add_record_argument  # noqa: E402
 from kernels._triton import interpreter_requested  # noqa: E402
 from kernels.cross_entropy import (default_chunk_size, linear_cross_entropy_sum,  # noqa: E402
                                    linear_cross_entropy_sum_reference)
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="CPU-sized shapes (T=512, H=64, V=5000), 1 warm-up, 3 reps")
+    add_record_argument(parser)
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.hidden, args.vocab, args.warmup, args.reps = 512, 64, 5000, 1, 3
@@ -114,12 +116,13 @@ def main() -> None:
                              linear_cross_entropy_sum(a, b, c, chunk_size=n)))
 
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
-    print(f"{name} | torch {torch.__version__} | T={T} H={H} V={V} {args.mode} | median of {args.reps}")
+    table = Table()
+    table.line(f"{name} | torch {torch.__version__} | T={T} H={H} V={V} {args.mode} | median of {args.reps}")
     if not triton_runs:
-        print("(CPU: the Triton row step runs only on CUDA, or in Triton's interpreter with TRITON_INTERPRET=1)")
+        table.line("(CPU: the Triton row step runs only on CUDA, or in Triton's interpreter with TRITON_INTERPRET=1)")
     header = f"{'variant':<38} {'loss':>14} {'fwd+bwd ms':>11} {'speedup':>8} {'peak GiB':>9}"
-    print(header)
-    print("-" * len(header))
+    table.line(header)
+    table.line("-" * len(header))
     baseline = None
 
     def reset():
@@ -132,10 +135,11 @@ def main() -> None:
         loss, ms, peak = measure(step, reset, dev, args.warmup, args.reps)
         baseline = baseline or ms
         memory = f"{peak / 2**30:9.2f}" if dev.type == "cuda" else f"{'-':>9}"
-        print(f"{label:<38} {loss:14.4f} {ms:11.3f} {baseline / ms:7.2f}x {memory}")
+        table.line(f"{label:<38} {loss:14.4f} {ms:11.3f} {baseline / ms:7.2f}x {memory}")
         reset()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    table.record(args.record, "Chunked fp32 cross-entropy vs unfused")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.record import Table, add_record_argument  # noqa: E402
 from kernels.head_norm_rope import _head_norm_rope_bwd_kernel, _head_norm_rope_fwd_kernel, head_norm_rope  # noqa: E402
 from services.trainer.model.attention import compiled_head_norm_rope  # noqa: E402
 from services.trainer.model.rope import rope_frequencies  # noqa: E402
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
+    add_record_argument(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_head_norm_rope times GPU kernels and needs a CUDA GPU")
@@ -85,17 +87,20 @@ def main() -> None:
     src = torch.empty(2 * (q.numel() + k.numel()), device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     floor = queued_ms(lambda: dst.copy_(src))  # forward's bytes once (read + write); backward moves ~2x
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | q {tuple(q.shape)} k {tuple(k.shape)} bf16")
-    print(f"{'variant':<44} {'fwd+bwd ms':>10}")
-    print(f"{'copy of the forward bytes (floor: fwd only)':<44} {floor:10.3f}")
+    table = Table()
+    table.line(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | q {tuple(q.shape)} k {tuple(k.shape)} "
+               "bf16")
+    table.line(f"{'variant':<44} {'fwd+bwd ms':>10}")
+    table.line(f"{'copy of the forward bytes (floor: fwd only)':<44} {floor:10.3f}")
     with torch.no_grad():
         fwd = queued_ms(lambda: head_norm_rope(q, k, qs, ks, 1e-6, pos, inv_freq))
-    print(f"{'triton kernels, forward only':<44} {fwd:10.3f}")
+    table.line(f"{'triton kernels, forward only':<44} {fwd:10.3f}")
     for name, fn in (("triton kernels (kernels.head_norm_rope)", run_kernels),
                      ("compiled, cos/sin inside", run_inside), ("compiled, cos/sin tables passed in", run_tables)):
-        print(f"{name:<44} {queued_ms(fn):10.3f}")
+        table.line(f"{name:<44} {queued_ms(fn):10.3f}")
     for kernel in (_head_norm_rope_fwd_kernel, _head_norm_rope_bwd_kernel):
-        print(f"{kernel.base_fn.__name__}: {kernel.best_config}")
+        table.line(f"{kernel.base_fn.__name__}: {kernel.best_config}")
+    table.record(args.record, "QK-norm + RoPE kernels vs compiled torch")
 
 
 if __name__ == "__main__":

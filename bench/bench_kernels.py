@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.record import Table, add_record_argument  # noqa: E402
 from kernels.permute import permute, permute_reference  # noqa: E402
 from kernels.router import router, router_reference  # noqa: E402
 from kernels.swiglu import swiglu_prob, swiglu_prob_reference  # noqa: E402
@@ -104,23 +105,28 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
+    add_record_argument(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels needs a CUDA GPU (torch.cuda.is_available() is False here); the kernels' "
                          "correctness on CPU is covered by tests/test_kernels_*.py under Triton's interpreter")
 
     T, h, E, k, f = args.tokens, args.hidden, args.experts, args.topk, args.ffn
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | T={T} h={h} E={E} k={k} f={f} {args.dtype}")
+    table = Table()
+    table.line(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | T={T} h={h} E={E} k={k} f={f} "
+               f"{args.dtype}")
     header = f"{'kernel':<32} {'pass':<8} {'triton ms':>10} {'torch ms':>10} {'speedup':>8} {'triton GB/s':>12}"
-    print(header)
-    print("-" * len(header))
+    table.line(header)
+    table.line("-" * len(header))
     for case in cases(T, h, E, k, f, DTYPES[args.dtype], torch.device("cuda")):
         for label, make in (("fwd", lambda fn: fn), ("fwd+bwd", lambda fn, c=case: (lambda: c.backward(fn())))):
             t_triton = time_ms(make(case.triton), args.warmup, args.reps)
             t_torch = time_ms(make(case.torch), args.warmup, args.reps)
             bandwidth = f"{case.fwd_bytes / t_triton / 1e6:12.0f}" if label == "fwd" else f"{'':>12}"
-            print(f"{case.name:<32} {label:<8} {t_triton:10.3f} {t_torch:10.3f} {t_torch / t_triton:7.2f}x {bandwidth}")
+            table.line(f"{case.name:<32} {label:<8} {t_triton:10.3f} {t_torch:10.3f} {t_torch / t_triton:7.2f}x "
+                       f"{bandwidth}")
         torch.cuda.empty_cache()
+    table.record(args.record, "MoE data-path kernels vs their torch references")
 
 
 if __name__ == "__main__":
