@@ -39,13 +39,21 @@ class Case:
     fwd_bytes: int
 
 
+# GPU cycles (~30 ms) each timed call waits behind: longer than the host takes to queue one call's kernels
+HOST_SLACK_CYCLES = 50_000_000
+
+
 def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+    """Median device milliseconds of one call of `fn` over `reps`. Each call is queued behind a GPU sleep, so the
+    host's time to launch it (Python, autograd, many small torch ops) is not counted: in training the host runs ahead
+    of the device, and a host-bound timing would flatter a kernel against a reference of many small ops."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOST_SLACK_CYCLES)
         start.record()
         fn()
         end.record()
