@@ -58,8 +58,8 @@ class ModelConfig:
     compile: bool = False
     # Triton kernels on CUDA (the CPU path is always the torch reference): "permutation" (permute + unpermute),
     # "activation" (SwiGLU with the router weight folded in), "router" (scores, top-k, weights and aux statistics in one
-    # kernel, backward in one more: 2.28x torch forward + backward at Qwen3 shapes, device time; where it does not apply, e.g.
-    # group-limited routing, capacity or the sequence aux loss, the router runs in torch), "cross_entropy" (output
+    # kernel, backward in one more: 2.28x torch forward + backward at Qwen3 shapes, device time; where it does not
+    # apply, e.g. group-limited routing, capacity or the sequence aux loss, the router runs in torch), "cross_entropy" (output
     # layer + loss over chunks of tokens, no [T, vocab] logits: kernels/cross_entropy.py; on an H100 +9% step
     # throughput and -11 GiB at the Qwen3 shape, bench/RESULTS.md; not under tensor parallelism, where the vocabulary
     # is split over ranks and the vocab-parallel cross-entropy on logits is used).
