@@ -319,7 +319,10 @@ def test_fp8_weights_held_only_over_several_passes(monkeypatch):
     calls.clear()
     with fp8_weights_held(experts, forwards=2):  # held: the recompute reuses them too
         _micro_batches(experts, 2)
-    assert len(calls) == 2
+        with fp8_weights_held(experts, forwards=2):  # an inner scope keeps the outer one's copies
+            _micro_batches(experts, 1)
+        assert experts.fp8_weights is not None
+    assert len(calls) == 2 and experts.fp8_weights is None
     bf16 = _experts("", DEVICE)
     with fp8_weights_held(bf16, forwards=4):  # bf16 experts have nothing to hold
         assert bf16.fp8_weights is None

@@ -152,9 +152,10 @@ def fp8_weights_held(model: nn.Module, forwards: int) -> Iterator[None]:
     both layouts (2 bytes per expert parameter) for the whole scope, where a pass of its own keeps one layout until its
     backward; so with one pass nothing is held, `moe_fc1` or not: that recompute saves the [rows, 2f] gate/up
     activations (201 MB per layer at the Qwen3 step's shape), which a held layout of the weights (604 MB per
-    layer) would more than take back. Its rerun quantises w13 again instead (~1 ms per layer on an H100)."""
+    layer) would more than take back. Its rerun quantises w13 again instead (~1 ms per layer on an H100). Inside an
+    enclosing scope the enclosing one's copies stay (and go at its exit)."""
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and m.fp8]
-    held = experts if forwards > 1 else []
+    held = [m for m in experts if m.fp8_weights is None] if forwards > 1 else []
     for m in held:
         m.fp8_weights = {}
     try:
