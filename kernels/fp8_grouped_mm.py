@@ -258,7 +258,8 @@ def quantize_rows(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.
     scale = torch.empty(kb, M, dtype=torch.float32, device=x.device).t()  # [M, kb] view of [kb, M]
     if M and K:
         # tensorwise: a row of up to 4096 in one program's registers (32 values per thread), read once; that was 1.2x
-        # (K=2048) to 1.8x (K=768) faster on an H100 than 8 rows per program read twice (bench/RESULTS.md)
+        # (K=2048) to 1.8x (K=768) faster on an H100 than 8 rows per program read twice (a probe whose timing
+        # included each call's launch; bench/RESULTS.md)
         whole_row = not blockwise and K <= _ROW_IN_REGISTERS
         block_m = 16 if blockwise else 1 if whole_row else 8
         block_k = SCALE_BLOCK if blockwise else next_power_of_2(K) if whole_row else 1024
@@ -295,7 +296,8 @@ def quantize_weight(w: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torc
     # scales: a 128x128 scale block transposes with its values). A transposed masked fp8 store miscompiled on sm_90
     # with Triton 3.6 (tests/test_kernels_fp8_grouped_mm.py caught it at N=192), so the copy reads transposed and
     # stores rows, as bytes. Reading the 1-byte copy instead of the weight again was ~1.5x faster on an H100 than
-    # quantising the weight a second time, transposed; one pass writing both layouts 1.4x slower (bench/RESULTS.md).
+    # quantising the weight a second time, transposed; one pass writing both layouts 1.4x slower (probes whose timing
+    # included the launch; bench/RESULTS.md).
     if w.numel():
         grid = (nb, kb, E)
         _quantize_weight_kernel[grid](w, q, scale, K, N, *strides, BLOCKWISE=blockwise, BLOCK=SCALE_BLOCK,
