@@ -86,6 +86,13 @@ def _unblocks(scale: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return scale.repeat_interleave(SCALE_BLOCK, dim=dim).narrow(dim, 0, n)
 
 
+def _weight_scale_shape(E: int, rows: int, cols: int, recipe: Recipe) -> tuple[int, int, int]:
+    """The scales of E [rows, cols] expert weights: one per expert, or one per 128x128 block."""
+    if recipe == "tensorwise":
+        return E, 1, 1
+    return E, triton.cdiv(rows, SCALE_BLOCK), triton.cdiv(cols, SCALE_BLOCK)
+
+
 def quantize_rows_reference(x: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `quantize_rows`, in torch ops."""
     _check_recipe(recipe)
@@ -123,8 +130,8 @@ def _check_mm(a, a_scale, b, b_scale, offs, recipe) -> None:
     if offs.shape != (E,) or offs.dtype != torch.int32:
         raise ValueError(f"fp8_grouped_mm wants offs: int32 [E] = [{E}] cumulative rows per group, "
                          f"got {offs.dtype} {tuple(offs.shape)}")
-    kb, nb = triton.cdiv(K, SCALE_BLOCK), triton.cdiv(N, SCALE_BLOCK)
-    want_a, want_b = ((M, 1), (E, 1, 1)) if recipe == "tensorwise" else ((M, kb), (E, nb, kb))
+    want_a = (M, 1) if recipe == "tensorwise" else (M, triton.cdiv(K, SCALE_BLOCK))
+    want_b = _weight_scale_shape(E, N, K, recipe)
     if tuple(a_scale.shape) != want_a or tuple(b_scale.shape) != want_b:
         raise ValueError(f"{recipe} scales must be a_scale {want_a} and b_scale {want_b}, got "
                          f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
@@ -501,8 +508,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 def _check_quantized(w: torch.Tensor, w_quantized: tuple, recipe: Recipe) -> None:
     """`w_quantized` must be what `quantize_weight(w, recipe)` returns: shapes, dtypes and device."""
     E, K, N = w.shape
-    kb, nb = triton.cdiv(K, SCALE_BLOCK), triton.cdiv(N, SCALE_BLOCK)
-    want = [((E, K, N), FP8), ((E, N, K), FP8), ((E, 1, 1) if recipe == "tensorwise" else (E, kb, nb), torch.float32)]
+    want = [((E, K, N), FP8), ((E, N, K), FP8), (_weight_scale_shape(E, K, N, recipe), torch.float32)]
     got = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (type(t).__name__,) for t in w_quantized]
     if len(w_quantized) != 3 or got != want or any(t.device != w.device for t in w_quantized):
         raise ValueError(f"fp8_grouped_linear: `w_quantized` must be quantize_weight(w, {recipe!r}) for w "

@@ -120,12 +120,9 @@ class GroupedExperts(nn.Module):
         from kernels.fp8_grouped_mm import quantize_weight
 
         name = "w13" if w is self.w13 else "w2"
-        if name not in self.fp8_weights:
+        if name not in self.fp8_weights:  # (the linear marks the copy it saves as a weight copy, held or not)
             with torch.no_grad():
-                q, q_t, scale = quantize_weight(w, self.fp8)
-            # copies of a weight, not activations (services/trainer/memory_report.py)
-            q.is_weight_copy = q_t.is_weight_copy = True
-            self.fp8_weights[name] = (q, q_t, scale)
+                self.fp8_weights[name] = quantize_weight(w, self.fp8)
         return self.fp8_weights[name]
 
     def _looped(self, x, tokens_per_expert, weights):
