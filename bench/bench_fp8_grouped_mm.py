@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_kernels import time_ms  # noqa: E402
 from bench.record import Table, add_record_argument  # noqa: E402
-from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, fp8_grouped_linear, fp8_grouped_mm,  # noqa: E402
-                                    quantize_rows, quantize_weight)
+from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, _fp8_grouped_mm_kernel, fp8_grouped_linear,  # noqa: E402
+                                    fp8_grouped_mm, quantize_rows, quantize_weight)
 
 # name: (experts, tokens per expert, K, N, uneven)
 SHAPES = {
@@ -142,6 +142,10 @@ def main() -> None:
     table.line(f"  {'variant':<27} {'pass':<11} {'ms':>9} {'TFLOP/s':>9} {'of dense':>8} {'err':>9}")
     for name in names:
         run_shape(name, args.warmup, args.reps, table)
+    table.line("tiles the autotuner chose (N, K, E, blockwise: BLOCK_M x BLOCK_N, warps, stages, band of row tiles)")
+    for key, c in _fp8_grouped_mm_kernel.cache.items():
+        table.line(f"  {key[:4]}: {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}, {c.num_warps}, {c.num_stages}, "
+                   f"{c.kwargs['BAND']}")
     table.record(args.record, "FP8 grouped GEMM for the experts vs bf16 torch._grouped_mm")
 
 

@@ -58,7 +58,7 @@ def _variants():
     for blockwise in (False, True):  # the experts' gate/up GEMM (K=2048, N=1536) and the row/weight quantisers
         # blockwise loads through TMA descriptors (a 128x64 tile, one of its configs), tensorwise through pointers (its
         # descriptors are None; a 128x256 tile, one of its configs)
-        tiles = {"BLOCK_M": 128, "BLOCK_N": 64 if blockwise else 256}
+        tiles = {"BLOCK_M": 128, "BLOCK_N": 64 if blockwise else 256, "BAND": 8}
         descs = ({"a_desc": "tensordesc<fp8e4nv[128, 128]>", "b_desc": "tensordesc<fp8e4nv[64, 128]>"} if blockwise
                  else {})
         yield (fp8._fp8_grouped_mm_kernel,

@@ -7,6 +7,7 @@ result as quantising at every call: tests/test_kernels_fp8_grouped_mm.py.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.common.config import Config, RLConfig
@@ -17,6 +18,13 @@ from services.trainer.rl.step import rl_step
 from services.trainer.step import forward_backward
 from tests.rl_helpers import micro_batches, tiny_model
 from tests.test_rl_step import _groups
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(monkeypatch):
+    """These models run on CPU; on a machine with CUDA but no Transformer Engine, building one with `model.fp8` set
+    would (rightly) refuse, so the build is told there is no CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def _watch(model) -> tuple[list[GroupedExperts], list[bool]]:
