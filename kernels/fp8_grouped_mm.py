@@ -356,8 +356,9 @@ def _set_block_shapes(nargs: dict) -> None:
 # scaling) and those of the shared ones at most one 128-wide scale block wide.
 _TENSORWISE_TILES = [(128, 128, 8, 4), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (64, 256, 8, 4)]
 _BLOCKWISE_TILES = [(128, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2)]
-# Each tile runs in bands of 8 row tiles (the weight read once per band: the large Mixtral weights gain 18-29%) or of
-# 1 (row tile by row tile, 4% faster for blockwise at Qwen3's gate/up, whose weights stay in L2 either way).
+# Each tile runs in bands of 8 row tiles (a weight read once per band: 1.23x tensorwise, 1.28x blockwise at Mixtral's
+# 58 MB expert weights) or of 1 (row tile by row tile: 4% faster for blockwise at Qwen3's gate/up, whose 3 MB weights
+# stay in L2 in either order). bench/RESULTS.md has the figures.
 _BANDS = (8, 1)
 _MM_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 128, "BAND": band}, num_warps=w,
                              num_stages=s, pre_hook=_set_block_shapes)
