@@ -63,6 +63,13 @@ def fresh_te_import():
     fp8_linear._import_te.cache_clear()
 
 
+@pytest.fixture
+def as_on_a_cpu_machine(monkeypatch):
+    """The CPU tests build models with `model.fp8` set; on a machine with CUDA but no Transformer Engine the build
+    refuses (as it should), so they build as on a machine without CUDA, where fp8 leaves the torch path."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def block_transformer_engine(monkeypatch):
     """`import transformer_engine.pytorch` raises ModuleNotFoundError (None in sys.modules), installed or not."""
     for name in ("transformer_engine", "transformer_engine.pytorch"):
@@ -107,6 +114,7 @@ def test_importing_the_model_does_not_import_transformer_engine():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.usefixtures("as_on_a_cpu_machine")
 def test_fp8_on_cpu_gives_exactly_the_unset_models_loss_and_gradients(recipe):
     plain, fp8 = MoETransformer(tiny_cfg("")), MoETransformer(tiny_cfg(recipe))
     plain.init_weights(0)
@@ -119,6 +127,7 @@ def test_fp8_on_cpu_gives_exactly_the_unset_models_loss_and_gradients(recipe):
         assert torch.equal(grads_a[name], grads_b[name]), name
 
 
+@pytest.mark.usefixtures("as_on_a_cpu_machine")
 def test_dense_linears_keep_nn_linear_names_shapes_and_state_dict_keys():
     plain, fp8 = MoETransformer(tiny_cfg("")), MoETransformer(tiny_cfg("tensorwise"))
     shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731
@@ -149,6 +158,7 @@ def test_cpu_only_machine_builds_fp8_model_without_transformer_engine(monkeypatc
     MoETransformer(tiny_cfg("blockwise"))
 
 
+@pytest.mark.usefixtures("as_on_a_cpu_machine")
 def test_a_copied_layer_does_not_share_the_original_layers_transformer_engine_module():
     layer = FP8Linear(16, 16, fp8="tensorwise")
     marker = object()
