@@ -390,8 +390,8 @@ def _fp8_grouped_mm_kernel(a_ptr, a_desc, b_ptr, b_desc, a_scale_ptr, b_scale_pt
     bench's spread between calls), while blockwise gained most at the down and Mixtral shapes (bench/RESULTS.md).
     Programs are ordered in bands of BAND row tiles: consecutive programs take the band's row tiles for one column
     tile, then the next column tile. The programs in flight then share their weight tiles across the band and their
-    activation rows across the column tiles in L2; ordered row tile by row tile, a whole expert's weight (58 MB at
-    Mixtral's 14336x4096) would be read again for every row tile."""
+    activation rows across the column tiles in L2. With BAND=1 (row tile by row tile) a whole expert's weight is read
+    again for every row tile: 58 MB at Mixtral's 14336x4096, more than L2 holds."""
     tl.static_assert(not BLOCKWISE or (BLOCK_K == SCALE_BLOCK and SCALE_BLOCK % BLOCK_N == 0))
     pid_m, pid_n = _banded(tl.program_id(0), tl.cdiv(M, BLOCK_M) + E + 1, tl.cdiv(N, BLOCK_N), BAND)
     group, row0, row_end = _tile_of(pid_m, offs_ptr, M, E, E_PAD, BLOCK_M)

@@ -63,13 +63,6 @@ def fresh_te_import():
     fp8_linear._import_te.cache_clear()
 
 
-@pytest.fixture
-def as_on_a_cpu_machine(monkeypatch):
-    """The CPU tests build models with `model.fp8` set; on a machine with CUDA but no Transformer Engine the build
-    refuses (as it should), so they build as on a machine without CUDA, where fp8 leaves the torch path."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
 def block_transformer_engine(monkeypatch):
     """`import transformer_engine.pytorch` raises ModuleNotFoundError (None in sys.modules), installed or not."""
     for name in ("transformer_engine", "transformer_engine.pytorch"):

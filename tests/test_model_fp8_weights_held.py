@@ -20,11 +20,7 @@ from tests.rl_helpers import micro_batches, tiny_model
 from tests.test_rl_step import _groups
 
 
-@pytest.fixture(autouse=True)
-def _cpu_only(monkeypatch):
-    """These models run on CPU; on a machine with CUDA but no Transformer Engine, building one with `model.fp8` set
-    would (rightly) refuse, so the build is told there is no CUDA."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("as_on_a_cpu_machine")  # CPU models with model.fp8 set (tests/conftest.py)
 
 
 def _watch(model) -> tuple[list[GroupedExperts], list[bool]]:
