@@ -343,6 +343,31 @@ def test_fp8_experts_quantise_each_weight_once_inside_fp8_weights_held(recipe, m
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_memory_report_counts_the_held_weights_both_layouts_as_parameter_copies(recipe):
+    # A micro-batch saves one e4m3 layout for dgrad; the other layout and the scales are held, not saved. All of
+    # them are parameter copies, none an activation.
+    from services.trainer.memory_report import measure_step
+    from services.trainer.model.moe.experts import fp8_weights_held
+
+    experts = _experts(recipe, DEVICE)
+    opt = torch.optim.SGD(experts.parameters(), lr=0.1)
+    held = []
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with fp8_weights_held(experts, forwards=2):
+            _micro_batches(experts, 2)
+            held.extend(experts.held_weight_copies())
+        assert experts.held_weight_copies() == []
+        opt.step()
+
+    r = measure_step(experts, opt, step, DEVICE)
+    assert len(held) == 6 and {t.dtype for t in held} == {FP8, torch.float32}  # (q, q_t, scale) of w13 and w2
+    assert r.parameter_copies == sum(t.untyped_storage().nbytes() for t in held)
+    assert r.activations < r.parameter_copies  # 18 rows of 64 and 32 features: far below the 4x64x64 weights
+
+
 def test_fp8_weights_held_only_over_several_passes(monkeypatch):
     from services.trainer.model.moe.experts import fp8_weights_held
 

@@ -10,7 +10,9 @@ Categories are counted from the tensors themselves (each storage once), not gues
   possibly re-viewed, of a parameter): under autocast or the experts' explicit cast, the bf16 copies of fp32 weights
   that the GEMMs keep for their backward, and the FP8 experts' e4m3 weights (kernels/fp8_grouped_mm.py marks them,
   having made them where autograd records nothing). They scale with the parameters, not with the tokens, so they are not
-  counted as activations (for 128 experts they are most of what a step saves);
+  counted as activations (for 128 experts they are most of what a step saves). Also counted here: the copies a module
+  holds across a step's passes without saving them (`held_weight_copies()`: the FP8 experts inside
+  `fp8_weights_held` keep both e4m3 layouts), read when backward starts;
 - activations: every other storage the step saved for backward on `device` (a saved-tensors hook around the step;
   parameters excluded). All of them are alive together at the end of the forward pass, the usual peak. Tensors that a
   recompute or offload region keeps elsewhere never reach this hook, which is the point of those policies. With several
@@ -59,7 +61,7 @@ class MemoryReport:
     parameters: int
     gradients: int
     optimizer_state: int
-    parameter_copies: int  # casts of parameters saved for backward (bf16 copies of fp32 weights)
+    parameter_copies: int  # casts of parameters saved for backward or held for the step (bf16, e4m3 copies)
     activations: int  # everything else saved for backward
     at_backward: int | None  # allocated when backward started (CUDA only)
     grads_at_backward: int  # gradient bytes already there then (earlier micro-batches; 0 with set_to_none)
@@ -74,7 +76,7 @@ class MemoryReport:
 
     def rows(self) -> list[tuple[str, int | None]]:
         return [("parameters", self.parameters), ("optimizer state", self.optimizer_state),
-                ("parameter copies (saved for backward)", self.parameter_copies),
+                ("parameter copies (saved or held)", self.parameter_copies),
                 ("activations (saved for backward)", self.activations),
                 ("other at backward start", self.other),
                 ("allocated at backward start", self.at_backward),
@@ -144,6 +146,10 @@ def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], 
         if not at_backward:
             allocated = torch.cuda.memory_allocated(device) if on_cuda else 0
             at_backward.append((allocated, _storage_bytes((p.grad for p in params), device)))
+            for m in model.modules():
+                for held in getattr(m, "held_weight_copies", lambda: [])():
+                    if held.device == device:
+                        copies[held.untyped_storage().data_ptr()] = held.untyped_storage().nbytes()
         return t
 
     if on_cuda:

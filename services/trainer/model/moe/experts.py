@@ -125,6 +125,11 @@ class GroupedExperts(nn.Module):
                 self.fp8_weights[name] = quantize_weight(w, self.fp8)
         return self.fp8_weights[name]
 
+    def held_weight_copies(self) -> list[torch.Tensor]:
+        """The e4m3 weights (both layouts) and their scales held inside `fp8_weights_held`; for the memory report,
+        which counts them as parameter copies (the one layout a linear saves for backward it would see anyway)."""
+        return [t for copies in (self.fp8_weights or {}).values() for t in copies]
+
     def _looped(self, x, tokens_per_expert, weights):
         counts = tokens_per_expert.tolist()  # the CPU path may sync: there is no device to wait for
         tail = x.shape[0] - sum(counts)  # rows of dropped copies past the last expert's: not computed
