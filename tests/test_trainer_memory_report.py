@@ -13,7 +13,7 @@ CFG = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_expert
            ffn_hidden_size=48, first_k_dense=1)
 
 
-def report(recompute=(), autocast=None):
+def report(recompute=(), autocast=None, micro_batches=1):
     torch.manual_seed(0)
     model = MoETransformer(ModelConfig(**CFG))
     model.init_weights(0)
@@ -25,7 +25,7 @@ def report(recompute=(), autocast=None):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        forward_backward(model, [mb], 64, torch.device("cpu"), autocast)
+        forward_backward(model, [mb] * micro_batches, 64 * micro_batches, torch.device("cpu"), autocast)
         opt.step()
 
     return model, measure_step(model, opt, step, torch.device("cpu"))
@@ -48,6 +48,16 @@ def test_recompute_shrinks_only_the_activations():
     assert recomputed.activations < plain.activations / 2
     assert (recomputed.parameters, recomputed.gradients, recomputed.optimizer_state) == \
         (plain.parameters, plain.gradients, plain.optimizer_state)
+
+
+def test_with_several_micro_batches_the_saved_categories_are_what_backward_starts_with():
+    # Backward starts after the first micro-batch's forward: its saved tensors (and casts) are what is alive then.
+    # The later micro-batches' are allocated as earlier ones are freed, and are not counted again wherever they land.
+    for autocast in (None, torch.bfloat16):
+        _, one = report(autocast=autocast)
+        _, three = report(autocast=autocast, micro_batches=3)
+        assert (three.activations, three.parameter_copies) == (one.activations, one.parameter_copies)
+        assert three.gradients == one.gradients
 
 
 def test_bf16_casts_of_weights_are_parameter_copies_not_activations():

@@ -13,11 +13,12 @@ Categories are counted from the tensors themselves (each storage once), not gues
   counted as activations (for 128 experts they are most of what a step saves). Also counted here: the copies a module
   holds across a step's passes without saving them (`held_weight_copies()`: the FP8 experts inside
   `fp8_weights_held` keep both e4m3 layouts), read when backward starts;
-- activations: every other storage the step saved for backward on `device` (a saved-tensors hook around the step;
-  parameters excluded). All of them are alive together at the end of the forward pass, the usual peak. Tensors that a
-  recompute or offload region keeps elsewhere never reach this hook, which is the point of those policies. With several
-  micro-batches per step, storages are told apart by address, so a later micro-batch's activations, allocated where
-  an earlier one's were freed, count once: roughly one micro-batch's worth, an estimate rather than an exact figure.
+- activations: every other storage the step saved for backward on `device` before backward started (a saved-tensors
+  hook around the step; parameters excluded). All of them are alive together then, at the end of the forward pass,
+  the usual peak. Tensors that a recompute or offload region keeps elsewhere never reach this hook, which is the point
+  of those policies. With several micro-batches per step that is what the first backward finds: one micro-batch's
+  (or, under a pipeline schedule, those of the forwards run before it). The later micro-batches' are allocated as
+  earlier ones are freed and are not counted again (parameter copies likewise).
 On CUDA two allocator readings place them in time: `at_backward` (allocated when backward first reads a saved tensor:
 parameters, optimizer state, all activations, no gradients yet with `zero_grad(set_to_none=True)`) and `peak` (the
 high-water mark over the step). `other` is what was alive at backward start besides those categories (the loss
@@ -133,7 +134,7 @@ def measure_step(model: torch.nn.Module, optimizer, step: Callable[[], object], 
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if t.device == device and storage.data_ptr() not in param_storages:
+        if not at_backward and t.device == device and storage.data_ptr() not in param_storages:
             into = copies if _is_parameter_copy(t, param_ids) else saved
             into[storage.data_ptr()] = storage.nbytes()
         return t
