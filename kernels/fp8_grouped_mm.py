@@ -393,7 +393,8 @@ def _fp8_grouped_mm_kernel(a_ptr, a_desc, b_ptr, b_desc, a_scale_ptr, b_scale_pt
     activation rows across the column tiles in L2. With BAND=1 (row tile by row tile) a whole expert's weight is read
     again for every row tile: 58 MB at Mixtral's 14336x4096, more than L2 holds."""
     tl.static_assert(not BLOCKWISE or (BLOCK_K == SCALE_BLOCK and SCALE_BLOCK % BLOCK_N == 0))
-    pid_m, pid_n = _banded(tl.program_id(0), tl.cdiv(M, BLOCK_M) + E + 1, tl.cdiv(N, BLOCK_N), BAND)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _banded(tl.program_id(0), tl.num_programs(0) // n_tiles, n_tiles, BAND)  # the grid's row tiles
     group, row0, row_end = _tile_of(pid_m, offs_ptr, M, E, E_PAD, BLOCK_M)
     if group > E:
         return
