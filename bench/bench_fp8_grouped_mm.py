@@ -8,9 +8,10 @@ Rows per shape:
 - bf16 grouped_mm: torch._grouped_mm forward, and forward+backward through its autograd;
 - scaled_grouped_mm rowwise: torch._scaled_grouped_mm with e4m3 operands, row scales for x and per-column scales for
   each expert's weight (quantised outside the timing), where this torch has it;
-- fp8 tensorwise / blockwise: our kernel alone on quantised operands ("gemm"), with the quantisation of x and w
-  included ("gemm+quant", the autograd forward), and forward+backward of fp8_grouped_linear ("fwd+bwd": FP8 dgrad,
-  bf16 wgrad).
+- fp8 tensorwise / blockwise: our kernel alone on quantised operands ("gemm": as in the linear's forward, i.e.
+  tensorwise with fast accumulation; "gemm split": tensorwise with split accumulation, as in the linear's dgrad), with
+  the quantisation of x and w included ("gemm+quant", the autograd forward), and forward+backward of
+  fp8_grouped_linear ("fwd+bwd": FP8 dgrad, bf16 wgrad).
 TFLOP/s counts 2*M*K*N per GEMM (3 GEMMs for fwd+bwd), over the median of `reps` CUDA-event timings after `warmup`
 runs (which absorb Triton's autotuning); "of dense" is that over a dense bf16 torch.mm of the same M, K, N measured in
 the same run. "err" is max|out - bf16| / max|bf16| of the forward output against bf16 torch._grouped_mm.
@@ -107,8 +108,10 @@ def run_shape(name: str, warmup: int, reps: int, table: Table) -> None:
         with torch.no_grad():
             xq, xs = quantize_rows(x, recipe)
             _, wq_t, ws = quantize_weight(w, recipe)
-            gemm = lambda: fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe)  # noqa: E731
-            rows.append((label, "gemm", time_ms(gemm, warmup, reps), flops, gemm()))
+            for fast in (True, False) if recipe == "tensorwise" else (False,):  # the forward's, and dgrad's
+                gemm = lambda: fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe, fast)  # noqa: E731
+                what = "gemm" if fast or recipe != "tensorwise" else "gemm split"
+                rows.append((label, what, time_ms(gemm, warmup, reps), flops, gemm()))
             linear = lambda: fp8_grouped_linear(x, w, offs, recipe)  # noqa: E731
             rows.append((label, "gemm+quant", time_ms(linear, warmup, reps), flops, None))
         rows.append((label, "fwd+bwd", time_ms(fwd_bwd(linear), warmup, reps), 3 * flops, None))
@@ -142,9 +145,10 @@ def main() -> None:
     table.line(f"  {'variant':<27} {'pass':<11} {'ms':>9} {'TFLOP/s':>9} {'of dense':>8} {'err':>9}")
     for name in names:
         run_shape(name, args.warmup, args.reps, table)
-    table.line("tiles the autotuner chose (N, K, E, blockwise: BLOCK_M x BLOCK_N, warps, stages, band of row tiles)")
+    table.line("tiles the autotuner chose (N, K, E, blockwise, fast accumulation: BLOCK_M x BLOCK_N, warps, stages, "
+               "band of row tiles)")
     for key, c in _fp8_grouped_mm_kernel.cache.items():
-        table.line(f"  {key[:4]}: {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}, {c.num_warps}, {c.num_stages}, "
+        table.line(f"  {key[:5]}: {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']}, {c.num_warps}, {c.num_stages}, "
                    f"{c.kwargs['BAND']}")
     table.record(args.record, "FP8 grouped GEMM for the experts vs bf16 torch._grouped_mm")
 

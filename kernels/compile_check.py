@@ -61,12 +61,14 @@ def _variants():
         tiles = {"BLOCK_M": 128, "BLOCK_N": 64 if blockwise else 256, "BAND": 8}
         descs = ({"a_desc": "tensordesc<fp8e4nv[128, 128]>", "b_desc": "tensordesc<fp8e4nv[64, 128]>"} if blockwise
                  else {})
-        yield (fp8._fp8_grouped_mm_kernel,
-               {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", **descs, "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
-                "offs_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "E": "i32",
-                **{f"stride_{s}": "i32" for s in ("am", "be", "bn", "om", "asm", "ask", "bse", "bsn", "bsk")}},
-               {"K": 2048, "E_PAD": 256, "BLOCKWISE": blockwise, "SCALE_BLOCK": 128, **tiles, "BLOCK_K": 128,
-                **({} if blockwise else {"a_desc": None, "b_desc": None})}, 4 if blockwise else 8)
+        for fast_accum in (False,) if blockwise else (False, True):  # tensorwise: split and fast accumulation
+            yield (fp8._fp8_grouped_mm_kernel,
+                   {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", **descs, "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+                    "offs_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "E": "i32",
+                    **{f"stride_{s}": "i32" for s in ("am", "be", "bn", "om", "asm", "ask", "bse", "bsn", "bsk")}},
+                   {"K": 2048, "E_PAD": 256, "BLOCKWISE": blockwise, "FAST_ACCUM": fast_accum, "SCALE_BLOCK": 128,
+                    **tiles, "BLOCK_K": 128, **({} if blockwise else {"a_desc": None, "b_desc": None})},
+                   4 if blockwise else 8)
         yield (fp8._quantize_rows_kernel,
                {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "stride_xm": "i32",
                 "stride_sm": "i32", "stride_sk": "i32"},

@@ -1,15 +1,18 @@
 """FP8 (e4m3) grouped GEMM for the routed experts, with its quantisers and an autograd linear on top.
 
-    fp8_grouped_mm(a [M, K] e4m3, a_scale, b [E, N, K] e4m3, b_scale, offs [E] int32, recipe) -> [M, N] bf16
+    fp8_grouped_mm(a [M, K] e4m3, a_scale, b [E, N, K] e4m3, b_scale, offs [E] int32, recipe, fast_accum=False) -> [M, N] bf16
         out[offs[g-1]:offs[g]] = (a[offs[g-1]:offs[g]] @ b[g].T) * scales;  rows from offs[E-1] on: zero
     fp8_grouped_linear(x [M, K], w [E, K, N], offs, recipe, w_quantized=None) -> [M, N] bf16
         (autograd; quantises on the device, the weight unless `w_quantized` holds quantize_weight(w, recipe))
 
 Recipes (the scales are fp32, computed on the device from amaxes: amax / 448, e4m3's largest value):
 - "tensorwise": one scale per activation row (a_scale [M, 1]) and one per expert weight (b_scale [E, 1, 1]); the
-  tensor cores accumulate the whole K and the scales are applied once, in the epilogue. On Hopper that accumulation
-  is the tensor cores' own, of reduced precision (Triton's default for fp8 there; TE's forward does the same). (A
-  row's scale is never coarser than one for the whole tensor and costs the same, so activations are scaled per row.)
+  scales are applied once, in the epilogue. With `fast_accum` the tensor cores accumulate the whole K in their own
+  reduced-precision fp8 accumulator on Hopper (Triton's default for fp8 there); without it (the default, as
+  torch._scaled_mm's `use_fast_accum=False`) each 128-deep K step's product is added to an fp32 accumulator, as
+  blockwise does. The linear below uses fast accumulation in forward and split accumulation in dgrad, as Transformer
+  Engine's FP8 recipes do (its `fp8_gemm_fprop` / `fp8_gemm_dgrad`). (A row's scale is never coarser than one for
+  the whole tensor and costs the same, so activations are scaled per row.)
 - "blockwise": DeepSeek-V3's fine-grained scaling (arXiv 2412.19437, section 3.3.2): activations 1x128 along K
   (a_scale [M, ceil(K/128)]), weights 128x128 (b_scale [E, ceil(N/128), ceil(K/128)]). Each 128-deep K step's
   partial product leaves the tensor cores and is added to an fp32 accumulator with its two scales, which also bounds
@@ -376,14 +379,14 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> 
     return [c for c in configs if c.kwargs["BLOCK_N"] <= SCALE_BLOCK]
 
 
-@triton.autotune(configs=autotune_configs(_MM_CONFIGS), key=["N", "K", "E", "BLOCKWISE"],
+@triton.autotune(configs=autotune_configs(_MM_CONFIGS), key=["N", "K", "E", "BLOCKWISE", "FAST_ACCUM"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _fp8_grouped_mm_kernel(a_ptr, a_desc, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, offs_ptr, out_ptr, M, N,
                            K: tl.constexpr, E, stride_am, stride_be, stride_bn, stride_om,
                            stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                           E_PAD: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                           BAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           E_PAD: tl.constexpr, BLOCKWISE: tl.constexpr, FAST_ACCUM: tl.constexpr,
+                           SCALE_BLOCK: tl.constexpr, BAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Blockwise loads its tiles through TMA descriptors: a_desc of a [M, K], b_desc of b viewed [E * N, K] (a tile's
     rows past its group's end and columns past N load the next group's rows or zeros, and are never stored).
     Tensorwise loads them through masked pointers (a_desc and b_desc are None): TMA was no faster there (within the
@@ -432,7 +435,10 @@ def _fp8_grouped_mm_kernel(a_ptr, a_desc, b_ptr, b_desc, a_scale_ptr, b_scale_pt
             k_ok = ks < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            if FAST_ACCUM:
+                acc = tl.dot(a, b, acc)
+            else:  # the dot's products leave the tensor cores' accumulator at its end: every BLOCK_K products
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         sa = tl.load(a_scale_ptr + rows * stride_asm, mask=row_ok, other=0.0)
@@ -448,11 +454,13 @@ def _tma_operand(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_grouped_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                   offs: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+                   offs: torch.Tensor, recipe: Recipe, fast_accum: bool = False) -> torch.Tensor:
     """bf16 [M, N]: rows of group g (offs[g-1]:offs[g], offs[-1] = 0) are a[rows] @ b[g].T with the scales of
     `recipe` applied (see the module docstring); rows from offs[E-1] on are zero. a [M, K] and b [E, N, K] in e4m3,
     K contiguous; a_scale [M, 1] / b_scale [E, 1, 1] (tensorwise) or [M, ceil(K/128)] / [E, ceil(N/128),
-    ceil(K/128)] (blockwise), fp32, any strides. Triton on CUDA, the reference on CPU."""
+    ceil(K/128)] (blockwise), fp32, any strides. `fast_accum` (tensorwise; blockwise always adds each K step's product
+    to fp32): accumulate the whole K in the tensor cores, which on Hopper is faster and less precise. Triton on CUDA,
+    the reference (exact fp32 accumulation) on CPU."""
     _check_mm(a, a_scale, b, b_scale, offs, recipe)
     if not use_triton(a):
         return fp8_grouped_mm_reference(a, a_scale, b, b_scale, offs, recipe)
@@ -476,7 +484,7 @@ def fp8_grouped_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
                                  a_scale.stride(0), a_scale.stride(1),
                                  b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
                                  E_PAD=next_power_of_2(E + 1), BLOCKWISE=blockwise,
-                                 SCALE_BLOCK=SCALE_BLOCK)
+                                 FAST_ACCUM=fast_accum and not blockwise, SCALE_BLOCK=SCALE_BLOCK)
     return out
 
 
@@ -503,7 +511,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         xq, x_scale = quantize_rows(x, recipe)
         wq, wq_t, w_scale = quantize_weight(w, recipe) if w_quantized is None else w_quantized
         # forward operand [E, N, K]: the blockwise scales [E, Kb, Nb] read transposed
-        out = fp8_grouped_mm(xq, x_scale, wq_t, w_scale.transpose(1, 2), offs, recipe)
+        out = fp8_grouped_mm(xq, x_scale, wq_t, w_scale.transpose(1, 2), offs, recipe, fast_accum=True)
         # A copy of the weight, not an activation, for memory accounting (services/trainer/memory_report.py): made
         # here, it has no autograd history that would tell it apart.
         wq.is_weight_copy = True

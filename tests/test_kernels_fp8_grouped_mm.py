@@ -396,8 +396,8 @@ cuda_only = pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA GPU (Hopper for
 
 
 @cuda_only
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_gpu_qwen3_shape_matches_reference_and_bf16(recipe):
+@pytest.mark.parametrize("recipe,fast_accum", [("tensorwise", True), ("tensorwise", False), ("blockwise", False)])
+def test_gpu_qwen3_shape_matches_reference_and_bf16(recipe, fast_accum):
     E, K, N = 16, 2048, 1536
     counts = torch.randint(0, 1024, (E,), generator=torch.Generator().manual_seed(1))
     counts[3] = 0
@@ -407,16 +407,33 @@ def test_gpu_qwen3_shape_matches_reference_and_bf16(recipe):
     w = torch.randn(E, K, N, device="cuda", dtype=torch.bfloat16) * 0.02
     xq, xs = quantize_rows(x, recipe)
     wq, wq_t, ws = quantize_weight(w, recipe)
-    got = fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe)
+    got = fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe, fast_accum)
     want = fp8_grouped_mm_reference(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe)
-    # Tensorwise accumulates all 2048 products in the Hopper tensor cores' reduced-precision (about 14-bit, per
-    # DeepSeek-V3 section 3.3.2) accumulator, blockwise 128 at a time: a seen worst of 1.07e-3 of the output's
-    # largest value over 14M outputs, so 2e-3 for tensorwise.
-    slack = 2e-3 if recipe == "tensorwise" else 1e-3
+    # Fast accumulation sums all 2048 products in the Hopper tensor cores' reduced-precision (about 14-bit, per
+    # DeepSeek-V3 section 3.3.2) accumulator, split accumulation (and blockwise) 128 at a time: a seen worst of
+    # 1.07e-3 of the output's largest value over 14M outputs with fast accumulation, so 2e-3 there.
+    slack = 2e-3 if fast_accum else 1e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=slack * want.float().abs().max().item())
     bf16 = torch._grouped_mm(x, w, offs=offs)
     rows = int(counts.sum())
     assert _rel(got[:rows], bf16[:rows]) < 0.05
+
+
+@cuda_only
+def test_gpu_split_accumulation_is_more_precise_than_fast():
+    # All-positive products over K=4096: the running sums grow, so a reduced-precision accumulator drops the low
+    # bits of every product it adds. Split accumulation hands each 128-product partial sum to fp32, fast does not.
+    E, K, N, M = 2, 4096, 256, 512
+    offs = torch.tensor([M // 2, M], device="cuda", dtype=torch.int32)
+    x = torch.rand(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(E, K, N, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quantize_rows(x, "tensorwise")
+    _, wq_t, ws = quantize_weight(w, "tensorwise")
+    want = fp8_grouped_mm_reference(xq, xs, wq_t, ws.transpose(1, 2), offs, "tensorwise").float()
+    err = {fast: (fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, "tensorwise", fast).float() - want).abs()
+           .max().item() / want.abs().max().item() for fast in (True, False)}
+    print(f"max error of the largest output: split {err[False]:.2e}, fast {err[True]:.2e}")
+    assert err[False] < err[True] / 2, err
 
 
 @cuda_only
