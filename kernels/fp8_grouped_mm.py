@@ -354,9 +354,10 @@ def _set_block_shapes(nargs: dict) -> None:
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K stays 128, the blockwise scale block. Tensorwise tunes over its
-# own tiles; blockwise over the 4-warp 128x64 / 64x128 tiles added for it (more programs per SM to overlap its
-# scaling) and those of the shared ones at most one 128-wide scale block wide.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K stays 128, the blockwise scale block. Tensorwise with fast
+# accumulation tunes over its own tiles; blockwise over the 4-warp 128x64 / 64x128 tiles added for it (more programs
+# per SM to overlap its per-step adds) and those of the shared ones at most one 128-wide scale block wide; tensorwise
+# with split accumulation (per-step adds too) over all of them.
 _TENSORWISE_TILES = [(128, 128, 8, 4), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (64, 256, 8, 4)]
 _BLOCKWISE_TILES = [(128, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2)]
 # Each tile runs in bands of 8 row tiles (a weight read once per band: 1.23x tensorwise, 1.28x blockwise at Mixtral's
@@ -373,10 +374,13 @@ def _tile(c: triton.Config) -> tuple[int, int, int, int]:
 
 
 def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Blockwise applies one weight scale per tile and K step, so its tiles are at most one scale block wide."""
-    if not {**named_args, **kwargs}["BLOCKWISE"]:  # constexprs passed by keyword arrive in kwargs
-        return [c for c in configs if _tile(c) in _TENSORWISE_TILES]
-    return [c for c in configs if c.kwargs["BLOCK_N"] <= SCALE_BLOCK]
+    """Blockwise applies one weight scale per tile and K step, so its tiles are at most one scale block wide.
+    Tensorwise with split accumulation also adds each K step's product in the registers, like blockwise: it tunes
+    over both lists."""
+    args = {**named_args, **kwargs}  # constexprs passed by keyword arrive in kwargs
+    if args["BLOCKWISE"]:
+        return [c for c in configs if c.kwargs["BLOCK_N"] <= SCALE_BLOCK]
+    return [c for c in configs if _tile(c) in _TENSORWISE_TILES] if args["FAST_ACCUM"] else configs
 
 
 @triton.autotune(configs=autotune_configs(_MM_CONFIGS), key=["N", "K", "E", "BLOCKWISE", "FAST_ACCUM"],

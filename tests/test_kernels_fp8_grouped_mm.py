@@ -19,8 +19,9 @@ from kernels_interpreter import DEVICE, ON_CUDA, kernels_on_device  # noqa: F401
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, _banded, fp8_grouped_linear, fp8_grouped_mm,
-                                    fp8_grouped_mm_reference, quantize_rows, quantize_rows_reference,
+from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, SCALE_BLOCK, _BLOCKWISE_TILES, _MM_CONFIGS,
+                                    _TENSORWISE_TILES, _banded, _prune_configs, _tile, fp8_grouped_linear,
+                                    fp8_grouped_mm, fp8_grouped_mm_reference, quantize_rows, quantize_rows_reference,
                                     quantize_weight, quantize_weight_reference)
 
 # 4 experts, uneven with an empty one; 5 tail rows past the last expert's (dropped copies): written as zeros.
@@ -106,17 +107,27 @@ def test_quantiser_round_trip_is_within_fp8_rounding(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("K, N", [(256, 128), (256, 192), (192, 128)])  # partial column tile; partial K block
-def test_grouped_mm_matches_reference_on_the_same_quantised_inputs(recipe, K, N):
+@pytest.mark.parametrize("fast_accum", [False, True])  # the kernel's two accumulation loops (blockwise: one)
+def test_grouped_mm_matches_reference_on_the_same_quantised_inputs(recipe, K, N, fast_accum):
     M = sum(COUNTS) + TAIL
     offs = _offs(COUNTS)
     xq, xs = quantize_rows_reference(torch.randn(M, K, device=DEVICE), recipe)
     wq, wq_t, ws = quantize_weight_reference(torch.randn(len(COUNTS), K, N, device=DEVICE) * 0.05, recipe)
     for b, b_scale in ((wq_t, ws.transpose(1, 2)),):
-        got = fp8_grouped_mm(xq, xs, b, b_scale, offs, recipe)
+        got = fp8_grouped_mm(xq, xs, b, b_scale, offs, recipe, fast_accum)
         want = fp8_grouped_mm_reference(xq, xs, b, b_scale, offs, recipe)
         assert got.dtype == torch.bfloat16 and got.shape == (M, N)
         torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-3 * want.float().abs().max().item())
         assert got[-TAIL:].abs().max() == 0
+
+
+def test_autotuner_tiles_follow_the_recipe_and_the_accumulation():
+    tiles = lambda **args: {_tile(c) for c in _prune_configs(_MM_CONFIGS, args)}  # noqa: E731
+    assert tiles(BLOCKWISE=False, FAST_ACCUM=True) == set(_TENSORWISE_TILES)
+    # split accumulation adds every K step's product in the registers, as blockwise does: its tiles are tried too
+    assert tiles(BLOCKWISE=False, FAST_ACCUM=False) == set(_TENSORWISE_TILES) | set(_BLOCKWISE_TILES)
+    blockwise = tiles(BLOCKWISE=True, FAST_ACCUM=False)
+    assert set(_BLOCKWISE_TILES) <= blockwise and all(n <= SCALE_BLOCK for _, n, _, _ in blockwise)
 
 
 @pytest.mark.parametrize("m_tiles, n_tiles, band", [(7, 3, 3), (8, 5, 8), (5, 4, 8), (9, 1, 2), (6, 2, 1)])
