@@ -443,8 +443,7 @@ def test_gpu_split_accumulation_is_more_precise_than_fast():
     want = fp8_grouped_mm_reference(xq, xs, wq_t, ws.transpose(1, 2), offs, "tensorwise").float()
     err = {fast: (fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, "tensorwise", fast).float() - want).abs()
            .max().item() / want.abs().max().item() for fast in (True, False)}
-    print(f"max error of the largest output: split {err[False]:.2e}, fast {err[True]:.2e}")
-    assert err[False] < err[True] / 2, err
+    assert err[False] < err[True] / 2, err  # on an H100: split 7.4e-3, fast 7.7e-2 (bench/RESULTS.md)
 
 
 @cuda_only
