@@ -66,7 +66,8 @@ class ModelConfig:
     moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation", "router", "cross_entropy"])
     # FP8 GEMMs on CUDA: "" (off), "tensorwise" or "blockwise" (DeepSeek-V3: 1x128 activation, 128x128 weight blocks).
     # Routed experts: our Triton grouped GEMM (kernels/fp8_grouped_mm.py; tensorwise = a scale per activation row and
-    # per expert weight; forward and dgrad in FP8, wgrad in bf16). Dense linears (attention q/k/v/o, dense and shared
+    # per expert weight, the whole K accumulated in the tensor cores in forward and in fp32 every 128 products in
+    # dgrad, as TE does; forward and dgrad in FP8, wgrad in bf16). Dense linears (attention q/k/v/o, dense and shared
     # SwiGLU MLPs): Transformer Engine, an optional dependency (services/trainer/model/fp8_linear.py; tensorwise = TE's
     # per-tensor current scaling; forward, dgrad and wgrad in FP8); on a machine with CUDA it must be installed or the
     # model build fails naming the fix. Master weights, router, norms, attention core and output layer keep their
