@@ -1,6 +1,7 @@
 """FP8 (e4m3) grouped GEMM for the routed experts, with its quantisers and an autograd linear on top.
 
-    fp8_grouped_mm(a [M, K] e4m3, a_scale, b [E, N, K] e4m3, b_scale, offs [E] int32, recipe, fast_accum=False) -> [M, N] bf16
+    fp8_grouped_mm(a [M, K] e4m3, a_scale, b [E, N, K] e4m3, b_scale, offs [E] int32, recipe, fast_accum=False)
+        -> [M, N] bf16
         out[offs[g-1]:offs[g]] = (a[offs[g-1]:offs[g]] @ b[g].T) * scales;  rows from offs[E-1] on: zero
     fp8_grouped_linear(x [M, K], w [E, K, N], offs, recipe, w_quantized=None) -> [M, N] bf16
         (autograd; quantises on the device, the weight unless `w_quantized` holds quantize_weight(w, recipe))
@@ -354,10 +355,10 @@ def _set_block_shapes(nargs: dict) -> None:
         nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K stays 128, the blockwise scale block. Tensorwise with fast
-# accumulation tunes over its own tiles; blockwise over the 4-warp 128x64 / 64x128 tiles added for it (more programs
-# per SM to overlap its per-step adds) and those of the shared ones at most one 128-wide scale block wide; tensorwise
-# with split accumulation (per-step adds too) over all of them.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K stays 128, the blockwise scale block. Tensorwise tunes over its
+# own tiles (with split accumulation too: offered blockwise's as well, the autotuner chose none of them at the bench
+# shapes); blockwise over the 4-warp 128x64 / 64x128 tiles added for it (more programs per SM to overlap its scaling)
+# and those of the shared ones at most one 128-wide scale block wide.
 _TENSORWISE_TILES = [(128, 128, 8, 4), (128, 256, 8, 3), (128, 128, 4, 4), (64, 128, 4, 4), (64, 256, 8, 4)]
 _BLOCKWISE_TILES = [(128, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 2)]
 # Each tile runs in bands of 8 row tiles (a weight read once per band: 1.23x tensorwise, 1.28x blockwise at Mixtral's
@@ -374,13 +375,10 @@ def _tile(c: triton.Config) -> tuple[int, int, int, int]:
 
 
 def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Blockwise applies one weight scale per tile and K step, so its tiles are at most one scale block wide.
-    Tensorwise with split accumulation also adds each K step's product in the registers, like blockwise: it tunes
-    over both lists."""
-    args = {**named_args, **kwargs}  # constexprs passed by keyword arrive in kwargs
-    if args["BLOCKWISE"]:
-        return [c for c in configs if c.kwargs["BLOCK_N"] <= SCALE_BLOCK]
-    return [c for c in configs if _tile(c) in _TENSORWISE_TILES] if args["FAST_ACCUM"] else configs
+    """Blockwise applies one weight scale per tile and K step, so its tiles are at most one scale block wide."""
+    if not {**named_args, **kwargs}["BLOCKWISE"]:  # constexprs passed by keyword arrive in kwargs
+        return [c for c in configs if _tile(c) in _TENSORWISE_TILES]
+    return [c for c in configs if c.kwargs["BLOCK_N"] <= SCALE_BLOCK]
 
 
 @triton.autotune(configs=autotune_configs(_MM_CONFIGS), key=["N", "K", "E", "BLOCKWISE", "FAST_ACCUM"],
@@ -390,7 +388,8 @@ def _fp8_grouped_mm_kernel(a_ptr, a_desc, b_ptr, b_desc, a_scale_ptr, b_scale_pt
                            K: tl.constexpr, E, stride_am, stride_be, stride_bn, stride_om,
                            stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                            E_PAD: tl.constexpr, BLOCKWISE: tl.constexpr, FAST_ACCUM: tl.constexpr,
-                           SCALE_BLOCK: tl.constexpr, BAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           SCALE_BLOCK: tl.constexpr, BAND: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Blockwise loads its tiles through TMA descriptors: a_desc of a [M, K], b_desc of b viewed [E * N, K] (a tile's
     rows past its group's end and columns past N load the next group's rows or zeros, and are never stored).
     Tensorwise loads them through masked pointers (a_desc and b_desc are None): TMA was no faster there (within the
