@@ -110,7 +110,7 @@ def run_shape(name: str, warmup: int, reps: int, table: Table) -> None:
             _, wq_t, ws = quantize_weight(w, recipe)
             for fast in (True, False) if recipe == "tensorwise" else (False,):  # the forward's, and dgrad's
                 gemm = lambda: fp8_grouped_mm(xq, xs, wq_t, ws.transpose(1, 2), offs, recipe, fast)  # noqa: E731
-                what = "gemm" if fast or recipe != "tensorwise" else "gemm split"
+                what = "gemm" if fast or recipe == "blockwise" else "gemm split"
                 rows.append((label, what, time_ms(gemm, warmup, reps), flops, gemm()))
             linear = lambda: fp8_grouped_linear(x, w, offs, recipe)  # noqa: E731
             rows.append((label, "gemm+quant", time_ms(linear, warmup, reps), flops, None))
