@@ -351,7 +351,8 @@ class Launcher:
             graceful = procs.stop_group(child.proc, self.grace, hurry)
             code = child.proc.returncode
             if not graceful:
-                self.say(f"{child.name} did not stop within {self.grace:.0f}s of SIGTERM and was killed")
+                self.say(f"{child.name} did not stop within {self.grace:.0f}s of SIGTERM and was killed; last lines "
+                         f"of {child.log_path}:\n{child.log_tail()}")
                 self._clean = False
             elif was_running[child.name] and code not in (0, -signal.SIGTERM):
                 self.say(f"{child.name} {exit_description(code)} while stopping; last lines of {child.log_path}:\n"

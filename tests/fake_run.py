@@ -60,7 +60,7 @@ def service(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     stop = threading.Event()
     if args.ignore_term:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: print(f"fake {args.name}: ignoring SIGTERM", flush=True))
     else:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     info = {}

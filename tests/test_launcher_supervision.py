@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,8 +84,24 @@ def test_service_ignoring_sigterm_is_killed_after_the_grace_period_and_the_run_f
     res = harness.run(launch(tmp_path, "checkpointer:--ignore-term", "trainer:--steps=1", grace=1), tmp_path)
     assert res.rc == 1
     assert "checkpointer did not stop within 1s of SIGTERM and was killed" in res.stderr
+    assert "fake checkpointer: ignoring SIGTERM" in res.stderr  # the tail of its log says what it was doing
     assert res.strays == []
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("stop_takes", [3.0, 0.0])
+def test_a_service_still_stopping_after_the_deadline_prints_where_each_thread_waits(stop_takes):
+    # The services arm this on SIGTERM (procs.report_slow_stop), before the launcher's grace period runs out.
+    code = ("import time\nfrom services.common import procs\n"
+            "def waiting_on_the_disk(): time.sleep(%r)\n"
+            "procs.report_slow_stop(after=0.5)\nwaiting_on_the_disk()" % stop_takes)
+    res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    if stop_takes:
+        assert "Thread" in res.stderr and "in waiting_on_the_disk" in res.stderr
+    else:
+        assert res.stderr == ""  # a stop in time prints nothing
 
 
 def test_grandchildren_orphaned_by_the_trainer_are_ended(tmp_path):

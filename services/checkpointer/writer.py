@@ -19,7 +19,6 @@ import json
 import logging
 import mmap
 import os
-import signal
 import socket
 import threading
 import time
@@ -38,7 +37,7 @@ from services.checkpointer.barrier import Barrier
 from services.checkpointer.control import serve_grpc
 from services.checkpointer.layout import DTYPE_NAMES, TMP_SUFFIX, Blob, parse_step
 from services.checkpointer.store import CheckpointStore
-from services.common import net, wire
+from services.common import net, procs, wire
 from services.common.config import Config, load_config
 from services.common.registry import Registry, redis_url
 
@@ -174,6 +173,10 @@ class Writer:
             self._reap()
             self._check_remote_commits()
             self._expire()
+        with self.lock:
+            unfinished = sorted(self.pending)
+        log.info("stopping (%s)", f"saves of steps {unfinished} left uncommitted; waiting for their writes in progress"
+                 if unfinished else "no save in progress")
         self.sock.close()
         self.pool.shutdown(wait=True)
         with self.lock:
@@ -488,9 +491,10 @@ def run(cfg: Config, stop: threading.Event) -> None:
         writer.serve(stop)
     finally:
         heartbeat.stop()
-        grpc_server.stop(grace=1.0)
+        grpc_server.stop(grace=1.0).wait()
         if probe:
             Path(probe).unlink(missing_ok=True)
+        log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -501,8 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s checkpointer %(levelname)s %(message)s")
     cfg = load_config(args.config, args.overrides)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    procs.stop_on_signals(stop)
     run(cfg, stop)
 
 

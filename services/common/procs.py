@@ -9,10 +9,12 @@ of their own. Elsewhere these are no-ops and the process-group stop is the only 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +30,22 @@ def die_with_parent() -> None:
     """`preexec_fn` for children: SIGTERM them when the process that started them dies, however it dies."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def report_slow_stop(after: float = 5.0) -> None:
+    """Called when a service starts stopping: if the process still lives `after` seconds later, every thread's stack
+    goes to stderr (the service's log), so a stop that outlasts the launcher's grace period says what it waited on."""
+    faulthandler.dump_traceback_later(after, exit=False, file=sys.stderr)
+
+
+def stop_on_signals(stop: threading.Event) -> None:
+    """A service's SIGTERM and SIGINT set `stop` and arm `report_slow_stop`; its main thread does the cleaning up."""
+    def handler(*_) -> None:
+        stop.set()
+        report_slow_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
 
 
 def become_subreaper() -> bool:

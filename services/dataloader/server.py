@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import threading
 
@@ -30,7 +29,7 @@ import zmq
 
 from proto import dataloader_pb2 as pb
 from proto import dataloader_pb2_grpc as pb_grpc
-from services.common import grpc_server, net, wire
+from services.common import grpc_server, net, procs, wire
 from services.common.registry import Registry, redis_url
 from services.dataloader.cp_sizing import allowed_cp_sizes
 from services.dataloader.dataset import IndexedDataset
@@ -222,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, RegistryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    stop = lambda *_: server._stop.set()  # noqa: E731 -- signal handlers only flip the event; the main thread cleans up
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    procs.stop_on_signals(server._stop)
     while not server.wait(1.0):
         pass
     server.stop()

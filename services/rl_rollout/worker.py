@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import signal
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common import procs
 from services.common.config import Config, ConfigError, load_config
 from services.common.metrics import RolloutMetrics
 from services.common.registry import Registry, RegistryError, redis_url
@@ -159,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    procs.stop_on_signals(stop)
     try:
         cfg = load_config(args.config, args.overrides)
         worker = RolloutWorker(cfg, Registry(redis_url(), cfg.run.name), args.worker_id, stop=stop)
