@@ -26,11 +26,19 @@ WINDOW = 10
 
 
 def read(path: Path) -> dict[int, dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read it ({e.strerror})") from None
     records = {}
-    for line in path.read_text().splitlines():
+    for n, line in enumerate(lines, 1):
         if line.strip():
-            r = json.loads(line)
-            records[int(r["step"])] = r  # a resumed run rewrites steps: the last record wins
+            try:
+                r = json.loads(line)
+                records[int(r["step"])] = r  # a resumed run rewrites steps: the last record wins
+                float(r["loss"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"{path}:{n}: not a trainer metrics record with a step and a loss ({e!r})") from None
     if not records:
         raise SystemExit(f"{path}: no step records")
     return records

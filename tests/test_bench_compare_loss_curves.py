@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.compare_loss_curves import difference, mean_curve, shared_steps, spread
+from bench.compare_loss_curves import difference, mean_curve, read, shared_steps, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,3 +75,12 @@ def test_the_command_compares_two_runs_or_two_groups_with_their_noise_floor(tmp_
 
     wrong = subprocess.run(script + [str(base[0])], capture_output=True, text=True)
     assert wrong.returncode == 2 and "give two runs" in wrong.stderr
+
+
+def test_a_missing_file_or_a_line_that_is_not_a_metrics_record_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="nope.jsonl: cannot read it"):
+        read(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1, "loss": 2.0}\n{"step": 2}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:2: not a trainer metrics record"):
+        read(bad)

@@ -1,4 +1,5 @@
-"""Process hygiene for the launcher: children that die with it, process-group stop, and a sweep for orphans.
+"""Process hygiene for the launcher: children that die with it, process-group stop, and a sweep for orphans; and for
+the services it stops: signal handlers that set their stop event and report a stop that takes too long.
 
 Linux gives two guarantees that plain `subprocess` does not: a child can ask to be signalled when its parent dies
 (PR_SET_PDEATHSIG), and a process can adopt its orphaned descendants (PR_SET_CHILD_SUBREAPER). Together they let the
