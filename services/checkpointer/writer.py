@@ -491,6 +491,8 @@ def run(cfg: Config, stop: threading.Event) -> None:
         writer.serve(stop)
     finally:
         heartbeat.stop()
+        # Wait for it: returning from main with gRPC still shutting down let a health probe arrive after the
+        # interpreter had shut its thread pools, which killed gRPC's serving thread and hung the exit.
         grpc_server.stop(grace=1.0).wait()
         if probe:
             Path(probe).unlink(missing_ok=True)
