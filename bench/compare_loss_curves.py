@@ -73,9 +73,10 @@ def mean_curve(runs: list[dict[int, dict]], steps: list[int]) -> list[float]:
 
 
 def spread(runs: list[dict[int, dict]], steps: list[int], kept: list[int]) -> Difference | None:
-    """The largest difference between two runs of one side (None with one run): the noise floor."""
-    pairs = [difference(mean_curve([a], steps), mean_curve([b], steps), kept)
-             for a, b in itertools.combinations(runs, 2)]
+    """The noise floor: each figure of `difference` at its largest over the pairs of runs of one side (the figures
+    may come from different pairs); None with one run."""
+    curves = [mean_curve([run], steps) for run in runs]
+    pairs = [difference(a, b, kept) for a, b in itertools.combinations(curves, 2)]
     if not pairs:
         return None
     return Difference(*(max(getattr(p, f) for p in pairs)

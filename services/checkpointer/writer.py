@@ -37,7 +37,7 @@ from services.checkpointer.barrier import Barrier
 from services.checkpointer.control import serve_grpc
 from services.checkpointer.layout import DTYPE_NAMES, TMP_SUFFIX, Blob, parse_step
 from services.checkpointer.store import CheckpointStore
-from services.common import net, procs, wire
+from services.common import grpc_server, net, procs, wire
 from services.common.config import Config, load_config
 from services.common.registry import Registry, redis_url
 
@@ -480,7 +480,7 @@ def run(cfg: Config, stop: threading.Event) -> None:
         log.warning("removed %s left by an interrupted save or delete", p)
     forget_stale_arrivals(registry, stale)
     writer = Writer(store, registry, cfg.run.bind_host, cfg.run.advertise_host)
-    grpc_server, grpc_addr = serve_grpc(store, writer, cfg.run.bind_host, cfg.run.advertise_host, writer.token)
+    control, grpc_addr = serve_grpc(store, writer, cfg.run.bind_host, cfg.run.advertise_host, writer.token)
     probe, token = make_shm_probe()
     heartbeat = registry.register(SERVICE, {"zmq": writer.endpoint, "grpc": grpc_addr, "host": host_name(),
                                             "dir": str(Path(cfg.checkpoint.dir).resolve()), "shm_probe": probe,
@@ -491,9 +491,7 @@ def run(cfg: Config, stop: threading.Event) -> None:
         writer.serve(stop)
     finally:
         heartbeat.stop()
-        # Wait for it: returning from main with gRPC still shutting down let a health probe arrive after the
-        # interpreter had shut its thread pools, which killed gRPC's serving thread and hung the exit.
-        grpc_server.stop(grace=1.0).wait()
+        grpc_server.stop(control, grace=1.0)
         if probe:
             Path(probe).unlink(missing_ok=True)
         log.info("stopped")

@@ -46,6 +46,14 @@ def serve(add_servicers: Iterable[AddServicer] = (), service_names: Iterable[str
     return server, bound
 
 
+def stop(server: grpc.Server, grace: float) -> None:
+    """Stop `server`, letting calls in flight finish for up to `grace` seconds, and return only once it has stopped.
+    A process that exits with gRPC still shutting down can hang: a call arriving after the interpreter has shut its
+    thread pools kills gRPC's serving thread ("cannot schedule new futures after shutdown"), and the exit never ends
+    (tests/test_checkpointer_service.py)."""
+    server.stop(grace=grace).wait()
+
+
 def check(address: str, service: str = "", timeout: float = 1.0) -> bool:
     """One health probe: True when `address` answers SERVING for `service`."""
     with grpc.insecure_channel(address) as channel:

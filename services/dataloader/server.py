@@ -201,7 +201,7 @@ class DataLoaderServer:
             self._heartbeat.stop()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self._grpc.stop(grace=0.5).wait()
+        grpc_server.stop(self._grpc, grace=0.5)
         self._metrics.stop()
         self._router.close(linger=0)
 
