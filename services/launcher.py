@@ -186,7 +186,7 @@ class Launcher:
         config_file = self.run_dir / "config.yaml"
         config_file.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         env = self._env = {**os.environ, "REDIS_URL": url, "PYTHONUNBUFFERED": "1",
-                           "FOLDMOE_RUN_DIR": str(self.run_dir)}
+                           "FOLDMOE_RUN_DIR": str(self.run_dir), procs.STOP_GRACE_ENV: str(self.grace)}
         specs = self.specs(config_file, cfg)
         services = [s for s in specs if s.registers_as]
         for spec in services:

@@ -3,7 +3,7 @@ trainer that prints steps, each able to misbehave on request.
 
     python tests/fake_run.py launch RUN_DIR [--grace S] [--start-timeout S] [--max-restarts N] [--child NAME:FLAG ...]
     python tests/fake_run.py service NAME --config FILE [--crash-after S] [--crash-once FILE] [--ignore-term]
-                                                        [--no-register] [--grpc]
+                                                        [--slow-stop] [--no-register] [--grpc]
     python tests/fake_run.py trainer --config FILE [--steps N] [--fail-at K] [--orphan]
 
 `launch` runs the real `Launcher` with the fake children; each --child adds flags to one of them, e.g.
@@ -61,6 +61,10 @@ def service(args: argparse.Namespace) -> int:
     stop = threading.Event()
     if args.ignore_term:
         signal.signal(signal.SIGTERM, lambda *_: print(f"fake {args.name}: ignoring SIGTERM", flush=True))
+    elif args.slow_stop:  # as the real services: the stop event, and the stack dump when the stop is slow
+        from services.common import procs
+
+        procs.stop_on_signals(stop)
     else:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     info = {}
@@ -80,8 +84,14 @@ def service(args: argparse.Namespace) -> int:
             os._exit(3)  # a crash: no clean deregistration
     if heartbeat:
         heartbeat.stop()
+    if args.slow_stop:
+        finishing_a_write_that_never_ends()
     print(f"fake {args.name}: stopped on SIGTERM", flush=True)
     return 0
+
+
+def finishing_a_write_that_never_ends() -> None:
+    time.sleep(3600)
 
 
 def trainer(args: argparse.Namespace) -> int:
@@ -117,6 +127,7 @@ def main() -> int:
     p.add_argument("--crash-after", type=float, default=0.0)
     p.add_argument("--crash-once", default="", help="crash only when this file does not exist yet (then create it)")
     p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--slow-stop", action="store_true", help="on SIGTERM, hang in a function named for it")
     p.add_argument("--no-register", action="store_true")
     p.add_argument("--grpc", action="store_true")
     p = sub.add_parser("trainer")

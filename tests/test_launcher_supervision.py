@@ -6,9 +6,11 @@ log tail, and exits non-zero; nothing it started outlives it (checked by a subre
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,19 +91,35 @@ def test_service_ignoring_sigterm_is_killed_after_the_grace_period_and_the_run_f
     assert time.monotonic() - t0 < 30
 
 
-@pytest.mark.parametrize("stop_takes", [3.0, 0.0])
-def test_a_service_still_stopping_after_the_deadline_prints_where_each_thread_waits(stop_takes):
-    # The services arm this on SIGTERM (procs.report_slow_stop), before the launcher's grace period runs out.
-    code = ("import time\nfrom services.common import procs\n"
-            "def waiting_on_the_disk(): time.sleep(%r)\n"
-            "procs.report_slow_stop(after=0.5)\nwaiting_on_the_disk()" % stop_takes)
+def test_a_service_whose_stop_hangs_logs_its_stacks_at_half_the_launchers_grace(tmp_path):
+    # The launcher hands its grace period to the services (FOLDMOE_STOP_GRACE); they dump every thread's stack at half
+    # of it, so the dump is in the log tail the launcher prints when it kills them.
+    res = harness.run(launch(tmp_path, "checkpointer:--slow-stop", "trainer:--steps=1", grace=2), tmp_path)
+    assert res.rc == 1
+    assert "checkpointer did not stop within 2s of SIGTERM and was killed" in res.stderr
+    assert "in finishing_a_write_that_never_ends" in res.stderr
+    assert res.strays == []
+
+
+@pytest.mark.parametrize("grace, dumps", [("8", False), ("1", True)])
+def test_the_stack_dump_waits_for_half_the_grace_period(grace, dumps):
+    # A stop of 1.5 s: inside half of an 8 s grace (no dump), past half of a 1 s one (dump).
+    code = ("import os, signal, threading, time\nfrom services.common import procs\n"
+            "stop = threading.Event()\nprocs.stop_on_signals(stop)\nos.kill(os.getpid(), signal.SIGTERM)\n"
+            "assert stop.wait(5)\ndef waiting_on_the_disk(): time.sleep(1.5)\nwaiting_on_the_disk()")
     res = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
-                         capture_output=True, text=True, timeout=60)
+                         env={**os.environ, "FOLDMOE_STOP_GRACE": grace}, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    if stop_takes:
-        assert "Thread" in res.stderr and "in waiting_on_the_disk" in res.stderr
-    else:
-        assert res.stderr == ""  # a stop in time prints nothing
+    assert ("in waiting_on_the_disk" in res.stderr) == dumps, res.stderr
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "inf"])
+def test_a_malformed_stop_grace_fails_at_start_up_naming_the_variable(monkeypatch, value):
+    from services.common import procs
+
+    monkeypatch.setenv("FOLDMOE_STOP_GRACE", value)
+    with pytest.raises(ValueError, match=f"FOLDMOE_STOP_GRACE='{value}'.*positive number"):
+        procs.stop_on_signals(threading.Event())
 
 
 def test_grandchildren_orphaned_by_the_trainer_are_ended(tmp_path):

@@ -33,17 +33,40 @@ def die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def report_slow_stop(after: float = 5.0) -> None:
+STOP_GRACE_ENV = "FOLDMOE_STOP_GRACE"  # seconds between the SIGTERM a service gets and the SIGKILL that may follow it
+DEFAULT_STOP_GRACE = 10.0  # the launcher's and docker's default
+
+
+def stop_grace() -> float:
+    """The stop grace period this service runs under: `FOLDMOE_STOP_GRACE` (set by the launcher from its own, and by
+    compose/docker-compose.yml to match its `stop_grace_period`), 10 s when unset."""
+    raw = os.environ.get(STOP_GRACE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_STOP_GRACE
+    try:
+        grace = float(raw)
+    except ValueError:
+        grace = -1.0
+    if not grace > 0 or grace == float("inf"):
+        raise ValueError(f"{STOP_GRACE_ENV}={raw!r}: expected the seconds between SIGTERM and SIGKILL, a positive "
+                         f"number")
+    return grace
+
+
+def report_slow_stop(after: float) -> None:
     """Called when a service starts stopping: if the process still lives `after` seconds later, every thread's stack
-    goes to stderr (the service's log), so a stop that outlasts the launcher's grace period says what it waited on."""
+    goes to stderr (the service's log), so a stop that outlasts the grace period says what it waited on."""
     faulthandler.dump_traceback_later(after, exit=False, file=sys.stderr)
 
 
 def stop_on_signals(stop: threading.Event) -> None:
-    """A service's SIGTERM and SIGINT set `stop` and arm `report_slow_stop`; its main thread does the cleaning up."""
+    """A service's SIGTERM and SIGINT set `stop` and, at half the stop grace period (`stop_grace`, read now, so a
+    malformed value fails at start-up), arm `report_slow_stop`; its main thread does the cleaning up."""
+    after = stop_grace() / 2
+
     def handler(*_) -> None:
         stop.set()
-        report_slow_stop()
+        report_slow_stop(after)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
