@@ -1,20 +1,21 @@
-"""Probe (issue #7): can a bf16 Triton grouped GEMM that gathers its A rows (the permutation fused into the first
-expert GEMM's operand loads) beat torch's gather + torch._grouped_mm at the Qwen3-30B-A3B expert shapes?
+"""Probe (issue #7): can bf16 Triton grouped GEMMs that gather their rows (the permutation fused into the expert GEMMs'
+operand loads) beat torch's gather + torch._grouped_mm at the Qwen3-30B-A3B expert shapes?
 
     python bench/probe_gather_mm.py [--tokens 16384] [--topk 8] [--reps 20]
 
-Rows: `_grouped_mm` on already-permuted rows; x[src] gather + `_grouped_mm` (what the MoE layer does now); our Triton
-grouped GEMM on permuted rows; the same kernel gathering rows through `src` (the fusion). B (the expert weights
-[E, K, N], N contiguous as the layer holds them) through a TMA descriptor, A through pointers (gathered rows cannot
-use a plain TMA tile load on Hopper). Not a training path: the layer keeps gather + `_grouped_mm` (why, with the
-figures: bench/RESULTS.md, "The permutation fused into the first expert GEMM: probed").
+Forward rows: `_grouped_mm` on already-permuted rows; x[src] gather + `_grouped_mm` (what the MoE layer does now); a
+Triton grouped GEMM on permuted rows; the same kernel gathering rows through `src` (the fusion), and also writing the
+gathered rows out (what backward's wgrad would read). B (the expert weights [E, K, N], N contiguous as the layer holds
+them) through a TMA descriptor, A through pointer loads (gathered rows cannot use a plain TMA tile load on Hopper).
+Wgrad rows (dW[g] = x[src[rows of g]]^T dY[rows of g]): `_grouped_mm` on permuted rows, gather + `_grouped_mm`, a
+Triton grouped wgrad on permuted rows and gathering. Not a training path yet: the figures, and what they are worth in
+the MoE layer, are in bench/RESULTS.md ("The permutation fused into the expert GEMMs: probed").
 Exits with a message without CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_kernels import time_ms  # noqa: E402
 from kernels.fp8_grouped_mm import _banded, _tile_of  # noqa: E402
 from kernels._triton import autotune_configs, next_power_of_2  # noqa: E402
 
@@ -40,10 +42,10 @@ _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "BAND": ban
             for m, n, k, w, s in _TILES for band in (8, 1)]
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["N", "K", "E", "GATHER"])
+@triton.autotune(configs=autotune_configs(_CONFIGS), key=["N", "K", "E", "GATHER", "KEEP"])
 @triton.jit
-def _gather_mm_kernel(a_ptr, src_ptr, b_desc, offs_ptr, out_ptr, M, N, K: tl.constexpr, E, stride_am, stride_om,
-                      E_PAD: tl.constexpr, GATHER: tl.constexpr, BAND: tl.constexpr,
+def _gather_mm_kernel(a_ptr, src_ptr, b_desc, offs_ptr, out_ptr, kept_ptr, M, N, K: tl.constexpr, E, stride_am,
+                      stride_om, E_PAD: tl.constexpr, GATHER: tl.constexpr, KEEP: tl.constexpr, BAND: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _banded(tl.program_id(0), tl.num_programs(0) // n_tiles, n_tiles, BAND)
@@ -64,37 +66,74 @@ def _gather_mm_kernel(a_ptr, src_ptr, b_desc, offs_ptr, out_ptr, M, N, K: tl.con
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         b = b_desc.load([group * K + kb * BLOCK_K, pid_n * BLOCK_N])
         acc = tl.dot(a, b, acc)
+        if KEEP:  # the gathered rows also written out in order (for backward), by the first column tile's programs
+            if pid_n == 0:
+                kept = kept_ptr + rows[:, None].to(tl.int64) * K + kb * BLOCK_K + ks[None, :]
+                tl.store(kept, a, mask=row_ok[:, None])
         a_ptrs += BLOCK_K
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
-def gather_mm(x, src, w, offs):
-    """out[r] = x[src[r]] @ w[g] for the rows r of group g (src None: x's own rows)."""
+def gather_mm(x, src, w, offs, keep=False):
+    """out[r] = x[src[r]] @ w[g] for the rows r of group g (src None: x's own rows); with `keep`, also x[src]."""
     E, K, N = w.shape
     M = src.shape[0] if src is not None else x.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    kept = torch.empty(M, K, dtype=x.dtype, device=x.device) if keep else out
     b_desc = TensorDescriptor.from_tensor(w.view(E * K, N), [64, 128])
     grid = lambda meta: ((triton.cdiv(M, meta["BLOCK_M"]) + E + 1) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _gather_mm_kernel[grid](x, src if src is not None else offs, b_desc, offs, out, M, N, K, E, x.stride(0),
-                            out.stride(0), E_PAD=next_power_of_2(E + 1), GATHER=src is not None)
-    return out
+    _gather_mm_kernel[grid](x, src if src is not None else offs, b_desc, offs, out, kept, M, N, K, E, x.stride(0),
+                            out.stride(0), E_PAD=next_power_of_2(E + 1), GATHER=src is not None, KEEP=keep)
+    return (out, kept) if keep else out
 
 
-def time_ms(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+_WGRAD_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+                (128, 128, 32, 4, 4), (256, 128, 64, 8, 3)]
+
+
+@triton.autotune(configs=autotune_configs([triton.Config({"BLOCK_K": k, "BLOCK_N": n, "BLOCK_R": r}, num_warps=w,
+                                                         num_stages=st) for k, n, r, w, st in _WGRAD_TILES]),
+                 key=["N", "K", "E", "GATHER"])
+@triton.jit
+def _wgrad_kernel(x_ptr, src_ptr, dy_ptr, offs_ptr, dw_ptr, K, N, E, stride_xm, stride_dym,
+                  GATHER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dW[g][k-tile, n-tile] = sum over the rows r of group g of x[src[r]][k-tile]^T dY[r][n-tile]."""
+    k_tiles, n_tiles = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    g = pid // (k_tiles * n_tiles)
+    pid_k = pid % (k_tiles * n_tiles) // n_tiles
+    pid_n = pid % n_tiles
+    two = tl.arange(0, 2)  # offs[g-1], offs[g] as a vector, then scalars (0-d in the interpreter too)
+    bounds = tl.load(offs_ptr + g - 1 + two, mask=g - 1 + two >= 0, other=0)
+    start, end = tl.sum(tl.where(two == 0, bounds, 0), 0), tl.sum(tl.where(two == 1, bounds, 0), 0)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(end - start, BLOCK_R)):
+        rows = start + i * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < end
+        if GATHER:
+            src = tl.load(src_ptr + rows, mask=ok, other=0)
+        else:
+            src = rows
+        a = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=ok[:, None], other=0.0)
+        b = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :], mask=ok[:, None], other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc)
+    out = dw_ptr + g.to(tl.int64) * K * N + ks[:, None] * N + ns[None, :]
+    tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=(ks < K)[:, None] & (ns < N)[None, :])
+
+
+def grouped_wgrad(x, src, dy, offs):
+    """dW [E, K, N]: dW[g] = x[src[rows of g]]^T @ dy[rows of g] (src None: x's own rows)."""
+    E = offs.shape[0]
+    K, N = x.shape[1], dy.shape[1]
+    dw = torch.empty(E, K, N, dtype=dy.dtype, device=dy.device)
+    grid = lambda meta: (E * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _wgrad_kernel[grid](x, src if src is not None else offs, dy, offs, dw, K, N, E, x.stride(0), dy.stride(0),
+                        GATHER=src is not None)
+    return dw
 
 
 def main():
@@ -133,14 +172,29 @@ def main():
             "gather + _grouped_mm": lambda: torch._grouped_mm(x[src], w, offs=offs),
             "triton (permuted rows)": lambda: gather_mm(xp, None, w, offs),
             "triton gathering rows": lambda: gather_mm(x, src, w, offs),
+            "triton gathering, keeping x[src]": lambda: gather_mm(x, src, w, offs, keep=True),
             "gather alone": lambda: x[src],
         }
-        print(f"{name}: M={M} K={K} N={N} E={E}  max rel err gather {err:.1e} plain {err2:.1e}")
+        kept_err = (gather_mm(x, src, w, offs, keep=True)[1] != xp).sum().item()
+        dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+        dw_ref = torch._grouped_mm(xp.t(), dy, offs=offs)
+        scale = dw_ref.float().abs().max()
+        dw_err = ((grouped_wgrad(xp, None, dy, offs).float() - dw_ref.float()).abs().max() / scale).item()
+        dw_gerr = ((grouped_wgrad(x, src, dy, offs).float() - dw_ref.float()).abs().max() / scale).item()
+        rows.update({
+            "wgrad _grouped_mm (x[src])": lambda: torch._grouped_mm(xp.t(), dy, offs=offs),
+            "wgrad gather + _grouped_mm": lambda: torch._grouped_mm(x[src].t(), dy, offs=offs),
+            "wgrad triton (x[src])": lambda: grouped_wgrad(xp, None, dy, offs),
+            "wgrad triton gathering rows": lambda: grouped_wgrad(x, src, dy, offs),
+        })
+        print(f"{name}: M={M} K={K} N={N} E={E}  max rel err gather {err:.1e} plain {err2:.1e}; kept rows wrong "
+              f"{kept_err}; wgrad max rel err {dw_err:.1e}, gathering {dw_gerr:.1e}")
         for label, fn in rows.items():
             ms = time_ms(fn, 5, args.reps)
-            print(f"  {label:30s} {ms:7.3f} ms  {flop / ms / 1e9:6.0f} TFLOP/s")
-    for key, cfg in _gather_mm_kernel.cache.items():
-        print(f"  chosen for {key[:4]}: {cfg}")
+            print(f"  {label:34s} {ms:7.3f} ms  {flop / ms / 1e9:6.0f} TFLOP/s")
+    for kernel in (_gather_mm_kernel, _wgrad_kernel):
+        for key, cfg in kernel.cache.items():
+            print(f"  chosen for {kernel.fn.__name__} {key[:5]}: {cfg}")
 
 
 if __name__ == "__main__":
