@@ -8,8 +8,8 @@ Triton grouped GEMM on permuted rows; the same kernel gathering rows through `sr
 gathered rows out (what backward's wgrad would read). B (the expert weights [E, K, N], N contiguous as the layer holds
 them) through a TMA descriptor, A through pointer loads (gathered rows cannot use a plain TMA tile load on Hopper).
 Wgrad rows (dW[g] = x[src[rows of g]]^T dY[rows of g]): `_grouped_mm` on permuted rows, gather + `_grouped_mm`, a
-Triton grouped wgrad on permuted rows and gathering. Not a training path yet: the figures, and what they are worth in
-the MoE layer, are in bench/RESULTS.md ("The permutation fused into the expert GEMMs: probed").
+Triton grouped wgrad on permuted rows and gathering. Not a training path: the figures, what they are worth in the MoE
+layer and why the fusion was not kept are in bench/RESULTS.md ("The permutation fused into the expert GEMMs").
 Exits with a message without CUDA.
 """
 
@@ -66,11 +66,18 @@ def _gather_mm_kernel(a_ptr, src_ptr, b_desc, offs_ptr, out_ptr, kept_ptr, M, N,
         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         b = b_desc.load([group * K + kb * BLOCK_K, pid_n * BLOCK_N])
         acc = tl.dot(a, b, acc)
-        if KEEP:  # the gathered rows also written out in order (for backward), by the first column tile's programs
-            if pid_n == 0:
-                kept = kept_ptr + rows[:, None].to(tl.int64) * K + kb * BLOCK_K + ks[None, :]
-                tl.store(kept, a, mask=row_ok[:, None])
         a_ptrs += BLOCK_K
+    # The gathered rows also written out in expert order (for backward), by the first column tile's programs, in a
+    # second pass over them after the products: storing the loaded tile `a` inside the loop above gave wrong products
+    # on an H100 with Triton 3.6 (at every shape and tile tried; bench/RESULTS.md).
+    if KEEP:
+        if pid_n == 0:
+            a_ptrs = a_ptr + src[:, None].to(tl.int64) * stride_am + ks[None, :]
+            kept = kept_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
+            for kb in range(0, k_steps):
+                tl.store(kept, tl.load(a_ptrs, mask=row_ok[:, None], other=0.0), mask=row_ok[:, None])
+                a_ptrs += BLOCK_K
+                kept += BLOCK_K
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
@@ -175,7 +182,9 @@ def main():
             "triton gathering, keeping x[src]": lambda: gather_mm(x, src, w, offs, keep=True),
             "gather alone": lambda: x[src],
         }
-        kept_err = (gather_mm(x, src, w, offs, keep=True)[1] != xp).sum().item()
+        keep_out, kept = gather_mm(x, src, w, offs, keep=True)
+        kept_err = (kept != xp).sum().item()
+        err3 = ((keep_out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
         dw_ref = torch._grouped_mm(xp.t(), dy, offs=offs)
         scale = dw_ref.float().abs().max()
@@ -187,8 +196,8 @@ def main():
             "wgrad triton (x[src])": lambda: grouped_wgrad(xp, None, dy, offs),
             "wgrad triton gathering rows": lambda: grouped_wgrad(x, src, dy, offs),
         })
-        print(f"{name}: M={M} K={K} N={N} E={E}  max rel err gather {err:.1e} plain {err2:.1e}; kept rows wrong "
-              f"{kept_err}; wgrad max rel err {dw_err:.1e}, gathering {dw_gerr:.1e}")
+        print(f"{name}: M={M} K={K} N={N} E={E}  max rel err gather {err:.1e} plain {err2:.1e} keeping {err3:.1e}; "
+              f"kept rows wrong {kept_err}; wgrad max rel err {dw_err:.1e}, gathering {dw_gerr:.1e}")
         for label, fn in rows.items():
             ms = time_ms(fn, 5, args.reps)
             print(f"  {label:34s} {ms:7.3f} ms  {flop / ms / 1e9:6.0f} TFLOP/s")
