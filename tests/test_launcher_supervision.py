@@ -122,6 +122,16 @@ def test_a_malformed_stop_grace_fails_at_start_up_naming_the_variable(monkeypatc
         procs.stop_on_signals(threading.Event())
 
 
+@pytest.mark.parametrize("service", ["services.dataloader.server", "services.rl_rollout.worker"])
+def test_a_service_with_a_malformed_stop_grace_exits_2_before_starting_anything(monkeypatch, capsys, service):
+    import importlib
+
+    monkeypatch.setenv("FOLDMOE_STOP_GRACE", "soon")
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1")  # unreachable: a start before the check would fail there
+    assert importlib.import_module(service).main([]) == 2
+    assert "FOLDMOE_STOP_GRACE='soon'" in capsys.readouterr().err
+
+
 def test_grandchildren_orphaned_by_the_trainer_are_ended(tmp_path):
     # torchrun starts its workers in sessions of their own; a process-group stop alone would miss them.
     res = harness.run(launch(tmp_path, "trainer:--orphan"), tmp_path)

@@ -53,20 +53,16 @@ def stop_grace() -> float:
     return grace
 
 
-def report_slow_stop(after: float) -> None:
-    """Called when a service starts stopping: if the process still lives `after` seconds later, every thread's stack
-    goes to stderr (the service's log), so a stop that outlasts the grace period says what it waited on."""
-    faulthandler.dump_traceback_later(after, exit=False, file=sys.stderr)
-
-
 def stop_on_signals(stop: threading.Event) -> None:
-    """A service's SIGTERM and SIGINT set `stop` and, at half the stop grace period (`stop_grace`, read now, so a
-    malformed value fails at start-up), arm `report_slow_stop`; its main thread does the cleaning up."""
+    """A service's SIGTERM and SIGINT set `stop` (its main thread does the cleaning up) and arm a dump of every thread's
+    stack to stderr, the service's log, at half the stop grace period: a stop that would outlast the grace says what
+    it waited on before the SIGKILL. The grace (`stop_grace`) is read here, so call this before starting anything:
+    a malformed value then fails the start with nothing to undo."""
     after = stop_grace() / 2
 
     def handler(*_) -> None:
         stop.set()
-        report_slow_stop(after)
+        faulthandler.dump_traceback_later(after, exit=False, file=sys.stderr)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)

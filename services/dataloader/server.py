@@ -207,7 +207,7 @@ class DataLoaderServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.common.config import ConfigError, load_config
+    from services.common.config import load_config
     from services.common.registry import RegistryError
 
     parser = argparse.ArgumentParser(prog="python -m services.dataloader.server", description=__doc__.split("\n")[0])
@@ -215,14 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dataloader %(levelname)s %(message)s")
+    stop = threading.Event()
     try:
+        procs.stop_on_signals(stop)  # first: a malformed stop grace fails before anything is started
         cfg = load_config(args.config, args.overrides)
         server = DataLoaderServer(cfg, Registry(redis_url(), cfg.run.name)).start()
-    except (ConfigError, DataError, RegistryError) as e:
+    except (ValueError, DataError, RegistryError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    procs.stop_on_signals(server._stop)
-    while not server.wait(1.0):
+    while not (stop.wait(0.5) or server.wait(0)):  # a signal, or the server stopping by itself
         pass
     server.stop()
     if server.error is not None:

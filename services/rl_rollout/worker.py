@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
     stop = threading.Event()
-    procs.stop_on_signals(stop)
     try:
+        procs.stop_on_signals(stop)  # first: a malformed stop grace fails before anything is started
         cfg = load_config(args.config, args.overrides)
         worker = RolloutWorker(cfg, Registry(redis_url(), cfg.run.name), args.worker_id, stop=stop)
     except (ValueError, RegistryError, KeyError) as e:  # ConfigError is a ValueError; KeyError: an unknown rl.task
