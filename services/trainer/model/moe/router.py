@@ -1,6 +1,7 @@
 """Router: token -> top-k experts and their weights, plus the load-balancing losses.
 
-Scores are computed in fp32 whatever the autocast dtype (small logit differences decide routing). Balancing has three
+Scores are computed in fp32 whatever the autocast dtype (small logit differences decide routing; for bf16 x on CUDA,
+on the tensor cores: router_logits.py). Balancing has three
 mechanisms that can be combined: the aux loss (Switch/GShard form E·Σ fᵢ·Pᵢ, per micro-batch or per sequence), the z-loss
 (ST-MoE, keeps router logits small), and the aux-loss-free expert bias (DeepSeek-V3), which shifts *selection* only and is
 updated after each optimizer step from the observed load.
@@ -24,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
 from services.trainer.model import recompute
 from services.trainer.model.moe.experts import triton_applies
+from services.trainer.model.moe.router_logits import router_logits
 
 
 @dataclass
@@ -62,8 +63,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> Routing:
         cfg = self.cfg
-        with torch.autocast(x.device.type, enabled=False):  # autocast would run this linear in bf16
-            logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        logits = router_logits(x, self.weight)  # [T, E] fp32
         if self.fused and self._fused_applies(logits):
             return self._forward_fused(logits)
         scores = torch.softmax(logits, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
