@@ -1,9 +1,11 @@
 """router_logits: fp32 router logits from bf16 GEMMs on split weights, against an fp64 reference.
 
-Tolerances, relative to the largest reference value: logits and the weight gradient within 1e-6 (the fp32 GEMM itself
-is 2-4e-7 off at these shapes; a weight rounded to bf16 is ~1.5e-3 off, two bf16 parts ~5e-6); the input gradient,
-which is bf16, within one bf16 rounding (2^-8) of the reference. On CPU the bf16 parts are multiplied in fp32 (the
-tensor cores' exact products); on CUDA the same tests run the tensor-core path through `router_logits`."""
+Tolerances, relative to the largest reference value: logits and the fp32 weight gradient within 1e-6 on CPU, where the
+bf16 parts are multiplied in fp32 and the errors are the fp32 GEMM's (1-4e-7 here), and 2e-5 on CUDA: the H100's tensor cores add the
+products with fewer bits than fp32: 0.7-2.8e-6 off for the logits (fp32 GEMM 0.2-1e-6) and 1e-5 for the weight gradient
+over 16,384 tokens (fp32 7.5e-7). A weight rounded to bf16 (one part) is ~1.5e-3 off. The input gradient, which is bf16,
+within one bf16 rounding (2^-8) of the reference. On CUDA the same tests run the tensor-core path through
+`router_logits`."""
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from services.trainer.model.moe.router_logits import SplitBf16Logits, router_logits, split_bf16
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-5 if DEVICE == "cuda" else 1e-6
 
 
 def logits_fn(x, w):
@@ -45,10 +48,10 @@ def test_logits_and_gradients_match_fp64(T, h, E, weight_dtype):
 
     x64, w64, g64 = x.detach().double(), w.detach().double(), grad.double()
     assert logits.dtype == torch.float32 and x.grad.dtype == torch.bfloat16 and w.grad.dtype == weight_dtype
-    assert rel_err(logits, x64 @ w64.T) < 1e-6
+    assert rel_err(logits, x64 @ w64.T) < TOL
     assert rel_err(x.grad, g64 @ w64) < 2**-8
     if weight_dtype == torch.float32:
-        assert rel_err(w.grad, g64.T @ x64) < 1e-6
+        assert rel_err(w.grad, g64.T @ x64) < TOL
     else:  # the bf16 gradient: one rounding of the fp32 one
         assert rel_err(w.grad, g64.T @ x64) < 2**-8
 
