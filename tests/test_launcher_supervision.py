@@ -122,7 +122,8 @@ def test_a_malformed_stop_grace_fails_at_start_up_naming_the_variable(monkeypatc
         procs.stop_on_signals(threading.Event())
 
 
-@pytest.mark.parametrize("service", ["services.dataloader.server", "services.rl_rollout.worker"])
+@pytest.mark.parametrize("service", ["services.dataloader.server", "services.rl_rollout.worker",
+                                     "services.checkpointer.writer"])
 def test_a_service_with_a_malformed_stop_grace_exits_2_before_starting_anything(monkeypatch, capsys, service):
     import importlib
 

@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -497,17 +498,22 @@ def run(cfg: Config, stop: threading.Event) -> None:
         log.info("stopped")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.checkpointer.writer", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=None, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s checkpointer %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides)
     stop = threading.Event()
-    procs.stop_on_signals(stop)
+    try:
+        procs.stop_on_signals(stop)  # first: a malformed stop grace fails before anything is started
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     run(cfg, stop)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
