@@ -5,7 +5,8 @@ cores: at Qwen3-30B-A3B's shape (16,384 tokens, h=2048, 128 experts) its three G
 ~0.75 ms of the MoE layer's 8.5 (bench/RESULTS.md). Nearly the same result comes from bf16 tensor-core GEMMs:
 
 - x in bf16 (a layer run in bf16: the rollout engine's model, the MoE layer bench) is exact bf16 numbers. The
-  trainer's residual stream is fp32, where splitting x too would cost what the fp32 GEMM costs: it keeps that GEMM.
+  trainer's residual stream is fp32: it keeps the fp32 GEMM (splitting x too was estimated, not built, to cost about
+  what that GEMM costs at 8,192 tokens).
 - An fp32 number is, exactly, the sum of at most three bf16 numbers: hi = bf16(w), mid = bf16(w - hi),
   lo = bf16(w - hi - mid) (each difference is exact in fp32; each part takes the next 8+ bits of fp32's 24).
 - A product of two bf16 numbers is exact in fp32, and the tensor cores accumulate in (nearly) fp32.
@@ -64,7 +65,7 @@ class SplitBf16Logits(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         parts = split_bf16(weight, _parts_of(weight))
         stacked = torch.cat(parts) if len(parts) > 1 else parts[0]  # [parts·E, h]
-        logits = _sum_parts(mm_fp32(x, stacked.t()).view(x.shape[0], len(parts), -1).transpose(0, 1))
+        logits = mm_fp32(x, stacked.t()).view(x.shape[0], len(parts), -1).sum(1)
         ctx.save_for_backward(x, weight)
         return logits
 
@@ -82,13 +83,5 @@ class SplitBf16Logits(torch.autograd.Function):
                 lhs, rhs = torch.cat([g[0], g[0], g[1]], dim=1), torch.cat([w[0], w[1], w[0]])
             grad_x = torch.mm(lhs, rhs) if lhs.is_cuda else torch.mm(lhs.float(), rhs.float()).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _sum_parts(mm_fp32(torch.cat(g, dim=1).t(), x).view(3, E, -1)).to(weight.dtype)
+            grad_w = mm_fp32(torch.cat(g, dim=1).t(), x).view(3, E, -1).sum(0).to(weight.dtype)
         return grad_x, grad_w
-
-
-def _sum_parts(stacked: torch.Tensor) -> torch.Tensor:
-    """[parts, ...] -> [...], adding the smallest parts first."""
-    out = stacked[-1]
-    for i in range(stacked.shape[0] - 2, -1, -1):
-        out = out + stacked[i]
-    return out
