@@ -52,19 +52,31 @@ def _configs(hook):
                           pre_hook=hook) for m, n, k, w, s in _TILES for band in (8, 1)]
 
 
+@triton.jit
+def _program_tile(offs_ptr, M, F, E, E_PAD: tl.constexpr, BAND: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """(group, column tile, rows, which rows are the group's) of this program; group >= E: no tile, nothing to do."""
+    n_tiles = tl.cdiv(F, BLOCK_N)
+    pid_m, pid_n = _banded(tl.program_id(0), tl.num_programs(0) // n_tiles, n_tiles, BAND)
+    group, row0, row_end = _tile_of(pid_m, offs_ptr, M, E, E_PAD, BLOCK_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    return group, pid_n, rows, rows < row_end
+
+
+def _grid(M: int, F: int, E: int):
+    """Programs for every row tile of every group (at most M / BLOCK_M + E + 1 of them) times the column tiles."""
+    return lambda meta: ((triton.cdiv(M, meta["BLOCK_M"]) + E + 1) * triton.cdiv(F, meta["BLOCK_N"]),)
+
+
 @triton.autotune(configs=autotune_configs(_configs(_set_fwd_block)), key=["F", "K", "E"])
 @triton.jit
 def _gate_up_swiglu_kernel(a_ptr, b_desc, offs_ptr, prob_ptr, h_ptr, act_ptr, M, F, K: tl.constexpr, E,
                            E_PAD: tl.constexpr, BAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):
     """h[r] = a[r] @ w13[g] (gate half and up half), act[r] = silu(gate) * up * prob[r], rows r of group g."""
-    n_tiles = tl.cdiv(F, BLOCK_N)
-    pid_m, pid_n = _banded(tl.program_id(0), tl.num_programs(0) // n_tiles, n_tiles, BAND)
-    group, row0, row_end = _tile_of(pid_m, offs_ptr, M, E, E_PAD, BLOCK_M)
+    group, pid_n, rows, row_ok = _program_tile(offs_ptr, M, F, E, E_PAD, BAND, BLOCK_M, BLOCK_N)
     if group >= E:
         return
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -93,8 +105,8 @@ def gate_up_swiglu(x, w13, offs, prob):
     h = torch.empty(M, F2, dtype=x.dtype, device=x.device)
     act = torch.empty(M, F, dtype=x.dtype, device=x.device)
     b_desc = TensorDescriptor.from_tensor(w13.view(E * K, F2), [64, 128])
-    grid = lambda meta: ((triton.cdiv(M, meta["BLOCK_M"]) + E + 1) * triton.cdiv(F, meta["BLOCK_N"]),)  # noqa: E731
-    _gate_up_swiglu_kernel[grid](x, b_desc, offs, prob, h, act, M, F, K, E, E_PAD=next_power_of_2(E + 1))
+    _gate_up_swiglu_kernel[_grid(M, F, E)](x, b_desc, offs, prob, h, act, M, F, K, E,
+                                           E_PAD=next_power_of_2(E + 1))
     return h, act
 
 
@@ -105,13 +117,9 @@ def _down_dgrad_swiglu_kernel(dy_ptr, b_desc, offs_ptr, h_ptr, prob_ptr, dh_ptr,
                               E_PAD: tl.constexpr, BAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr):
     """dact[r] = dY[r] @ w2[g]^T, then the SwiGLU backward on it: dh[r] (gate and up halves) and dprob[r]."""
-    n_tiles = tl.cdiv(F, BLOCK_N)
-    pid_m, pid_n = _banded(tl.program_id(0), tl.num_programs(0) // n_tiles, n_tiles, BAND)
-    group, row0, row_end = _tile_of(pid_m, offs_ptr, M, E, E_PAD, BLOCK_M)
+    group, pid_n, rows, row_ok = _program_tile(offs_ptr, M, F, E, E_PAD, BAND, BLOCK_M, BLOCK_N)
     if group >= E:
         return
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = dy_ptr + rows[:, None].to(tl.int64) * H + ks[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -143,8 +151,8 @@ def down_dgrad_swiglu(dy, w2, offs, h, prob):
     dh = torch.empty_like(h)
     dprob = torch.zeros(M, dtype=torch.float32, device=dy.device)
     b_desc = TensorDescriptor.from_tensor(w2.view(E * F, H), [128, 64])
-    grid = lambda meta: ((triton.cdiv(M, meta["BLOCK_M"]) + E + 1) * triton.cdiv(F, meta["BLOCK_N"]),)  # noqa: E731
-    _down_dgrad_swiglu_kernel[grid](dy, b_desc, offs, h, prob, dh, dprob, M, F, H, E, E_PAD=next_power_of_2(E + 1))
+    _down_dgrad_swiglu_kernel[_grid(M, F, E)](dy, b_desc, offs, h, prob, dh, dprob, M, F, H, E,
+                                              E_PAD=next_power_of_2(E + 1))
     return dh, dprob
 
 

@@ -7,6 +7,8 @@ themselves through the `kernels_on_device` fixture, and every other test in the 
 reference path. On a machine with CUDA the kernels are compiled and the tests run them on the GPU.
 """
 
+import contextlib
+import importlib
 import os
 import sys
 
@@ -16,6 +18,30 @@ import torch
 ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 
+
+@contextlib.contextmanager
+def _interpreter_requested():
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def import_kernels(*names: str) -> list:
+    """Import the modules that define the `@triton.jit` kernels a test runs: on a CPU machine with the interpreter
+    requested for the import only, so their kernels are built for it (the kernels package's below; a bench probe's in
+    its own test)."""
+    if ON_CUDA:
+        return [importlib.import_module(n) for n in names]
+    with _interpreter_requested():
+        return [importlib.import_module(n) for n in names]
+
+
 if not ON_CUDA:
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         from triton.runtime.jit import JITFunction
@@ -24,17 +50,9 @@ if not ON_CUDA:
         if isinstance(_tl.sum, JITFunction):
             raise RuntimeError("triton was imported before the kernel tests could switch on its CPU interpreter; "
                                "run pytest with TRITON_INTERPRET=1 in the environment")
-    _previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    # builds triton's library and our kernels for the interpreter
-    import kernels.cross_entropy, kernels.permute, kernels.router  # noqa: E401,E402,F401
-    import kernels.swiglu, kernels.unpermute, kernels.fp8_grouped_mm, kernels.adamw  # noqa: E401,E402,F401
-    import kernels.head_norm_rope  # noqa: E402,F401
-
-    if _previous is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
+# builds triton's library (on CPU, for the interpreter) and our kernels
+import_kernels("kernels.cross_entropy", "kernels.permute", "kernels.router", "kernels.swiglu", "kernels.unpermute",
+               "kernels.fp8_grouped_mm", "kernels.adamw", "kernels.head_norm_rope")
 
 
 @pytest.fixture(autouse=True)

@@ -6,21 +6,11 @@ interpreter's TMA-descriptor loads return wrong values for bf16 (checked against
 kernels are dtype-generic. Tolerance: the GEMM output is rounded to the operands' dtype in both paths, so they differ
 by the summation order only: rtol/atol 2e-3 (fp16) / 2e-2 (bf16) on values of order 1; dprob (fp32) relative 1e-3."""
 
-import os
-
 import torch
-from kernels_interpreter import DEVICE, ON_CUDA, kernels_on_device  # noqa: F401  (first: before triton is imported)
+from kernels_interpreter import DEVICE, ON_CUDA, import_kernels, kernels_on_device  # noqa: F401  (first)
 
-_previous = os.environ.get("TRITON_INTERPRET")
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # the probe's kernels are built at import, for the interpreter on CPU
-from bench.probe_swiglu_epilogue import down_dgrad_swiglu, gate_up_swiglu  # noqa: E402
-
-if not ON_CUDA:
-    if _previous is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous
+(probe,) = import_kernels("bench.probe_swiglu_epilogue")
+gate_up_swiglu, down_dgrad_swiglu = probe.gate_up_swiglu, probe.down_dgrad_swiglu
 
 H = F = 128  # the first (interpreter) config's tiles: 128 rows x 128 columns x 64
 COUNTS = [130, 0, 190]
