@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_kernels import time_ms  # noqa: E402
 from bench.record import Table, add_record_argument  # noqa: E402
-from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, _fp8_grouped_mm_kernel, fp8_grouped_linear,  # noqa: E402
-                                    fp8_grouped_mm, quantize_rows, quantize_weight)
+from kernels.fp8_grouped_mm import _fp8_grouped_mm_kernel, fp8_grouped_linear, fp8_grouped_mm  # noqa: E402
+from kernels.fp8_quantize import FP8, FP8_MAX, RECIPES, quantize_rows, quantize_weight  # noqa: E402
 
 # name: (experts, tokens per expert, K, N, uneven)
 SHAPES = {

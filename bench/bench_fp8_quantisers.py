@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_kernels import time_ms  # noqa: E402
 from bench.record import Table, add_record_argument  # noqa: E402
-from kernels.fp8_grouped_mm import RECIPES, SCALE_BLOCK, quantize_rows, quantize_weight  # noqa: E402
+from kernels.fp8_quantize import RECIPES, SCALE_BLOCK, quantize_rows, quantize_weight  # noqa: E402
 
 ROWS = 65536
 ROW_WIDTHS = (2048, 768, 1536)

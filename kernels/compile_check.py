@@ -35,6 +35,7 @@ def _variants():
     router = importlib.import_module("kernels.router")
     swiglu = importlib.import_module("kernels.swiglu")
     fp8 = importlib.import_module("kernels.fp8_grouped_mm")
+    fp8q = importlib.import_module("kernels.fp8_quantize")
     adamw = importlib.import_module("kernels.adamw")
     hnr = importlib.import_module("kernels.head_norm_rope")
     for remainder in (False, True):  # bf16 parameters with an fp32 master, or with its int16 remainders
@@ -69,21 +70,21 @@ def _variants():
                    {"K": 2048, "E_PAD": 256, "BLOCKWISE": blockwise, "FAST_ACCUM": fast_accum, "SCALE_BLOCK": 128,
                     **tiles, "BLOCK_K": 128, **({} if blockwise else {"a_desc": None, "b_desc": None})},
                    4 if blockwise else 8)
-        yield (fp8._quantize_rows_kernel,
+        yield (fp8q._quantize_rows_kernel,
                {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "stride_xm": "i32",
                 "stride_sm": "i32", "stride_sk": "i32"},
                {"K": 2048, "BLOCKWISE": blockwise, "BLOCK_M": 16 if blockwise else 1,
                 "BLOCK_K": 128 if blockwise else 2048, "FP8_MAX": 448.0, "EPS": 1e-12, "ROUND_FIRST": False}, 4)
-        yield (fp8._quantize_weight_kernel,
+        yield (fp8q._quantize_weight_kernel,
                {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "N": "i32",
                 "stride_se": "i32", "stride_sk": "i32", "stride_sn": "i32"},
                {"BLOCKWISE": blockwise, "BLOCK": 128, "FP8_MAX": 448.0, "EPS": 1e-12, "ROUND_FIRST": False}, 8)
-    yield (fp8._quantize_rows_kernel,  # rows longer than one program holds: read twice, in 1024-wide chunks
+    yield (fp8q._quantize_rows_kernel,  # rows longer than one program holds: read twice, in 1024-wide chunks
            {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "stride_xm": "i32",
             "stride_sm": "i32", "stride_sk": "i32"},
            {"K": 28672, "BLOCKWISE": False, "BLOCK_M": 8, "BLOCK_K": 1024, "FP8_MAX": 448.0, "EPS": 1e-12,
             "ROUND_FIRST": False}, 4)
-    yield (fp8._transpose_bytes_kernel, {"q_ptr": "*u8", "qt_ptr": "*u8", "K": "i32", "N": "i32"}, {"BLOCK": 128}, 8)
+    yield (fp8q._transpose_bytes_kernel, {"q_ptr": "*u8", "qt_ptr": "*u8", "K": "i32", "N": "i32"}, {"BLOCK": 128}, 8)
     for dt in ("bf16", "fp32"):
         yield (rows._scatter_rows_kernel,
                {"src_ptr": f"*{dt}", "row_id_map_ptr": "*i32", "weights_ptr": "*fp32", "dot_src_ptr": f"*{dt}",

@@ -19,10 +19,11 @@ from kernels_interpreter import DEVICE, ON_CUDA, kernels_on_device  # noqa: F401
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from kernels.fp8_grouped_mm import (FP8, FP8_MAX, RECIPES, SCALE_BLOCK, _BLOCKWISE_TILES, _MM_CONFIGS,
-                                    _TENSORWISE_TILES, _banded, _prune_configs, _tile, fp8_grouped_linear,
-                                    fp8_grouped_mm, fp8_grouped_mm_reference, quantize_rows, quantize_rows_reference,
-                                    quantize_weight, quantize_weight_reference)
+from kernels.fp8_grouped_mm import (_BLOCKWISE_TILES, _MM_CONFIGS, _TENSORWISE_TILES, _banded,  # noqa: E402
+                                    _prune_configs, _tile, fp8_grouped_linear, fp8_grouped_mm,
+                                    fp8_grouped_mm_reference)
+from kernels.fp8_quantize import (FP8, FP8_MAX, RECIPES, SCALE_BLOCK, quantize_rows,  # noqa: E402
+                                  quantize_rows_reference, quantize_weight, quantize_weight_reference)
 
 # 4 experts, uneven with an empty one; 5 tail rows past the last expert's (dropped copies): written as zeros.
 COUNTS = [150, 0, 61, 9]
@@ -312,10 +313,13 @@ def test_experts_on_cpu_accept_fp8_and_run_the_torch_path():
 
 
 def _count_weight_quantisations(monkeypatch) -> list:
-    import kernels.fp8_grouped_mm as mod
+    import kernels.fp8_grouped_mm as linear
+    import kernels.fp8_quantize as quantisers
 
-    calls, quantize = [], mod.quantize_weight
-    monkeypatch.setattr(mod, "quantize_weight", lambda w, recipe: calls.append(tuple(w.shape)) or quantize(w, recipe))
+    calls, quantize = [], quantisers.quantize_weight
+    counted = lambda w, recipe: calls.append(tuple(w.shape)) or quantize(w, recipe)  # noqa: E731
+    for mod in (linear, quantisers):  # the linear's own call and the experts' held copy (they import it at call time)
+        monkeypatch.setattr(mod, "quantize_weight", counted)
     return calls
 
 

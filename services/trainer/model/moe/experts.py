@@ -117,7 +117,7 @@ class GroupedExperts(nn.Module):
         None outside it (the linear then quantises at each call)."""
         if self.fp8_weights is None:
             return None
-        from kernels.fp8_grouped_mm import quantize_weight
+        from kernels.fp8_quantize import quantize_weight
 
         name = "w13" if w is self.w13 else "w2"
         if name not in self.fp8_weights:  # (the linear marks the copy it saves as a weight copy, held or not)
