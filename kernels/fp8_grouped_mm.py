@@ -6,14 +6,13 @@
     fp8_grouped_linear(x [M, K], w [E, K, N], offs, recipe, w_quantized=None) -> [M, N] bf16
         (autograd; quantises on the device, the weight unless `w_quantized` holds quantize_weight(w, recipe))
 
-Recipes (the scales are fp32, computed on the device from amaxes: amax / 448, e4m3's largest value):
+Recipes (the fp32 scales come from kernels/fp8_quantize.py, which says how they are made):
 - "tensorwise": one scale per activation row (a_scale [M, 1]) and one per expert weight (b_scale [E, 1, 1]); the
   scales are applied once, in the epilogue. With `fast_accum` the tensor cores accumulate the whole K in their own
   reduced-precision fp8 accumulator on Hopper (Triton's default for fp8 there); without it (the default, as
   torch._scaled_mm's `use_fast_accum=False`) each 128-deep K step's product is added to an fp32 accumulator, as
   blockwise does. The linear below uses fast accumulation in forward and split accumulation in dgrad, as Transformer
-  Engine's FP8 recipes do (its `fp8_gemm_fprop` / `fp8_gemm_dgrad`). (A row's scale is never coarser than one for
-  the whole tensor and costs the same, so activations are scaled per row.)
+  Engine's FP8 recipes do (its `fp8_gemm_fprop` / `fp8_gemm_dgrad`).
 - "blockwise": DeepSeek-V3's fine-grained scaling (arXiv 2412.19437, section 3.3.2): activations 1x128 along K
   (a_scale [M, ceil(K/128)]), weights 128x128 (b_scale [E, ceil(N/128), ceil(K/128)]). Each 128-deep K step's
   partial product leaves the tensor cores and is added to an fp32 accumulator with its two scales, which also bounds

@@ -318,7 +318,7 @@ def _count_weight_quantisations(monkeypatch) -> list:
 
     calls, quantize = [], quantisers.quantize_weight
     counted = lambda w, recipe: calls.append(tuple(w.shape)) or quantize(w, recipe)  # noqa: E731
-    for mod in (linear, quantisers):  # the linear's own call and the experts' held copy (they import it at call time)
+    for mod in (linear, quantisers):  # the linear's own call, and the experts' held copy (imported at call time)
         monkeypatch.setattr(mod, "quantize_weight", counted)
     return calls
 
