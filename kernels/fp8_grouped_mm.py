@@ -80,7 +80,7 @@ def fp8_grouped_mm_reference(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Te
     """Same contract as `fp8_grouped_mm`: the operands dequantised to fp32 and multiplied expert by expert (reads
     offs on the host: a reference, not a training path)."""
     _check_mm(a, a_scale, b, b_scale, offs, recipe)
-    (M, K), (E, N, _) = a.shape, b.shape
+    (M, K), (_, N, _) = a.shape, b.shape
     if recipe == "blockwise":
         a_scale, b_scale = _unblocks(a_scale, 1, K), _unblocks(_unblocks(b_scale, 1, N), 2, K)
     a32, b32 = a.float() * a_scale, b.float() * b_scale

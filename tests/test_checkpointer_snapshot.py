@@ -26,9 +26,10 @@ import torch
 import zmq
 
 from proto import checkpointer_pb2 as pb
+from services.checkpointer.handoff import pick_writer
 from services.checkpointer.load import load_checkpoint
 from services.checkpointer.shard import Shard
-from services.checkpointer.snapshot import SaveError, Snapshotter, pick_writer
+from services.checkpointer.snapshot import SaveError, Snapshotter
 from services.checkpointer.store import CheckpointStore
 from services.common import wire
 from services.common.registry import Registry

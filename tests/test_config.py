@@ -69,6 +69,8 @@ def test_unknown_key_in_yaml_is_rejected_too(tmp_path):
     (["model.fp8=e5m2"], "model.fp8"),
     (["model.fp8=blockwise", "model.moe_ffn_hidden_size=200"], "model.fp8"),  # 200 not a multiple of 16
     (["model.fp8=tensorwise", "model.moe_ffn_hidden_size=256", "parallel.etp=32"], "model.fp8"),  # 8 per ETP rank
+    (["optimizer.lr=1e-4", "optimizer.min_lr=1e-3"], "optimizer.min_lr"),
+    (["optimizer.lr=0"], "optimizer.lr"),
 ])
 def test_impossible_value_error_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"`{key}"):

@@ -84,14 +84,6 @@ def write_durable(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Replace `path` so a reader sees the old or the new content, never a torn one."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    write_durable(tmp, (json.dumps(obj, indent=1) + "\n").encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

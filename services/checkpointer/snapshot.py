@@ -21,19 +21,10 @@ The stall is only *enqueuing* the device-to-host copies:
   host in the background. Without the memory (allocation fails) the save copies straight to the host, with a warning.
 On CPU the copy is a synchronous memcpy.
 
-Handoff: a writer on the same host that proves it sees our shared-memory directory (its `shm_probe`) reads the
-snapshot file directly (the ZMQ message carries only the header); any other writer receives the bytes as ZMQ frames.
 With `host_buffers=N`, up to N saves can be in flight; a save requested while all N are still being written either
 waits (`on_busy="wait"`) or is skipped (`"skip"`). A failed save is reported by the next `save` or `wait`, never lost.
-
-Writer restarts: a save's host buffer is held until the save is committed or has finally failed. While the sender waits
-for the answer it checks the registry every `RECHECK_S`; when its writer's record is gone (the launcher removes a
-crashed service's record, or its heartbeat lapses) or names another pid/endpoint, it waits for a writer to be
-registered again (at most `timeout_s`, logging the step and the wait) and sends the whole save again. Every rank does
-the same, with the same session, step and part numbering, so the new writer (which starts with no half-received
-saves) assembles and commits the step. A save issued while no writer is registered waits the same way. The same
-writer process (same instance, pid and endpoint) is never sent a save twice; a writer that answers with an error fails
-the save as before.
+Once copied, a save goes to the writer through `handoff.WriterLink` (shared memory or ZMQ frames; re-sent whole to a
+restarted writer); its host buffer is held until the save is committed or has finally failed.
 """
 
 from __future__ import annotations
@@ -47,30 +38,21 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import redis
 import torch
-import zmq
 
 from proto import checkpointer_pb2 as pb
-from services.checkpointer.arena import HostArena, TensorSpec, remove_stale_files, shm_dir
+from services.checkpointer.arena import HostArena, TensorSpec, remove_stale_files
+from services.checkpointer.handoff import Parcel, SaveError, WriterLink
 from services.checkpointer.shard import Shard, as_shard
-from services.common import net, wire
+from services.common import net
 from services.common.registry import Registry
 
 log = logging.getLogger("foldmoe.checkpointer")
 
-SERVICE = "checkpointer"
 PART_BYTES = 256 << 20  # bytes per part: one file on disk, one ZMQ message, one writer task (the unit of parallelism)
 DRAIN_CHUNK_BYTES = 64 << 20  # device-to-host bytes queued per chunk (~1.2 ms at 55 GB/s; see the module doc)
-RECHECK_S = 1.0  # while a save awaits its answer, how often the registry is asked whether its writer still runs
-RESOLVE_POLL_S = 0.2  # while no writer is registered, how often the registry is asked again
-
-
-class SaveError(RuntimeError):
-    """The writer could not commit a save (or could not be reached); the message says which and why."""
 
 
 @dataclass
@@ -84,35 +66,10 @@ class _Drain:
 
 @dataclass
 class _Job:
-    step: int
-    arena: HostArena
-    parts: list[list[pb.TensorRecord]]
-    extra: bytes
+    """A save between `save` and its answer: copied by the copier thread, then delivered by the sender thread."""
+    parcel: Parcel
     drain: _Drain | None = None  # the device-to-host copies; None when nothing was on a GPU (or already copied)
     error: str = ""  # set by the copier thread when the copies failed
-
-
-def pick_writer(records: list[dict[str, Any]], host: str, rank: int) -> dict[str, Any]:
-    """The writer replica for this rank: one on the same host when there is one (spread by rank), else any."""
-    same_host = sorted((r for r in records if r.get("host") == host), key=lambda r: r["instance"])
-    pool = same_host or sorted(records, key=lambda r: r["instance"])
-    return pool[rank % len(pool)]
-
-
-def shares_memory_with(record: dict[str, Any]) -> bool:
-    """True when the writer's probe file sits in our shared-memory directory with its token: the writer sees the
-    directory our snapshot files are in (same host, same mount), so it can open them. A hostname match alone would
-    not prove it (containers on one host have their own /dev/shm)."""
-    path, token = record.get("shm_probe"), record.get("shm_token")
-    if not path or not token:
-        return False
-    try:
-        if not Path(path).parent.samefile(shm_dir()):
-            return False
-        with open(path) as f:
-            return f.read().strip() == token
-    except OSError:
-        return False
 
 
 def specs_of(shards: dict[str, torch.Tensor | Shard]) -> dict[str, TensorSpec]:
@@ -173,9 +130,8 @@ class Snapshotter:
         self._last_path = ""
         self._jobs: queue.Queue[_Job | None] = queue.Queue()  # saves to copy (the copier thread)
         self._copied: queue.Queue[_Job | None] = queue.Queue()  # saves copied, to send (the sender thread)
-        self._sock: zmq.Socket | None = None  # the sender thread's DEALER, connected to `_connected`
-        self._connected = ""
-        self._redis_warned = -1e9  # when a failed registry lookup was last logged
+        self._link = WriterLink(endpoint, registry, rank=rank, world_size=world_size, run=self.run,
+                                session=session, host=self.host, token=self.token, timeout_s=timeout_s)
         # Two threads, so that a save's copies never wait for the previous save's (long) delivery.
         self._copier = threading.Thread(target=self._copy_jobs, name=f"snapshot-copy-rank{rank}", daemon=True)
         self._thread = threading.Thread(target=self._sender, name=f"snapshot-rank{rank}", daemon=True)
@@ -184,7 +140,6 @@ class Snapshotter:
         # Telemetry.
         self.last_stall_s = 0.0  # seconds the latest accepted save held the caller
         self.last_copy_s = 0.0  # device-to-host copy time of the latest save that finished copying (CUDA events)
-        self.last_shared = False  # the latest sent save went through shared memory (else ZMQ frames)
         self.fence_waits = 0  # fences that found the copy still running (the GPU waited for it)
         self.unprepared_saves = 0  # saves that had to allocate (or re-layout) their buffers
 
@@ -270,6 +225,11 @@ class Snapshotter:
             return self._copying > 0
 
     @property
+    def last_shared(self) -> bool:
+        """The latest sent save went through shared memory (else ZMQ frames)."""
+        return self._link.last_shared
+
+    @property
     def busy(self) -> bool:
         """Every snapshot buffer is in a save still being written. With on_busy="skip" ranks must skip together (a
         step saved by some ranks only never commits): see `services/trainer/checkpointing.should_skip`."""
@@ -306,7 +266,7 @@ class Snapshotter:
             drain = None
         with self._cond:
             self._in_flight += 1
-        self._jobs.put(_Job(step, arena, self._split(written, arena), extra_bytes, drain))
+        self._jobs.put(_Job(Parcel(step, arena, self._split(written, arena), extra_bytes), drain))
         self.last_stall_s = time.perf_counter() - start
         return True
 
@@ -457,83 +417,7 @@ class Snapshotter:
             size += spec.nbytes
         return parts
 
-    # ------------------------------------------------------------ sender thread
-
-    def _lookup(self) -> list[dict[str, Any]] | None:
-        """The registered writers; None when Redis cannot be asked right now (it may be restarting)."""
-        try:
-            return self.registry.lookup(SERVICE)
-        except redis.RedisError as e:
-            if time.monotonic() - self._redis_warned > 10.0:
-                self._redis_warned = time.monotonic()
-                log.warning("rank %d: cannot look up the checkpointer in Redis (%s); retrying", self.rank, e)
-            return None
-
-    def _resolve(self, job: _Job, why: str = "", sock: zmq.Socket | None = None) -> dict[str, Any] | str:
-        """The writer to send `job` to. While none is registered, wait for one (at most `timeout_s`, with a warning
-        naming the step); meanwhile `sock` (the socket of a writer that vanished from the registry) is still polled:
-        returns the committed path instead if that writer answers after all."""
-        if self.registry is None:
-            return {"zmq": self.endpoint}
-        deadline = time.monotonic() + self.timeout_s
-        warned = False
-        while True:
-            records = self._lookup()
-            if records:
-                record = pick_writer(records, self.host, self.rank)
-                if warned:
-                    log.warning("rank %d: checkpointer %s is registered; sending the checkpoint of step %d to it",
-                                self.rank, _describe(record), job.step)
-                return record
-            if not warned:
-                if not why:  # (after a writer vanished, `_deliver` has said so already)
-                    log.warning("rank %d: no checkpointer is registered for run %r; the checkpoint of step %d waits "
-                                "up to %.0fs for one to register (the launcher restarts a crashed one)", self.rank,
-                                self.registry.run, job.step, self.timeout_s)
-                warned = True
-            if time.monotonic() >= deadline:
-                raise SaveError(f"rank {self.rank}: {why}no checkpointer registered for run {self.registry.run!r} at "
-                                f"{self.registry.url} within {self.timeout_s:.0f}s, so the checkpoint of step "
-                                f"{job.step} was not saved; start `python -m services.checkpointer.writer --config "
-                                "FILE`")
-            if sock is None:
-                time.sleep(RESOLVE_POLL_S)
-            elif (path := self._answer(sock, job, RESOLVE_POLL_S)) is not None:
-                return path
-
-    def _writer_gone(self, record: dict[str, Any]) -> bool | None:
-        """True when `record`'s writer is no longer registered (its record expired or was removed by the launcher) or
-        its registration now names another process/endpoint; None when Redis cannot tell."""
-        records = self._lookup()
-        if records is None:
-            return None
-        now = next((r for r in records if r.get("instance") == record.get("instance")), None)
-        return now is None or _identity(now) != _identity(record)
-
-    def _committed_meanwhile(self, job: _Job, baseline: Any) -> str | None:
-        """The path of `job`'s step when a writer committed it and published it as the latest checkpoint after the
-        job was first sent: a writer that committed and answered some ranks but died before answering this one."""
-        try:
-            latest = self.registry.get_state("checkpoint/latest")
-        except redis.RedisError:
-            return None
-        if isinstance(latest, dict) and latest.get("step") == job.step and latest != baseline:
-            return str(latest.get("path", ""))
-        return None
-
-    def _connect(self, ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-        if self._sock is None or endpoint != self._connected:
-            self._disconnect()
-            self._sock = ctx.socket(zmq.DEALER)
-            self._sock.connect(endpoint)
-            self._connected = endpoint
-        return self._sock
-
-    def _disconnect(self) -> None:
-        """Drop queued parts and any late answer: the next send starts clean."""
-        if self._sock is not None:
-            self._sock.close(linger=0)
-        self._sock, self._connected = None, ""
+    # ------------------------------------------------------------ copier and sender threads
 
     def _copy_jobs(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -546,124 +430,24 @@ class Snapshotter:
         self._copied.put(None)
 
     def _sender(self) -> None:
-        ctx = zmq.Context.instance()
         while (job := self._copied.get()) is not None:
             reusable = False
             try:
                 if job.error:
                     raise RuntimeError(job.error)
-                self._last_path = self._deliver(ctx, job)
+                self._last_path = self._link.deliver(job.parcel)
                 reusable = True
             except SaveError as e:
                 self._error = e
-                reusable = "no answer" not in str(e)  # a writer that never answered may still be reading the buffers
+                reusable = not e.unanswered  # a writer that never answered may still be reading the buffers
             except Exception as e:
-                self._error = SaveError(f"rank {self.rank}: checkpoint of step {job.step} failed: {e}")
+                self._error = SaveError(f"rank {self.rank}: checkpoint of step {job.parcel.step} failed: {e}")
             finally:
                 if not reusable:
-                    self._disconnect()
-                self._release(job.arena, reusable)  # only now: a re-send reads the buffers until the save is decided
-        self._disconnect()
-
-    def _deliver(self, ctx: zmq.Context, job: _Job) -> str:
-        """Send `job` and return the committed path. When its writer disappears before answering (killed and
-        restarted: its registration is gone, or names another process or endpoint) the whole job is sent again, from
-        the same host buffers, to the writer registered next: the new writer assembles the step from every rank's
-        re-sent parts (same session, step and part numbering; a restarted writer starts with no half-received save
-        and clears the old staging directory). The same, still-alive writer is never sent a job twice. A writer that
-        answers with an error fails the save; so does a wait beyond `timeout_s` (for a writer, or for an answer)."""
-        baseline = None
-        if self.registry is not None:
-            try:
-                baseline = self.registry.get_state("checkpoint/latest")
-            except redis.RedisError:
-                pass
-        record = self._resolve(job)
-        assert isinstance(record, dict)
-        send, sends, deadline = True, 0, 0.0
-        while True:
-            endpoint = record["zmq"]
-            if send:
-                sock = self._connect(ctx, endpoint)
-                shared = job.arena.shared and shares_memory_with(record)
-                if sends:
-                    log.warning("rank %d: re-sending the whole checkpoint of step %d to checkpointer %s (send %d)",
-                                self.rank, job.step, _describe(record), sends + 1)
-                self._send(sock, job, shared)
-                sends += 1
-                deadline = time.monotonic() + self.timeout_s
-            path = self._await(sock, job, endpoint, record, deadline, baseline if sends > 1 else _NO_BASELINE)
-            if path is not None:
-                return path
-            # The writer left the registry without answering: wait for a writer to be registered again (still
-            # listening to this socket, in case the writer was alive after all and answers).
-            gone = f"checkpointer {_describe(record)} vanished from the registry before answering for step {job.step}"
-            log.warning("rank %d: %s; waiting up to %.0fs for a checkpointer to register, then re-sending the save",
-                        self.rank, gone, self.timeout_s)
-            try:
-                found = self._resolve(job, why=gone + "; ", sock=sock)
-            except SaveError as e:  # worded "no answer": the vanished writer may still be reading our buffers
-                raise SaveError(f"rank {self.rank}: no answer from the checkpoint writer at {endpoint} for step "
-                                f"{job.step}, and {str(e).removeprefix(f'rank {self.rank}: ')}") from None
-            if isinstance(found, str):
-                return found
-            if (path := self._committed_meanwhile(job, baseline)) is not None:
-                log.warning("rank %d: step %d was committed (%s) before its writer died; not re-sending it",
-                            self.rank, job.step, path)
-                return path
-            if _identity(found) == _identity(record):
-                # The same process registered again (its record had lapsed): it has the parts; keep waiting for it.
-                log.warning("rank %d: checkpointer %s is registered again; still waiting for its answer for step %d",
-                            self.rank, _describe(record), job.step)
-                send = False
-                continue
-            self._disconnect()  # parts still queued for the dead writer are dropped; the new one gets the whole job
-            record, send = found, True
-
-    def _send(self, sock: zmq.Socket, job: _Job, shared: bool) -> None:
-        self.last_shared = shared
-        for i, records in enumerate(job.parts):
-            header = pb.ShardHeader(run=self.run, step=job.step, rank=self.rank, world_size=self.world_size, part=i,
-                                    num_parts=len(job.parts), tensors=records, session=self.session,
-                                    extra=job.extra if i == 0 else b"",
-                                    shm_path=str(job.arena.path) if shared else "")
-            # services.common.wire cannot frame 0-d tensors (a byte view needs a dimension): send them as [1]; the
-            # writer restores the shape from the record.
-            tensors = {} if shared else {r.name: job.arena.views[r.name].reshape(-1) if not r.shape
-                                         else job.arena.views[r.name] for r in records}
-            wire.send(sock, "ckpt.shard", header, tensors, token=self.token)
-
-    def _answer(self, sock: zmq.Socket, job: _Job, wait_s: float) -> str | None:
-        """The committed path if the writer's answer for `job` arrives within `wait_s`; SaveError if it failed it."""
-        deadline = time.monotonic() + wait_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(max(1, int(left * 1000))):
-                return None
-            kind, result, _ = wire.recv(sock, pb.SaveResult)
-            if result.step != job.step:
-                continue  # a late answer to a save we already gave up on
-            if kind == "ckpt.committed":
-                return result.path
-            raise SaveError(f"rank {self.rank}: {result.error or kind}")
-        return None
-
-    def _await(self, sock: zmq.Socket, job: _Job, endpoint: str, record: dict[str, Any], deadline: float,
-               baseline: Any) -> str | None:
-        """The committed path; None when the writer left the registry before answering (see `_writer_gone`)."""
-        while (left := deadline - time.monotonic()) > 0:
-            if (path := self._answer(sock, job, min(left, RECHECK_S))) is not None:
-                return path
-            if self.registry is None or time.monotonic() >= deadline:
-                continue
-            if self._writer_gone(record):
-                return None
-            if baseline is not _NO_BASELINE and (path := self._committed_meanwhile(job, baseline)) is not None:
-                return path
-        raise SaveError(f"rank {self.rank}: no answer from the checkpoint writer at {endpoint} within "
-                        f"{self.timeout_s:.0f}s for step {job.step}; is it running (and is the disk responsive)?")
-
-
-_NO_BASELINE = object()
+                    self._link.disconnect()
+                # Only now: a re-send reads the buffers until the save is decided.
+                self._release(job.parcel.arena, reusable)
+        self._link.disconnect()
 
 
 def _chunks(copies: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int):
@@ -676,15 +460,6 @@ def _chunks(copies: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int):
         dst_bytes, src_bytes = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
         for lo in range(0, nbytes, chunk_bytes):
             yield dst_bytes[lo:lo + chunk_bytes], src_bytes[lo:lo + chunk_bytes]
-
-
-def _identity(record: dict[str, Any]) -> tuple:
-    """What tells one writer process from its replacement: a restart registers another pid and endpoint."""
-    return record.get("instance"), record.get("pid"), record.get("zmq")
-
-
-def _describe(record: dict[str, Any]) -> str:
-    return f"{record.get('instance', '?')} (pid {record.get('pid', '?')}, {record.get('zmq')})"
 
 
 def new_session() -> str:

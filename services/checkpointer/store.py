@@ -23,7 +23,7 @@ import torch
 from services.checkpointer.layout import (KEEP, LATEST, MANIFEST, TMP_SUFFIX, TRASH_SUFFIX, Box, CheckpointError,
                                           Manifest, TensorEntry, check_tiling, fsync_dir, parse_step,
                                           rank_record_name, read_manifest, shard_file_name, step_dir_name, verify,
-                                          write_durable, write_json_atomic, write_shard_file)
+                                          write_durable, write_shard_file)
 
 log = logging.getLogger("foldmoe.checkpointer")
 

@@ -254,7 +254,7 @@ class Writer:
         missing = set(tensors) ^ set(boxes)
         if missing:
             raise ValueError(f"tensors without a record or records without a tensor: {sorted(missing)}")
-        for r in h.tensors:  # 0-d tensors travel as [1] (see snapshot._send)
+        for r in h.tensors:  # 0-d tensors travel as [1] (see handoff.WriterLink._send)
             if not h.shm_path and not r.global_shape and tensors[r.name].numel() == 1:
                 tensors[r.name] = tensors[r.name].reshape(())
         save.num_parts[h.rank] = h.num_parts
@@ -456,7 +456,7 @@ def forget_stale_arrivals(registry: Registry, removed: list[Path]) -> None:
     """Drop the commit barrier's record of ranks whose staged files `clean_stale` just removed.
 
     A writer killed mid-save leaves in Redis the ranks it had recorded (Barrier.arrive) for that step and session; the
-    trainer then re-sends the whole save to this replacement (snapshot.Snapshotter), under the same step and session.
+    trainer then re-sends the whole save to this replacement (handoff.WriterLink), under the same step and session.
     The barrier counts only registered replicas' arrivals, but the killed writer's registry record lingers until its
     heartbeat lapses, and the first re-sent part can arrive inside that window: were the old entries kept, that rank
     would complete the count and this writer would commit with the other ranks' parts missing. Runs before this writer

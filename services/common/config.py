@@ -403,7 +403,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                                   f"set `model.{key}` (e.g. {'[moe]' if key == 'recompute' else '[attn]'}) or drop it")
     _check(d.seq_len > 1 and d.micro_batch_size > 0 and d.grad_accum > 0,
            "`data.seq_len` must be > 1 and `data.micro_batch_size`, `data.grad_accum` positive")
-    _check(o.lr > 0 and o.min_lr >= 0 and o.min_lr <= o.lr, f"need 0 <= `optimizer.min_lr` <= `optimizer.lr` > 0")
+    _check(o.lr > 0 and 0 <= o.min_lr <= o.lr,
+           f"need `optimizer.lr` > 0 and 0 <= `optimizer.min_lr` <= `optimizer.lr` (got lr={o.lr}, min_lr={o.min_lr})")
     _check(o.param_dtype == "fp32" or cfg.run.dtype == "bf16",
            "`optimizer.param_dtype=bf16` computes under bf16 autocast: it needs `run.dtype=bf16`")
     _check(o.moment_dtype == "fp32" or o.param_dtype == "bf16",
