@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import redis
 import zmq
 
 from proto import checkpointer_pb2 as pb
-from services.checkpointer.arena import HostArena, shm_dir
+from services.checkpointer.arena import HostArena
+from services.checkpointer.shm import shares_memory_with
 from services.common import wire
 from services.common.registry import Registry
 
@@ -63,22 +63,6 @@ def pick_writer(records: list[dict[str, Any]], host: str, rank: int) -> dict[str
     same_host = sorted((r for r in records if r.get("host") == host), key=lambda r: r["instance"])
     pool = same_host or sorted(records, key=lambda r: r["instance"])
     return pool[rank % len(pool)]
-
-
-def shares_memory_with(record: dict[str, Any]) -> bool:
-    """True when the writer's probe file sits in our shared-memory directory with its token: the writer sees the
-    directory our snapshot files are in (same host, same mount), so it can open them. A hostname match alone would
-    not prove it (containers on one host have their own /dev/shm)."""
-    path, token = record.get("shm_probe"), record.get("shm_token")
-    if not path or not token:
-        return False
-    try:
-        if not Path(path).parent.samefile(shm_dir()):
-            return False
-        with open(path) as f:
-            return f.read().strip() == token
-    except OSError:
-        return False
 
 
 class WriterLink:

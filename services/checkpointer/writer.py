@@ -17,13 +17,11 @@ import argparse
 import itertools
 import json
 import logging
-import mmap
 import os
 import socket
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +31,10 @@ import redis
 import zmq
 
 from proto import checkpointer_pb2 as pb
-from services.checkpointer.arena import process_alive, shm_dir
 from services.checkpointer.barrier import Barrier
 from services.checkpointer.control import serve_grpc
-from services.checkpointer.layout import DTYPE_NAMES, TMP_SUFFIX, Blob, parse_step
+from services.checkpointer.layout import TMP_SUFFIX, parse_step
+from services.checkpointer.shm import SharedSnapshot, make_shm_probe
 from services.checkpointer.store import CheckpointStore
 from services.common import grpc_server, net, procs, wire
 from services.common.config import Config, load_config
@@ -47,61 +45,6 @@ log = logging.getLogger("foldmoe.checkpointer")
 SERVICE = "checkpointer"
 SAVE_TIMEOUT_S = 600.0  # a save whose ranks have not all arrived by then is abandoned (a rank died mid-save)
 WRITE_THREADS = min(8, os.cpu_count() or 1)  # files written at once; disks want a few streams, sha256 wants cores
-
-
-class SharedSnapshot:
-    """A read-only mapping of one rank's snapshot file (services/checkpointer/arena.py) for the parts that name it."""
-
-    def __init__(self, path: str):
-        if not Path(path).name.startswith("foldmoe-snapshot-"):
-            raise ValueError(f"shm_path {path!r} is not a foldmoe snapshot file")
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ) if self.size else None
-        finally:
-            os.close(fd)  # the mapping keeps the file alive, even once the trainer unlinks it
-        self.path = path
-
-    def blob(self, r: pb.TensorRecord) -> Blob:
-        dtype = DTYPE_NAMES.get(r.dtype)
-        if dtype is None:
-            raise ValueError(f"tensor {r.name!r} has unknown dtype {r.dtype!r}")
-        numel = 1
-        for d in r.shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
-        if r.shm_offset < 0 or r.shm_offset + nbytes > self.size:
-            raise ValueError(f"tensor {r.name!r} at [{r.shm_offset}, {r.shm_offset + nbytes}) lies outside "
-                             f"{self.path} ({self.size} bytes)")
-        data = memoryview(self._map)[r.shm_offset:r.shm_offset + nbytes] if nbytes else memoryview(b"")
-        return Blob(dtype, tuple(r.shape), data)
-
-    def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still referenced; the mapping goes when it is collected
-                pass
-            self._map = None
-
-
-def make_shm_probe() -> tuple[str, str]:
-    """(path, token) of a file only processes sharing our /dev/shm can read; ("", "") where there is none."""
-    directory = shm_dir()
-    if not directory.is_dir():
-        return "", ""
-    for stale in directory.glob("foldmoe-writer-pid*.probe"):  # left by writers that were killed
-        pid = stale.name.removeprefix("foldmoe-writer-pid").split("-")[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            stale.unlink(missing_ok=True)
-    token = uuid.uuid4().hex
-    path = directory / f"foldmoe-writer-pid{os.getpid()}-{token[:12]}.probe"
-    try:
-        path.write_text(token)
-    except OSError:
-        return "", ""
-    return str(path), token
 
 
 @dataclass
