@@ -1,6 +1,7 @@
 """compose/docker-compose.yml runs the launcher's topology: each service's command is exactly the launcher's, the
-trainer reserves GPUs and runs under torchrun, the services have gRPC health checks, rollout workers sit behind the
-`rl` profile, and `docker-compose config` accepts the file."""
+trainer reserves GPUs and runs under torchrun, the services have gRPC health checks (rollout workers a registry one),
+crashed services are restarted as often as the launcher restarts them and the trainers never, rollout workers sit
+behind the `rl` profile, and `docker-compose config` accepts the file."""
 
 from __future__ import annotations
 
@@ -86,6 +87,62 @@ def test_services_have_grpc_health_checks_and_redis_a_ping():
         assert test[:4] == ["CMD", "python", "-m", "services.common.grpc_server"], name
         assert test[-1] == name
     assert compose["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, "configs/rl_tiny.yaml"])
+def test_restart_policies_are_the_launchers(config):
+    # The launcher restarts each crashed service (a child that registers) up to run.max_restarts times and never the
+    # trainer. Docker's only bounded policy is on-failure:N; the trainers must not restart at all.
+    cfg = load_config(ROOT / config)
+    compose = services()
+    specs = child_specs(Path(config), cfg, python="python")
+    restartable = {re.sub(r"\d+$", "", s.name) for s in specs if s.restartable}  # dataloader<i>, rollout<i>: scaled
+    assert restartable == {"dataloader", "checkpointer"} | ({"rollout"} if cfg.rl.enabled else set())
+    assert not any(s.restartable for s in specs if s.name == "trainer")
+    for name in ("dataloader", "checkpointer", "rollout"):
+        assert compose[name]["restart"] == f"on-failure:{cfg.run.max_restarts}", name
+    for name in ("trainer", "rl_trainer", "preprocess"):
+        assert compose[name]["restart"] == "no", name  # the string: a bare `no` in YAML is False
+    assert "restart" not in compose["redis"]  # its state is the run's: a restarted empty Redis would not help
+
+
+def test_rl_trainer_waits_for_healthy_services_and_rollout_workers():
+    compose = services()
+    depends = compose["rl_trainer"]["depends_on"]
+    assert set(depends) == {"dataloader", "checkpointer", "rollout"}
+    assert all(dep["condition"] == "service_healthy" for dep in depends.values())
+    check = compose["rollout"]["healthcheck"]
+    assert check["test"][:4] == ["CMD", "python", "-m", "services.common.grpc_server"]
+    assert check["test"][-2:] == ["--registered", "rollout"] and "configs/rl_tiny.yaml" in check["test"]
+    assert {k: check[k] for k in ("interval", "timeout", "retries")} == \
+        {k: compose["dataloader"]["healthcheck"][k] for k in ("interval", "timeout", "retries")}
+
+
+def rollout_probe(run: str) -> subprocess.CompletedProcess:
+    """The rollout service's health check command, against the shared test Redis."""
+    test = services()["rollout"]["healthcheck"]["test"]
+    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379"}
+    return subprocess.run([sys.executable, *test[2:], f"run.name={run}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_rollout_health_check_passes_while_a_worker_is_registered():
+    run = f"probe-{uuid.uuid4().hex[:8]}"
+    assert rollout_probe(run).returncode == 1
+    registry = Registry("redis://127.0.0.1:6379", run)
+    other = registry.register("dataloader", {"grpc": "127.0.0.1:1"})
+    heartbeat = None
+    try:
+        assert rollout_probe(run).returncode == 1  # another service's record is not a worker
+        heartbeat = registry.register("rollout", {"stream": "s", "worker": "worker0"}, instance="worker0")
+        res = rollout_probe(run)
+        assert res.returncode == 0, res.stderr
+        heartbeat.stop()  # a stopped (or, after its TTL, a dead) worker's record is gone
+        assert rollout_probe(run).returncode == 1
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        other.stop()
 
 
 def test_rollout_workers_only_run_with_the_rl_profile():
