@@ -5,7 +5,9 @@ parameter sharded by the parallel code is saved as its box of the global tensor 
 one rank only; with on_busy=skip every rank skips when any rank is busy; `attach` makes the optimizer step wait for
 the snapshot's copies (or the copies synchronous where it cannot hook the step); a save restores to the same model,
 optimizer state and RNG, with expert weights stored in the layout-independent [E, h, 2, f] view; a folded layout
-restores through the same `restore`, and a checkpoint of another model is refused naming the way out.
+restores through the same `restore`, and a checkpoint of another model is refused naming the way out; a run never
+starts over at step 0 beside earlier checkpoints (they would be deleted by retention or delete its saves), whether
+asked to (`checkpoint.resume=false`) or because none of them verifies.
 """
 
 from __future__ import annotations
@@ -278,5 +280,43 @@ def test_a_folded_layout_restores_its_fp32_masters_exactly_and_refuses_another_m
 
     other, other_opt = folded(cfg, dataclasses.replace(CFG, num_experts=8))
     with pytest.raises(checkpointing.CheckpointLoadError,
-                       match=r"does not match this model .*checkpoint.dir elsewhere or set checkpoint.resume=false"):
+                       match=r"does not match this model .*checkpoint.dir elsewhere"):
         checkpointing.restore(cfg, other, other_opt, FakeData(0), rank=0, groups=groups)
+
+
+def saved_once(tmp_path: Path) -> tuple[Config, dict[str, bytes]]:
+    """A config resuming from `tmp_path`, which holds one committed step, and that step's files' bytes."""
+    cfg = Config()
+    cfg.checkpoint.dir = str(tmp_path)
+    model, opt = tiny()
+    train_step(model, opt, 0)
+    with checkpoint_writer(tmp_path) as saver:
+        checkpointing.save(saver, cfg, model, opt, FakeData(1), step=1)
+        saver.wait(30)
+    return cfg, {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+
+def test_resume_false_beside_earlier_checkpoints_is_refused_naming_the_ways_out(tmp_path):
+    cfg, files = saved_once(tmp_path)
+    cfg.checkpoint.resume = False
+    model, opt = tiny()
+    with pytest.raises(checkpointing.CheckpointLoadError,
+                       match=r"holds checkpoints up to step_00000001 and checkpoint.resume=false .*new directory"):
+        checkpointing.restore(cfg, model, opt, FakeData(0), rank=0)
+    assert {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == files
+    cfg.checkpoint.dir = str(tmp_path / "fresh")
+    assert checkpointing.restore(cfg, model, opt, FakeData(0), rank=0) == 0  # an empty directory starts at step 0
+
+
+def test_when_no_checkpoint_verifies_the_run_stops_naming_each_problem_instead_of_starting_over(tmp_path):
+    cfg, files = saved_once(tmp_path)
+    victim = sorted((tmp_path / "step_00000001").glob("*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    model, opt = tiny()
+    with pytest.raises(checkpointing.CheckpointLoadError,
+                       match=rf"nothing to resume from, and nothing was loaded or deleted: .*step_00000001: .*"
+                             rf"{victim.name}.*sha256"):
+        checkpointing.restore(cfg, model, opt, FakeData(0), rank=0)
+    assert sorted(str(p) for p in tmp_path.rglob("*") if p.is_file()) == sorted(files)  # nothing deleted

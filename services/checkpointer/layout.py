@@ -57,6 +57,17 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def checkpoint_dirs(root: str | Path) -> list[Path]:
+    """The directories under `root` named as committed checkpoints (step_N), newest first; [] when there is no `root`.
+    Named so only by a commit (the writer stages under another name), so each was committed once: whether it still
+    verifies is `verify`'s business."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = ((parse_step(p.name), p) for p in root.iterdir() if p.is_dir() and parse_step(p.name) is not None)
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def shard_file_name(rank: int, part: int) -> str:
     return f"rank{rank:05d}_part{part:03d}.safetensors"
 

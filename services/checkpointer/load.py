@@ -14,25 +14,37 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from services.checkpointer.layout import (DTYPE_NAMES, CheckpointError, Manifest, TensorEntry, parse_step, verify)
+from services.checkpointer.layout import DTYPE_NAMES, CheckpointError, Manifest, TensorEntry, checkpoint_dirs, verify
 
 log = logging.getLogger("foldmoe.checkpointer")
 
 
 def find_latest_valid(root: str | Path, checksums: bool = True) -> Path | None:
     """The newest committed checkpoint under `root` that verifies; skipped ones are logged with the reason."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    candidates = sorted(((parse_step(p.name), p) for p in root.iterdir() if p.is_dir() and parse_step(p.name) is not None),
-                        reverse=True)
-    for _, path in candidates:
+    return _newest_valid(root, checksums)[0]
+
+
+def require_latest_valid(root: str | Path, checksums: bool = True) -> Path | None:
+    """As `find_latest_valid`, but checkpoints none of which verifies are an error (CheckpointError naming each one's
+    problem), not a fresh start: a run that started over beside them would have its own saves deleted by retention
+    (the writer keeps the newest by step) while they hold the history. None only when `root` holds none."""
+    path, problems = _newest_valid(root, checksums)
+    if path is None and problems:
+        raise CheckpointError(f"{root} holds {len(problems)} checkpoint(s) and none verifies ({'; '.join(problems)})")
+    return path
+
+
+def _newest_valid(root: str | Path, checksums: bool) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` that verifies (or None), and the problems of the newer ones skipped."""
+    problems = []
+    for path in checkpoint_dirs(root):
         try:
             verify(path, checksums=checksums)
-            return path
+            return path, problems
         except CheckpointError as e:
             log.warning("skipping checkpoint %s: %s", path, e)
-    return None
+            problems.append(f"{path.name}: {e}")
+    return None, problems
 
 
 class Checkpoint:

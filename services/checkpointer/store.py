@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from services.checkpointer.layout import (KEEP, LATEST, MANIFEST, TMP_SUFFIX, TRASH_SUFFIX, Box, CheckpointError,
-                                          Manifest, TensorEntry, check_tiling, fsync_dir, parse_step,
+                                          Manifest, TensorEntry, check_tiling, checkpoint_dirs, fsync_dir, parse_step,
                                           rank_record_name, read_manifest, shard_file_name, step_dir_name, verify,
                                           write_durable, write_shard_file)
 
@@ -151,12 +151,7 @@ class CheckpointStore:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending (a committed directory has a manifest; validity is the loader's business)."""
-        found = []
-        for p in self.root.iterdir():
-            step = parse_step(p.name)
-            if step is not None and p.is_dir() and (p / MANIFEST).is_file():
-                found.append(step)
-        return sorted(found)
+        return sorted(parse_step(p.name) for p in checkpoint_dirs(self.root) if (p / MANIFEST).is_file())
 
     def latest_step(self) -> int:
         steps = self.steps()

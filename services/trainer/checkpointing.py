@@ -37,8 +37,8 @@ from torch import nn
 
 from kernels.adamw import join_master
 from services.checkpointer.arena import TensorSpec
-from services.checkpointer.layout import MANIFEST, parse_step, verify
-from services.checkpointer.load import CheckpointError, find_latest_valid, load_checkpoint
+from services.checkpointer.layout import MANIFEST, checkpoint_dirs, parse_step, verify
+from services.checkpointer.load import CheckpointError, find_latest_valid, load_checkpoint, require_latest_valid
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import Snapshotter, specs_of
 from services.common.config import Config
@@ -216,7 +216,7 @@ def _read_whole(ckpt, name: str, like: torch.Tensor) -> torch.Tensor:
 
 def _mismatch(path, cause: Exception) -> CheckpointLoadError:
     return CheckpointLoadError(f"checkpoint {path} does not match this model ({cause}); "
-                               "point checkpoint.dir elsewhere or set checkpoint.resume=false")
+                               "point checkpoint.dir elsewhere (or move its checkpoints away)")
 
 
 def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -244,14 +244,27 @@ def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: tor
 
 def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, data, rank: int,
             groups: Any = None) -> int:
-    """Loads the newest valid checkpoint (if resuming and one exists); returns the step to start from.
-    `groups`: as for `state_shards` (a folded layout reads only its own boxes, whatever layout saved them)."""
-    if not cfg.checkpoint.resume:
+    """Loads the newest valid checkpoint (if resuming and one exists); returns the step to start from. Refuses
+    (CheckpointLoadError) to start over beside earlier checkpoints: with `checkpoint.resume=false`, or when none of them
+    verifies. `groups`: as for `state_shards` (a folded layout reads only its own boxes, whatever layout saved them)."""
+    c = cfg.checkpoint
+    if not c.resume:
+        if saved_before := checkpoint_dirs(c.dir):
+            raise CheckpointLoadError(
+                f"checkpoint.dir={c.dir} holds checkpoints up to {saved_before[0].name} and checkpoint.resume=false "
+                "starts a new run at step 0 beside them (the writer keeps the newest checkpoint.keep_last by step, "
+                "so it would delete the new run's saves): point checkpoint.dir at a new directory, move them away, "
+                "or set checkpoint.resume=true to continue from the newest")
         return 0
-    path = find_latest_valid(cfg.checkpoint.dir)
+    try:
+        path = require_latest_valid(c.dir)
+    except CheckpointError as e:
+        raise CheckpointLoadError(f"checkpoint.dir={c.dir}: nothing to resume from, and nothing was loaded or deleted: "
+                                  f"{e}. Move the directory away to start over (or point checkpoint.dir elsewhere); "
+                                  "restore its files from a copy to resume") from None
     if path is None:
         return 0
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, checksums=False)  # require_latest_valid verified it
     saved = set(ckpt.names())
     if groups is not None:  # a folded layout reads its own boxes, whatever layout wrote them
         from services.trainer.parallel import checkpoint_shards as parallel
@@ -315,7 +328,8 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False)
     if not spec:
         return None
     if not force and cfg.checkpoint.resume:
-        resumable = find_latest_valid(cfg.checkpoint.dir)
+        # Manifests only: were the newest one's files damaged, `restore` falls back to an older one or stops the run.
+        resumable = find_latest_valid(cfg.checkpoint.dir, checksums=False)
         if resumable is not None:
             if rank == 0:
                 print(f"trainer: checkpoint.init_from={spec} ignored: resuming from {resumable}", file=sys.stderr)
