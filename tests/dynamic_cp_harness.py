@@ -1,8 +1,8 @@
 """Dynamic-CP variant of `parallel_harness.run_parallel`: each micro-batch runs on the CP block of its own size.
 
-The dataloader sizes every micro-batch (`cp_size`) and hands it to an aligned block of that many CP ranks; this stand-in
-gives the k-th micro-batch of size c to block k mod (cp / c). Everything else is the production path of
-`parallel_harness` (parallelize -> DistributedOptimizer -> forward_backward_parallel) and its reference and comparison.
+The dataloader sizes every micro-batch (`cp_size`) and sends all of a dp rank's micro-batches to each of its CP ranks;
+`forward_backward_parallel` picks each block's share (`context_parallel.cp_share`). This is the production path of
+`parallel_harness` (parallelize -> DistributedOptimizer -> forward_backward_parallel) with its reference and comparison.
 """
 
 from __future__ import annotations
@@ -16,17 +16,6 @@ import torch.distributed as dist
 from parallel_harness import TIMEOUT_S, _gather_full, spawn_ranks
 from services.common.config import Config
 from services.trainer.model.transformer import MoETransformer
-
-
-def place_on_cp_blocks(mbs: list[dict], cp: int, cp_rank: int) -> list[dict]:
-    mine, next_block = [], {}
-    for mb in mbs:
-        c = int(mb["cp_size"])
-        block = next_block.get(c, 0)
-        next_block[c] = (block + 1) % (cp // c)
-        if cp_rank // c == block:
-            mine.append(mb)
-    return mine
 
 
 def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int) -> None:
@@ -46,8 +35,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
         losses, grads, norms = [], [], []
         for mbs in batches:
             opt.zero_grad()
-            mine = place_on_cp_blocks(mbs, groups.cp.size, groups.cp.rank)
-            loss, tokens = forward_backward_parallel(model, mine, groups, cfg, torch.device("cpu"), None, opt)
+            loss, tokens = forward_backward_parallel(model, mbs, groups, cfg, torch.device("cpu"), None, opt)
             opt.finish_grad_sync()
             losses.append(float(loss) / int(tokens))
             grads.append({n: _gather_full(n, g, named[n], groups) for n, g in opt.full_grads().items()})

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.dataloader.cp_sizing import (CPBudget, attention_cost, balance_equal_counts, choose_cp_size,
-                                           place_on_ranks, segment_lengths)
+                                           segment_lengths)
 
 
 def test_segment_lengths_and_attention_cost_follow_cu_seqlens():
@@ -60,20 +60,3 @@ def test_equal_count_balance_pairs_heavy_with_light():
 def test_equal_count_balance_rejects_a_mismatched_count():
     with pytest.raises(ValueError, match="cannot fill"):
         balance_equal_counts([1, 2, 3], 2, 2)
-
-
-def test_placement_uses_aligned_blocks_and_evens_out_rank_load():
-    # One heavy micro-batch over 4 ranks and four light ones of 1 rank each, on 8 ranks.
-    costs, sizes = [400.0, 100.0, 100.0, 100.0, 100.0], [4, 1, 1, 1, 1]
-    first = place_on_ranks(costs, sizes, 8)
-    assert first[0] in (0, 4) and first[0] % 4 == 0
-    load = [0.0] * 8
-    for f, c, cost in zip(first, sizes, costs):
-        for r in range(f, f + c):
-            load[r] += cost / c
-    assert max(load) == 100.0  # perfect: every rank does exactly 100
-
-
-def test_placement_rejects_a_cp_size_that_does_not_tile_the_ranks():
-    with pytest.raises(ValueError, match="does not divide"):
-        place_on_ranks([1.0], [3], 8)

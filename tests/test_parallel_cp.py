@@ -15,8 +15,8 @@ from dynamic_cp_harness import run_dynamic_cp
 from parallel_harness import (assert_bf16_run_matches_fp32_run, assert_parity, make_batches, run_parallel,
                               run_reference, tiny_config)
 from services.trainer.model.attention import document_ids
-from services.trainer.parallel.context_parallel import (block_attention, block_attention_backward, local_cu_seqlens,
-                                                        merge, shard_micro_batch, zigzag_index)
+from services.trainer.parallel.context_parallel import (block_attention, block_attention_backward, cp_share,
+                                                        local_cu_seqlens, merge, shard_micro_batch, zigzag_index)
 from services.trainer.parallel.groups import single_process
 
 
@@ -87,14 +87,55 @@ def test_cp2_matches_single_process(tmp_path, comm):
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
 
 
-def test_dynamic_cp_runs_each_micro_batch_on_the_group_size_it_was_sized_for(tmp_path):
-    """A step mixes a micro-batch over all 4 ranks (3 ring hops) with two over 2 ranks each."""
-    cfg = cp_config(cp=4, cp_sizes=[2, 4])
-    batches = make_batches(cfg.model, steps=3, micro=3, tokens=32, seed=2)
+@pytest.mark.parametrize("sizes", [(4, 2, 2), (2, 1, 2, 2)], ids=["two-blocks-share", "left-over-widened"])
+def test_dynamic_cp_runs_each_micro_batch_on_the_group_size_it_was_sized_for(tmp_path, sizes):
+    """A step mixes a micro-batch over all 4 ranks (3 ring hops) with two over 2 ranks each; or three over 2 ranks (one
+    left over after equal shares, widened to all 4) and one over 1 rank (left over too)."""
+    cfg = cp_config(cp=4, cp_sizes=[1, 2, 4])
+    batches = make_batches(cfg.model, steps=3, micro=len(sizes), tokens=32, seed=2)
     for mbs in batches:
-        for mb, size in zip(mbs, (4, 2, 2)):
+        for mb, size in zip(mbs, sizes):
             mb["cp_size"] = torch.tensor(size)
     assert_parity(run_reference(cfg, batches), run_dynamic_cp(cfg, batches, world=4, out_dir=str(tmp_path)))
+
+
+def micro_batch(tag: int, size: int, lengths: list[int]) -> dict:
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return {"tag": tag, "cp_size": torch.tensor(size), "cu_seqlens": cu}
+
+
+def test_cp_share_runs_each_micro_batch_once_on_one_block_with_equal_passes_on_every_rank():
+    cp = 4
+    g = torch.Generator().manual_seed(0)
+    sizes = [2, 2, 2, 1, 4, 1, 1, 2, 1, 1, 1, 2]
+    mbs = [micro_batch(i, c, torch.randint(1, 9, (3,), generator=g).tolist()) for i, c in enumerate(sizes)]
+    runs = [cp_share(mbs, cp, r) for r in range(cp)]
+    assert len({len(run) for run in runs}) == 1  # EP and PP peers in other blocks pair up pass by pass
+    for k in range(len(runs[0])):  # at each pass, the ranks of one CP group run the same micro-batch
+        for r, run in enumerate(runs):
+            c = int(run[k]["cp_size"])
+            block = range(r // c * c, r // c * c + c)
+            assert all(runs[q][k]["tag"] == run[k]["tag"] for q in block), (k, r)
+    held = {}
+    for r, run in enumerate(runs):
+        for mb in run:
+            held.setdefault(mb["tag"], []).append((r, int(mb["cp_size"])))
+    assert sorted(held) == list(range(len(sizes)))  # nothing dropped
+    for tag, ranks in held.items():  # run by exactly the ranks of one block of its (possibly widened) size
+        c = ranks[0][1]
+        assert c in (sizes[tag], cp) and len(ranks) == c and all(size == c for _, size in ranks), tag
+    # Left over after equal shares: one of the five size-2 (two blocks), two of the six size-1 (four blocks).
+    assert sum(int(mb["cp_size"]) == cp for mb in runs[0]) == 1 + 1 + 2
+    # Equal shares balance attention cost: no block's share of a size costs more than twice another's.
+    for c in (1, 2):
+        costs = [sum(int(((mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]) ** 2).sum()) for mb in runs[r]
+                     if int(mb["cp_size"]) == c) for r in range(0, cp, c)]
+        assert max(costs) <= 2 * min(costs), (c, costs)
+
+
+def test_static_cp_runs_every_micro_batch_on_the_whole_group():
+    mbs = [micro_batch(i, 4, [5, 3]) for i in range(3)]
+    assert [[mb["tag"] for mb in cp_share(mbs, 4, r)] for r in range(4)] == [[0, 1, 2]] * 4
 
 
 def test_cp2_with_bf16_parameters_computes_what_fp32_parameters_compute_under_bf16_autocast(tmp_path):

@@ -1,4 +1,4 @@
-"""Dynamic context-parallel sizing: how many CP ranks each micro-batch needs, and who does which micro-batch.
+"""Dynamic context-parallel sizing: how many CP ranks each micro-batch needs, and which dp rank gets which.
 
 Cost model: a micro-batch of segments l_1..l_n holds Σ l tokens and costs attention ∝ Σ l² (causal attention within each
 document; padding runs are segments too, and cost like documents: the kernel does not know they are padding). Split over
@@ -77,23 +77,3 @@ def balance_equal_counts(costs: list[float], groups: int, per_group: int) -> lis
         for item in full:
             heapq.heappush(heap, item)
     return [sorted(m) for m in members]
-
-
-def place_on_ranks(costs: list[float], cp_sizes: list[int], ranks: int) -> list[int]:
-    """First rank of each micro-batch in a plane of `ranks` DP×CP ranks; micro-batch i spans ranks
-    [first, first + cp_sizes[i]), an aligned block (the pre-built CP groups are aligned blocks).
-
-    Each micro-batch, costliest first, takes the aligned block whose busiest rank is least busy, and adds cost / c to
-    every rank of it, so the slowest rank of the step finishes as early as this greedy can make it.
-    """
-    load = [0.0] * ranks
-    first = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        c = cp_sizes[i]
-        if ranks % c:
-            raise ValueError(f"CP size {c} does not divide the {ranks} DP×CP ranks")
-        start = min(range(0, ranks, c), key=lambda s: (max(load[s:s + c]), s))
-        for r in range(start, start + c):
-            load[r] += costs[i] / c
-        first[i] = start
-    return first

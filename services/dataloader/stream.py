@@ -13,9 +13,8 @@ sharding. With one allowed size (static CP: `parallel.cp_sizes` empty, the size 
 carries that size. With several (dynamic CP), each micro-batch gets the smallest size under the budget
 (`cp_sizing.choose_cp_size`) and the micro-batches of a step are dealt to dp ranks so that their summed work is even.
 Every size divides `parallel.cp` (`cp_sizing.allowed_cp_sizes`): all CP peers of a dp rank receive the dp rank's
-micro-batches, and one sized c runs on an aligned block of c of them. `cp_sizing.place_on_ranks` (spreading the
-micro-batches of a step over the whole DP x CP plane) is not used: it needs a contract where a micro-batch is addressed
-to a block of ranks rather than to a dp rank.
+micro-batches, and the trainer's CP blocks split them (services/trainer/parallel/context_parallel.py `cp_share`: a
+micro-batch sized c runs on one aligned block of c ranks, each block taking an equal share).
 """
 
 from __future__ import annotations

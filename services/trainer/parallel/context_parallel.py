@@ -12,7 +12,8 @@ KV exchange, chosen by `parallel.cp_comm`:
   accumulating alongside its block, and a last hop brings each block's gradient home.
 - allgather: K/V are all-gathered once (backward reduce-scatters their gradients) and attention runs against all keys.
 
-The CP group (hence size) can change per micro-batch (dynamic CP): the group travels with the layout.
+The CP group (hence size) can change per micro-batch (dynamic CP): the group travels with the layout, and `cp_share`
+picks which of its dp rank's micro-batches each CP block runs.
 """
 
 from __future__ import annotations
@@ -77,6 +78,45 @@ def local_cu_seqlens(doc_ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor
     starts[1:] = (doc[1:] != doc[:-1]) | (index[1:] != index[:-1] + 1)
     bounds = torch.nonzero(starts).flatten()
     return torch.cat((bounds, torch.tensor([n], device=index.device))).to(torch.int32)
+
+
+def cp_share(micro_batches: list[dict], cp: int, cp_rank: int) -> list[dict]:
+    """The micro-batches CP rank `cp_rank` runs, out of its dp rank's step (every CP peer receives all of them).
+
+    A micro-batch sized c < cp (dynamic CP) runs on one aligned block of c ranks, not on all cp / c blocks (that would
+    compute it cp / c times): each block takes an equal share of the size-c micro-batches, dealt costliest first
+    (attention ∝ Σ l², as the dataloader sizes them) in snake order. Every rank must run as many passes as its EP and PP
+    peers in other blocks, whose collectives pair up pass by pass, so the n mod (cp / c) costliest micro-batches left
+    over after equal shares run on the whole CP group instead (their `cp_size` becomes cp). Order: whole-group
+    micro-batches first, as received, then the block's share size by size, largest first: at every pass the ranks of a
+    CP group run the same micro-batch."""
+    whole, by_size = [], {}
+    for i, mb in enumerate(micro_batches):
+        c = int(mb.get("cp_size", cp))
+        if c >= cp:
+            whole.append((i, mb))
+        else:
+            by_size.setdefault(c, []).append((i, mb))
+    shares = []
+    for c in sorted(by_size, reverse=True):
+        items, blocks = by_size[c], cp // c
+        costliest = sorted(items, key=lambda item: -_attention_cost(item[1]))  # stable: ties keep their order
+        left_over = len(items) % blocks
+        whole += [(i, {**mb, "cp_size": torch.tensor(cp)}) for i, mb in costliest[:left_over]]
+        mine = [item for k, item in enumerate(costliest[left_over:]) if _snake(k, blocks) == cp_rank // c]
+        shares += [mb for _, mb in sorted(mine, key=lambda item: item[0])]
+    return [mb for _, mb in sorted(whole, key=lambda item: item[0])] + shares
+
+
+def _attention_cost(mb: dict) -> int:
+    lengths = mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]
+    return int((lengths.long() ** 2).sum())
+
+
+def _snake(k: int, blocks: int) -> int:
+    """The block the k-th costliest item goes to: 0, 1, .., b-1, b-1, .., 0, 0, 1, ..."""
+    lap, pos = divmod(k, blocks)
+    return pos if lap % 2 == 0 else blocks - 1 - pos
 
 
 def shard_micro_batch(mb: dict, groups: ParallelGroups, comm: CPComm = "ring") -> dict:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from services.common.config import Config
-from services.trainer.parallel.context_parallel import apply_context_parallel, shard_micro_batch
+from services.trainer.parallel.context_parallel import apply_context_parallel, cp_share, shard_micro_batch
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.expert_parallel import apply_expert_parallel
 from services.trainer.parallel.groups import ParallelGroups, sum_over
@@ -54,7 +54,9 @@ def set_aux_loss_scale(model: nn.Module, scale: float | torch.Tensor) -> None:
 def forward_backward_parallel(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], groups: ParallelGroups,
                               cfg: Config, device: torch.device, autocast_dtype: torch.dtype | None,
                               optimizer: DistributedOptimizer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's micro-batches (whole, unsharded; CP peers hold the same ones) through forward and backward.
+    """This rank's dp rank's micro-batches (whole, unsharded; every CP peer receives them all) through forward and
+    backward: those of this rank's CP share (`cp_share`: under dynamic CP each block runs its own), each sharded over
+    the CP group of its size.
 
     Returns (summed token loss of the whole step over all ranks, loss tokens of the whole step), both 0-d tensors on
     `device` (fp32 and int64), queued, not read. The loss of every micro-batch is divided by the step's loss tokens over
@@ -66,6 +68,7 @@ def forward_backward_parallel(model: nn.Module, micro_batches: list[dict[str, to
     drain the queue at every step's start). The caller reads the token count with the step's other values.
     """
     p = cfg.parallel
+    micro_batches = cp_share(micro_batches, groups.cp.size, groups.cp.rank)
     local = [shard_micro_batch(mb, groups, p.cp_comm) for mb in micro_batches]
     # A micro-batch sized for c CP ranks is held by c ranks: each contributes 1/c of it to the micro-batch count.
     share = sum(1.0 / int(mb.get("cp_size", groups.cp.size)) for mb in micro_batches)
