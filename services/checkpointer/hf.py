@@ -47,7 +47,7 @@ class HFError(ValueError):
 def _check_family(cfg: ModelConfig, family: str) -> None:
     """Refuse a config whose model the HF family would compute differently."""
     if family not in _MOE:
-        raise HFError(f"unknown HF family {family!r}; supported: {sorted(_MOE)}")
+        raise HFError(f"unknown HF family {family!r}; choose one of {', '.join(sorted(_MOE))}")
     if cfg.shared_expert_ffn_hidden_size:
         raise HFError(f"{family} has no shared expert but `model.shared_expert_ffn_hidden_size="
                       f"{cfg.shared_expert_ffn_hidden_size}`")
@@ -177,7 +177,8 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
     """Our ModelConfig from an HF config.json of a supported family (transformers 4 or 5 spelling)."""
     family = config.get("model_type")
     if family not in _MOE:
-        raise HFError(f"config.json model_type {family!r} is not supported (supported: {sorted(_MOE)})")
+        raise HFError(f"config.json model_type {family!r} is not supported: only MoE models of the families "
+                      f"{', '.join(sorted(_MOE))} convert")
     if config.get("hidden_act", "silu") != "silu":
         raise HFError(f"hidden_act={config['hidden_act']!r}: our experts are SwiGLU (silu)")
     if config.get("attention_bias"):
@@ -238,16 +239,26 @@ def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict
     src = Path(src)
     if not (src / "config.json").is_file():
         raise HFError(f"{src / 'config.json'} is missing; point at an HF model directory")
-    config = json.loads((src / "config.json").read_text())
-    cfg, family = config_from_hf(config)
+    try:
+        config = json.loads((src / "config.json").read_text())
+        cfg, family = config_from_hf(config)
+    except json.JSONDecodeError as e:
+        raise HFError(f"{src / 'config.json'} is not valid JSON ({e})") from None
+    except KeyError as e:
+        raise HFError(f"{src / 'config.json'} has no {e} field: not a complete HF model config") from None
+    except (TypeError, AttributeError) as e:  # a field of the wrong kind
+        raise HFError(f"{src / 'config.json'} is not an HF model config ({type(e).__name__}: {e})") from None
     files = sorted(src.glob("*.safetensors"))
     if not files:
-        raise HFError(f"no *.safetensors files in {src}")
+        raise HFError(f"no *.safetensors files in {src}; point at an HF model directory")
     hf: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                hf[key] = f.get_tensor(key).to(dtype)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    hf[key] = f.get_tensor(key).to(dtype)
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types (SafetensorError, OSError)
+            raise HFError(f"{file} cannot be read as safetensors ({e}); the file is corrupt or truncated") from None
     if "lm_head.weight" not in hf and config.get("tie_word_embeddings") and "model.embed_tokens.weight" in hf:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()  # tied: our output layer gets its own copy
     return from_hf(hf, cfg, family), cfg

@@ -265,6 +265,10 @@ def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, dat
     if path is None:
         return 0
     ckpt = load_checkpoint(path, checksums=False)  # require_latest_valid verified it
+    if "data" not in ckpt.extra:
+        raise CheckpointLoadError(f"checkpoint {path} holds model weights only (no optimizer state or data position: "
+                                  "written by `services.checkpointer.convert`), so a run cannot resume from it; start "
+                                  f"one from it with checkpoint.init_from={Path(c.dir)} and another checkpoint.dir")
     saved = set(ckpt.names())
     if groups is not None:  # a folded layout reads its own boxes, whatever layout wrote them
         from services.trainer.parallel import checkpoint_shards as parallel

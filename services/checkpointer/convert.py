@@ -1,0 +1,276 @@
+"""Command line for Hugging Face interop (services/checkpointer/hf.py): export, import, upcycle.
+
+    python -m services.checkpointer.convert export CKPT OUT --family {mixtral,qwen3_moe} [--config FILE] [--dtype D]
+                                                        [--force] [section.key=value ...]
+    python -m services.checkpointer.convert import HF_DIR OUT [--force]
+    python -m services.checkpointer.convert upcycle DENSE_CKPT OUT [--config FILE] [--seed N] [--force]
+                                                        [section.key=value ...]
+
+CKPT is a committed checkpoint (a step_NNNNNNNN directory) or a `checkpoint.dir` (its newest one that verifies); its
+model config is the one the checkpoint records, unless `--config`/overrides give one (which must fit its weights). `import` and `upcycle` write OUT as a
+`checkpoint.dir` holding one checkpoint (step 0, model weights only) for `checkpoint.init_from=OUT`, and OUT/model.yaml:
+the `model:` section a run starting from it needs. Every output is built beside OUT and renamed into place when
+complete; an existing OUT is replaced only with --force. Bad input is one line naming the cause and the fix, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from rich.console import Console
+from rich.progress import track
+
+from services.checkpointer.hf import HFError, export_hf, hf_config, import_hf, upcycle
+from services.checkpointer.layout import MANIFEST, CheckpointError, fsync_dir, parse_step, read_manifest, verify
+from services.checkpointer.load import find_latest_valid, load_checkpoint
+from services.checkpointer.store import CheckpointStore
+from services.common.config import ConfigError, ModelConfig, load_config
+# The model definition is shared (as with the rollout engine): its state dict is the truth about parameter shapes, and
+# saved_value is how the trainer reads a parameter back (bf16 values joined with their saved fp32 remainders).
+from services.trainer.checkpointing import saved_value
+from services.trainer.model.transformer import MoETransformer
+
+EXIT_USAGE = 2
+PART_BYTES = 1 << 30  # tensors per shard file of an imported checkpoint (the writer streams each file)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_err = Console(stderr=True)  # progress bars only
+
+
+class ConvertError(Exception):
+    """Input the conversion cannot use; the message names the cause and the fix."""
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)  # not rich: it would wrap paths at the console width in logs
+
+
+# ---------------------------------------------------------------- foldmoe checkpoints in and out
+
+
+def find_checkpoint(spec: str | Path) -> Path:
+    """A step directory itself (it must verify), or the newest checkpoint under a checkpoint.dir that verifies."""
+    path = Path(spec).expanduser()
+    fix = "name a checkpoint (step_NNNNNNNN with a manifest.json) or the checkpoint.dir that holds some"
+    if not path.is_dir():
+        raise ConvertError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; {fix}")
+    if (path / MANIFEST).is_file() or parse_step(path.name) is not None:
+        verify(path)  # a CheckpointError names the damaged file
+        return path
+    latest = find_latest_valid(path)
+    if latest is None:
+        raise ConvertError(f"{path} holds no committed checkpoint that verifies; {fix}")
+    return latest
+
+
+def recorded_model(ckpt: Path) -> dict[str, Any] | None:
+    """The model config of the run that wrote `ckpt` (the trainer and this tool record it), if any."""
+    extras = read_manifest(ckpt).extras
+    return ((extras[0].get("config") or {}).get("model") if extras else None) or None
+
+
+def trained_config(ckpt: Path) -> ModelConfig:
+    """The model config `ckpt` records (the trainer and `import` write it into every checkpoint)."""
+    recorded = recorded_model(ckpt)
+    if recorded is None:
+        raise ConvertError(f"{ckpt} records no model config (extra.config.model); give the model's --config, or use a "
+                           "checkpoint written by the foldmoe trainer or by import")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in recorded.items() if k in fields})
+
+
+def config_diff(recorded: dict[str, Any] | None, cfg: ModelConfig) -> list[str]:
+    mine = dataclasses.asdict(cfg)
+    return [f"model.{k}={recorded[k]!r} there, {v!r} here" for k, v in mine.items()
+            if recorded and k in recorded and recorded[k] != v]
+
+
+def progress(items: Any, what: str) -> Any:
+    """`items`, with a progress bar on a terminal (nothing in logs and pipes)."""
+    return track(list(items), what, console=_err, transient=True, disable=not _err.is_terminal)
+
+
+def check_fits(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, what: str, hint: str = "") -> dict[str, tuple]:
+    """`cfg`'s parameter shapes, after refusing weights of another model: each name must be there with as many
+    elements (an ETP-saved w13 is [E, h, 2, f] for [E, h, 2f]: the same bytes, see checkpointing._read_whole)."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in MoETransformer(cfg).state_dict().items()}
+    missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    wrong = [k for k in expected if k in shapes and math.prod(shapes[k]) != math.prod(expected[k])]
+    if wrong:
+        why = f"{wrong[0]!r} is {list(shapes[wrong[0]])} there but {list(expected[wrong[0]])} in the model config"
+    elif missing:
+        why = f"it has no {missing[0]!r}{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}"
+    elif extra:
+        why = f"it holds {extra[0]!r}{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which the model lacks"
+    else:
+        return expected
+    raise ConvertError(f"{what} holds another model than the model config describes: {why}"
+                       f"{hint or '; pass the config (--config and overrides) that model was trained with'}")
+
+
+def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model weights of a verified checkpoint, whole, after checking they are `cfg`'s model."""
+    diff = config_diff(recorded_model(ckpt), cfg)
+    hint = f"; the checkpoint's run had {', '.join(diff)}" if diff else ""
+    with load_checkpoint(ckpt, checksums=False) as c:
+        names = set(c.names())
+        saved = {n.removeprefix("model/"): c.global_shape(n) for n in names if n.startswith("model/")}
+        expected = check_fits(saved, cfg, f"checkpoint {ckpt}", hint)
+        return {k: saved_value(lambda n, s=shape: c.read(n).reshape(s), k, names)
+                for k, shape in progress(expected.items(), "reading")}
+
+
+def write_checkpoint(root: Path, state: dict[str, torch.Tensor], cfg: ModelConfig, run: str, source: str,
+                     hint: str) -> Path:
+    """`state` as a committed step-0 checkpoint under `root`, through the writer's own store (manifest, sha256),
+    and root/model.yaml: the `model:` section of a run that starts from it. `hint`: the fix when `state` is not
+    `cfg`'s model."""
+    check_fits({k: tuple(t.shape) for k, t in state.items()}, cfg, source, hint)
+    store = CheckpointStore(root, keep_last=0)
+    parts: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        if size and size + t.nbytes > PART_BYTES:
+            parts, size = parts + [{}], 0
+        parts[-1][f"model/{name}"] = t.detach().cpu().contiguous()
+        size += t.nbytes
+    entries = [store.write_part(0, 0, i, part, {n: (list(t.shape), [0] * t.ndim) for n, t in part.items()})
+               for i, part in progress(enumerate(parts), "writing")]
+    extra = {"step": 0, "config": {"model": dataclasses.asdict(cfg)}, "converted_from": source}
+    store.write_rank_record(0, 0, entries, extra)
+    path = store.commit(run, 0, 1)
+    (root / "model.yaml").write_text(yaml.safe_dump({"model": dataclasses.asdict(cfg)}, sort_keys=False))
+    return path
+
+
+@contextmanager
+def staged(out: Path, force: bool, source: Path) -> Iterator[Path]:
+    """A directory to build the output in, renamed to `out` once complete; a failure leaves `out` as it was."""
+    if out.exists() and not force:
+        raise ConvertError(f"{out} already exists; pass --force to replace it, or choose another output")
+    if out.resolve() == source.resolve() or out.resolve() in source.resolve().parents:
+        raise ConvertError(f"{out} holds the input {source}; choose another output")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, trash = (out.with_name(f".{out.name}.{what}-{os.getpid()}") for what in ("tmp", "trash"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():  # --force: the old output goes aside first, so `out` is never half old, half new
+            os.rename(out, trash)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if trash.is_dir():
+        shutil.rmtree(trash)
+    elif trash.exists():
+        trash.unlink()
+
+
+# ---------------------------------------------------------------- commands
+
+
+def export_cmd(args: argparse.Namespace) -> None:
+    ckpt = find_checkpoint(args.checkpoint)
+    given = args.config is not None or args.overrides
+    cfg = load_config(args.config, args.overrides).model if given else trained_config(ckpt)
+    hf_config(cfg, args.family)  # refuse a family that cannot express this model before reading any weight
+    with staged(args.out, args.force, ckpt) as tmp:
+        say(f"exporting {ckpt} as {args.family} ({args.dtype})")
+        state = read_model_state(ckpt, cfg)  # refuses another model's weights, naming the config differences
+        diff = config_diff(recorded_model(ckpt), cfg)  # the same shapes, but maybe not the same function
+        if diff:
+            say(f"warning: the config differs from the one {ckpt} was trained with: {', '.join(diff)}")
+        export_hf(state, cfg, args.family, tmp, dtype=DTYPES[args.dtype])
+    say(f"wrote {args.out}/model.safetensors and config.json")
+
+
+def import_cmd(args: argparse.Namespace) -> None:
+    src = Path(args.hf_dir).expanduser()
+    if not src.is_dir():
+        raise ConvertError(f"{src}: no such directory; point at an HF model directory (config.json + *.safetensors)")
+    with staged(args.out, args.force, src) as tmp:
+        say(f"importing {src}")
+        state, cfg = import_hf(src)
+        path = write_checkpoint(tmp, state, cfg, "hf-import", f"HF model {src.resolve()}",
+                                "; its config.json does not describe the tensors beside it")
+    say(f"wrote {args.out / path.name}; start a run from it with checkpoint.init_from={args.out} and the model "
+        f"section of {args.out / 'model.yaml'}")
+
+
+def upcycle_cmd(args: argparse.Namespace) -> None:
+    moe = load_config(args.config, args.overrides).model
+    ckpt = find_checkpoint(args.dense)
+    dense = trained_config(ckpt)
+    if dense.first_k_dense < dense.num_layers:
+        raise ConvertError(f"{ckpt} is an MoE model (model.first_k_dense={dense.first_k_dense} of num_layers="
+                           f"{dense.num_layers}); upcycle starts from a dense one (model.first_k_dense=num_layers)")
+    with staged(args.out, args.force, ckpt) as tmp:
+        say(f"upcycling {ckpt} to {moe.num_experts} experts (top-{moe.top_k})")
+        state = upcycle(read_model_state(ckpt, dense), dense, moe, seed=args.seed)
+        copied = ("head_dim", "qk_norm") + (("ffn_hidden_size",) if moe.first_k_dense else ())
+        keep = [f"model.{k}={json.dumps(getattr(dense, k))}" for k in copied
+                if getattr(dense, k) != getattr(moe, k)]  # what upcycle copies but does not check
+        path = write_checkpoint(tmp, state, moe, "upcycle", f"upcycled dense checkpoint {ckpt.resolve()}",
+                                f"; the MoE model keeps the dense model's {', '.join(keep) or 'attention and MLPs'}")
+    say(f"wrote {args.out / path.name}; start a run from it with checkpoint.init_from={args.out}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.checkpointer.convert", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    export = commands.add_parser("export", help="a foldmoe checkpoint -> an HF model directory")
+    export.add_argument("checkpoint", help="a step_NNNNNNNN directory or a checkpoint.dir (its newest valid one)")
+    export.add_argument("--family", required=True, help="HF model family: mixtral or qwen3_moe")
+    export.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="dtype of the HF weights (default: bfloat16)")
+    imp = commands.add_parser("import", help="an HF model directory -> a foldmoe checkpoint.dir for init_from")
+    imp.add_argument("hf_dir", help="an HF model directory: config.json and *.safetensors")
+    up = commands.add_parser("upcycle",
+                             help="a dense foldmoe checkpoint -> an MoE one (every expert a copy of the MLP)")
+    up.add_argument("dense", help="the dense model's step_NNNNNNNN directory or checkpoint.dir")
+    up.add_argument("--seed", type=int, default=0, help="seed of the new routers' weights")
+    for sub in (export, imp, up):
+        sub.add_argument("out", type=Path, help="output directory (refused if it exists, unless --force)")
+        sub.add_argument("--force", action="store_true", help="replace an existing output directory")
+    for sub in (export, up):
+        sub.add_argument("--config", type=Path, default=None, help="YAML config whose model section describes "
+                         + ("the checkpoint's model (default: the one it records)" if sub is export
+                            else "the MoE model"))
+        sub.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, later wins")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    # Overrides may follow options (`--force a.b=c`), which one nargs="*" positional cannot take: collect the rest.
+    args, rest = parser.parse_known_args(argv)
+    if rest and (not hasattr(args, "overrides") or any(r.startswith("-") for r in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.overrides += rest
+    run = {"export": export_cmd, "import": import_cmd, "upcycle": upcycle_cmd}[args.command]
+    try:
+        run(args)
+    except (ConvertError, HFError, ConfigError, CheckpointError, OSError) as e:
+        # One line: the messages name the cause and the fix; a traceback would bury them.
+        print(f"convert: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
