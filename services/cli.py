@@ -89,16 +89,15 @@ def train(cfg: Config) -> int:
     if cfg.rl.enabled:
         from services.trainer.rl.train_rl import validate_rl
 
-        validate_rl(cfg)
+        validate_rl(cfg, world_size=cfg.run.nproc)  # the ranks the launcher is about to start
     _check_redis(cfg)  # cheap checks first: an unreachable Redis should not wait for a corpus to be tokenized
     if not cfg.rl.enabled:  # an RL run's data is the rollout workers' trajectories, not a corpus
         _ensure_dataset(cfg)
     return Launcher(cfg, Path(cfg.run.dir)).run()
 
 
-# Run-state keys naming the newest committed checkpoint: the checkpointer writes "checkpoint/latest"; the
-# "latest_checkpoint" spelling is read too until the two are unified.
-LATEST_CHECKPOINT_KEYS = ("checkpoint/latest", "latest_checkpoint")
+# Run-state key naming the newest committed checkpoint, {"step", "path"}: the checkpoint writer sets it at each commit.
+LATEST_CHECKPOINT_KEY = "checkpoint/latest"
 
 
 def _show(value) -> str:
@@ -151,8 +150,7 @@ def status(cfg: Config, args=None) -> int:
     if not services:
         print("  (no services registered)")
     print(f"step: {_show(registry.get_state('step'))}")
-    latest = next((v for v in (registry.get_state(k) for k in LATEST_CHECKPOINT_KEYS) if v is not None), None)
-    print(f"latest checkpoint: {_show(latest)}")
+    print(f"latest checkpoint: {_show(registry.get_state(LATEST_CHECKPOINT_KEY))}")
     last = _last_record(Path(cfg.run.metrics_file))
     if last:
         print(f"last record ({cfg.run.metrics_file}) {last}")

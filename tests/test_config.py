@@ -71,10 +71,35 @@ def test_unknown_key_in_yaml_is_rejected_too(tmp_path):
     (["model.fp8=tensorwise", "model.moe_ffn_hidden_size=256", "parallel.etp=32"], "model.fp8"),  # 8 per ETP rank
     (["optimizer.lr=1e-4", "optimizer.min_lr=1e-3"], "optimizer.min_lr"),
     (["optimizer.lr=0"], "optimizer.lr"),
+    (["checkpoint.interval=-1"], "checkpoint.interval"),
+    (["checkpoint.keep_last=-1"], "checkpoint.keep_last"),
+    (["optimizer.beta1=1"], "optimizer.beta1"),
+    (["optimizer.beta1=-0.1"], "optimizer.beta1"),
+    (["optimizer.beta2=1.5"], "optimizer.beta2"),
+    (["optimizer.eps=0"], "optimizer.eps"),
+    (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay"),
+    (["optimizer.clip_grad=-1"], "optimizer.clip_grad"),
+    (["model.norm_eps=0"], "model.norm_eps"),
+    (["model.rope_theta=-1"], "model.rope_theta"),
+    (["data.packing_window=0"], "data.packing_window"),
+    (["run.nproc=0"], "run.nproc"),
+    (["rl.top_p=2"], "rl.top_p"),
+    (["rl.top_p=0"], "rl.top_p"),
+    (["rl.temperature=-0.5"], "rl.temperature"),
+    (["rl.max_new_tokens=0"], "rl.max_new_tokens"),
+    (["rl.top_k=-1"], "rl.top_k"),
+    (["rl.stop=['', END]"], "rl.stop"),
 ])
 def test_impossible_value_error_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"`{key}"):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("override", ["checkpoint.interval=0", "checkpoint.keep_last=0", "optimizer.clip_grad=0",
+                                      "optimizer.weight_decay=0", "optimizer.beta1=0", "rl.temperature=0",
+                                      "rl.top_p=1", "data.packing_window=1"])
+def test_zero_and_boundary_values_that_mean_something_are_accepted(override):
+    load_config(None, [override])  # 0 means: save only at the end, keep every checkpoint, no clipping, greedy, ...
 
 
 def test_parallel_layout_is_checked_against_the_world_size():

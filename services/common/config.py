@@ -27,31 +27,34 @@ MAX_PREFETCH = 1024
 @dataclass
 class ModelConfig:
     vocab_size: int = 264  # byte tokenizer: 256 bytes + EOS + PAD, rounded up to a multiple of 8 for vocab-parallel TP
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
+    hidden_size: int = 128  # width of the residual stream (d_model)
+    num_layers: int = 4  # decoder blocks
+    num_heads: int = 4  # query heads per attention layer
     num_kv_heads: int = 2  # GQA: query heads share key/value heads in groups of num_heads // num_kv_heads
     head_dim: int = 0  # 0: hidden_size // num_heads
     ffn_hidden_size: int = 512  # dense MLP width (dense first layers)
     first_k_dense: int = 0  # leading layers with a dense MLP instead of MoE (DeepSeek-V3: 3)
-    num_experts: int = 8
-    top_k: int = 2
+    num_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # experts each token is sent to
     moe_ffn_hidden_size: int = 256  # per-expert SwiGLU width
     shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts, or an independent
+    #                                                        sigmoid per expert (DeepSeek-V3)
     norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1
     num_groups: int = 0  # group-limited routing: experts in num_groups groups, tokens pick topk_groups of them (0: off)
-    topk_groups: int = 0
-    routed_scaling_factor: float = 1.0
+    topk_groups: int = 0  # group-limited routing: groups each token's experts may come from
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights (DeepSeek-V3: 2.5)
+    # load-balancing loss over each micro-batch's tokens, over each packed document ("sequence": DeepSeek-V3's
+    # sequence-wise loss), or none (e.g. with bias_update_rate > 0)
     aux_loss_type: Literal["micro_batch", "sequence", "none"] = "micro_batch"
-    aux_loss_coeff: float = 1e-2
-    z_loss_coeff: float = 0.0
+    aux_loss_coeff: float = 1e-2  # weight of the load-balancing loss in the total loss (0: off)
+    z_loss_coeff: float = 0.0  # router z-loss weight (ST-MoE): keeps the router logits small (0: off)
     bias_update_rate: float = 0.0  # aux-loss-free balancing: expert bias step per optimizer step (0: off)
     capacity_factor: float = 0.0  # 0: dropless; else each expert keeps at most ceil(cf * T * k / E) tokens
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # RoPE base: larger stretches the rotary wavelengths for longer contexts
+    norm_eps: float = 1e-6  # added to the mean square in every RMSNorm
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the normal init of weight matrices; residual-branch outputs: / sqrt(2 * num_layers)
     # torch.compile the decoder's memory-bound glue into fused kernels, forward and backward: QK-norm + RoPE of the
     # projected heads, and each residual add with the RMSNorm that reads its sum. The GEMMs, attention core and MoE
     # kernels stay as they are. First steps pay the compile time.
@@ -84,9 +87,9 @@ class ModelConfig:
     recompute: list[str] = field(default_factory=list)
     # Keep these modules' saved activations in pinned host memory until backward: "attn", "moe", "layer".
     offload: list[str] = field(default_factory=list)
-    # The decoder layers (ids 0..num_layers-1) `recompute` / `offload` apply to; empty: every layer.
-    recompute_layers: list[int] = field(default_factory=list)
-    offload_layers: list[int] = field(default_factory=list)
+    recompute_layers: list[int] = field(default_factory=list)  # decoder layers (ids 0..num_layers-1) `recompute`
+    #                                                            applies to; empty: every layer
+    offload_layers: list[int] = field(default_factory=list)  # the same for `offload`
 
     @property
     def kv_channels(self) -> int:
@@ -103,12 +106,19 @@ class ParallelConfig:
     ep: int = 1  # expert parallel
     etp: int = 1  # expert tensor parallel
     sequence_parallel: bool = True  # with tp > 1: activations outside the TP regions are split along the sequence
+    # how tokens reach their experts' ranks (parallel/expert_parallel.py): an all-to-all of the routed rows (traffic
+    # grows with routed tokens), or an all-gather of every rank's tokens (simpler; better with a small ep and many
+    # active experts per token)
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # how attention gets the other CP ranks' keys/values (parallel/context_parallel.py): passed around a ring,
+    # overlapped with compute, or all-gathered once
     cp_comm: Literal["ring", "allgather"] = "ring"
     cp_sizes: list[int] = field(default_factory=list)  # allowed dynamic CP sizes; empty: only `cp`
-    distributed_optimizer: bool = True
+    distributed_optimizer: bool = True  # ZeRO-1: each data-parallel rank keeps master weights and Adam moments for
+    #                                     its 1/dp of every gradient bucket (false: all-reduce, every rank updates all)
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty: split evenly
-    grad_bucket_mb: float = 25.0
+    grad_bucket_mb: float = 25.0  # gradients are reduced in flat buckets of this size, each launched in backward
+    #                               as soon as it is complete
     ep_overlap: bool = False  # micro-batches in pairs, interleaved layer by layer, so one's expert all-to-alls are in
     #                           flight while the other computes (parallel/micro_batch_pairs.py); two micro-batches'
     #                           activations alive at once (per pipeline stage: pairs are the 1F1B schedule's units);
@@ -120,11 +130,11 @@ class DataConfig:
     corpus: list[str] = field(default_factory=lambda: ["/usr/share/common-licenses"])  # files or directories of text
     tokenizer: str = "byte"  # "byte" or a path to a HF tokenizer.json
     dataset_dir: str = "runs/data"  # where the tokenized corpus is written
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per packed sequence
     micro_batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step per data-parallel rank
-    packing_window: int = 256  # documents looked at together by best-fit-decreasing
-    seed: int = 1234
+    packing_window: int = 256  # documents looked at together by best-fit-decreasing, at least 1
+    seed: int = 1234  # document order and packing (the same seed and corpus give the same stream)
     prefetch: int = 8  # micro-batches in flight per rank (credits), 1 to 1024
     blend_weights: list[float] = field(default_factory=list)  # one per corpus entry: each entry its own dataset,
     # sampled per packed sequence with these weights; empty: all entries form one dataset
@@ -132,19 +142,20 @@ class DataConfig:
     cp_max_attn_per_rank: float = 0.0  # dynamic CP: attention cost (sum of squared segment lengths) per CP rank; 0: no limit
     rollout_stream: str = ""  # RL run: Redis stream key; empty: the "stream" of a rollout worker's registry record
     replicas: int = 1  # dataloader services of the run; replica r serves the dp ranks with dp_rank % replicas == r
-    #                    (each packs the same global stream and sends only its ranks' micro-batches); corpus source only
+    #                    (each packs the same global stream, the corpus or an RL run's rollout stream, and sends only
+    #                    its ranks' micro-batches)
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    warmup_steps: int = 20
-    clip_grad: float = 1.0
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps, then cosine decay to min_lr at run.steps
+    min_lr: float = 3e-4  # learning rate at the last step
+    weight_decay: float = 0.1  # AdamW's decoupled decay, of matrices only (norm scales and other vectors: none)
+    beta1: float = 0.9  # Adam's first-moment decay, in [0, 1)
+    beta2: float = 0.95  # Adam's second-moment decay, in [0, 1)
+    eps: float = 1e-8  # added to Adam's denominator, > 0
+    warmup_steps: int = 20  # steps of linear warmup from lr / warmup_steps to lr
+    clip_grad: float = 1.0  # gradients are scaled down to this global L2 norm when above it (0: no clipping)
     param_dtype: Literal["fp32", "bf16"] = "fp32"  # how the model holds its parameters; bf16: the optimizer keeps the
     #                                                fp32 master weights' low 16 bits beside them (exact; checkpoints
     #                                                hold both) and updates both in one pass; gradients stay bf16 in
@@ -155,9 +166,9 @@ class OptimizerConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "runs/ckpt"
+    dir: str = "runs/ckpt"  # committed checkpoints are step_NNNNNNNN directories here, `latest` names the newest
     interval: int = 50  # steps between saves; 0: only at the end
-    keep_last: int = 3
+    keep_last: int = 3  # newest committed checkpoints kept (the writer deletes older ones not marked keep); 0: all
     resume: bool = True  # start from the newest valid checkpoint in `dir` when there is one
     on_busy: Literal["wait", "skip"] = "wait"  # a save requested while the previous one is still being written
     host_buffers: int = 1  # pinned snapshot buffers per rank (each = the rank's state); 2: a save may start while
@@ -170,17 +181,16 @@ class CheckpointConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "tiny"
-    steps: int = 200
-    seed: int = 1234
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    name: str = "tiny"  # the run's namespace in Redis: services and trainer ranks of one run find each other by it
+    steps: int = 200  # optimizer steps of the whole run (a resumed run goes on to the same total)
+    seed: int = 1234  # model init and torch's random state; rollout workers' prompts and samples
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible, else CPU
     dtype: Literal["fp32", "bf16"] = "bf16"  # autocast dtype on GPU; CPU runs fp32 unless optimizer.param_dtype=bf16
-    log_interval: int = 1
     redis_url: str = ""  # empty: the launcher starts an embedded Redis
     dir: str = "runs"  # the launcher writes the resolved config.yaml and logs/<child>.log here
     nproc: int = 1  # trainer ranks the launcher starts
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: datasheet value for the detected device
-    metrics_file: str = "runs/metrics.jsonl"
+    metrics_file: str = "runs/metrics.jsonl"  # rank 0 appends one JSON record per step (`foldmoe plot` reads it)
     max_restarts: int = 3  # times the launcher restarts each crashed service (not the trainer) before failing the run
     profile_steps: list[int] = field(default_factory=list)  # [first, last]: record those steps (1-based) with
     #                                                        torch.profiler into <dir>/profile/trace_rank<r>.json
@@ -208,7 +218,8 @@ class RLConfig:
     max_staleness: int = 1  # trajectories may come from weights at most this many versions behind the trainer
     max_queued_groups: int = 64  # a worker pauses while this many groups wait unconsumed in the stream
     weight_dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of published weights
-    weight_chunk_mb: float = 64.0
+    weight_chunk_mb: float = 64.0  # published weights travel to the workers in ZMQ messages of about this size
+
     # training (services/trainer/rl)
     groups_per_step: int = 4  # trajectory groups per optimizer step
     rollout_timeout_s: float = 300.0  # seconds the trainer waits for a step's groups before it fails
@@ -353,6 +364,17 @@ def _check_fp8_dense_widths(m: ModelConfig, tp: int) -> None:
                f"/ `parallel.tp={tp}` to be a multiple of 16; change the sizes or set model.fp8=''")
 
 
+def _check_sampling(rl: RLConfig) -> None:
+    """The rollout workers' sampling parameters (services/rl_rollout/sampling.py), refused here rather than when a
+    worker starts: `foldmoe train` then fails before any process does."""
+    _check(rl.temperature >= 0, f"`rl.temperature={rl.temperature}` must be >= 0 (0: greedy)")
+    _check(0 < rl.top_p <= 1, f"`rl.top_p={rl.top_p}` must be in (0, 1] (1: off)")
+    _check(rl.top_k >= 0, f"`rl.top_k={rl.top_k}` must be >= 0 (0: off)")
+    _check(rl.max_new_tokens >= 1, f"`rl.max_new_tokens={rl.max_new_tokens}` must be at least 1")
+    _check(all(rl.stop), f"`rl.stop={rl.stop}` has an empty string, which would end every completion at its first "
+                         "token: remove it")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Reject impossible values; with `world_size`, also the parallel layout."""
     m, p, d, o = cfg.model, cfg.parallel, cfg.data, cfg.optimizer
@@ -375,6 +397,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(m.topk_groups * per_group >= m.top_k,
                f"`model.topk_groups={m.topk_groups}` groups of {per_group} experts cannot hold `model.top_k={m.top_k}`")
     _check(m.capacity_factor >= 0, f"`model.capacity_factor` must be >= 0, got {m.capacity_factor}")
+    for name in ("norm_eps", "rope_theta"):
+        _check(getattr(m, name) > 0, f"`model.{name}={getattr(m, name)}` must be positive")
     _check_choices("model.moe_kernels", m.moe_kernels,
                    ("permutation", "activation", "router", "cross_entropy"))
     _check_choices("model.recompute", m.recompute,
@@ -403,14 +427,22 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                                   f"set `model.{key}` (e.g. {'[moe]' if key == 'recompute' else '[attn]'}) or drop it")
     _check(d.seq_len > 1 and d.micro_batch_size > 0 and d.grad_accum > 0,
            "`data.seq_len` must be > 1 and `data.micro_batch_size`, `data.grad_accum` positive")
+    _check(d.packing_window >= 1, f"`data.packing_window={d.packing_window}` must be at least 1 (documents packed "
+                                  "together)")
     _check(o.lr > 0 and 0 <= o.min_lr <= o.lr,
            f"need `optimizer.lr` > 0 and 0 <= `optimizer.min_lr` <= `optimizer.lr` (got lr={o.lr}, min_lr={o.min_lr})")
+    for name in ("beta1", "beta2"):
+        _check(0 <= getattr(o, name) < 1, f"`optimizer.{name}={getattr(o, name)}` must be in [0, 1)")
+    _check(o.eps > 0, f"`optimizer.eps={o.eps}` must be positive (it keeps Adam's denominator off zero)")
+    _check(o.weight_decay >= 0, f"`optimizer.weight_decay={o.weight_decay}` must be >= 0")
+    _check(o.clip_grad >= 0, f"`optimizer.clip_grad={o.clip_grad}` must be >= 0 (0: no clipping)")
     _check(o.param_dtype == "fp32" or cfg.run.dtype == "bf16",
            "`optimizer.param_dtype=bf16` computes under bf16 autocast: it needs `run.dtype=bf16`")
     _check(o.moment_dtype == "fp32" or o.param_dtype == "bf16",
            f"`optimizer.moment_dtype={o.moment_dtype}` needs `optimizer.param_dtype=bf16` (the fp32-parameter "
            "optimizer is torch's AdamW, which keeps its moments in the parameters' dtype)")
     _check(cfg.run.steps > 0, f"`run.steps` must be positive, got {cfg.run.steps}")
+    _check(cfg.run.nproc >= 1, f"`run.nproc` must be at least 1 trainer rank, got {cfg.run.nproc}")
     _check(cfg.run.max_restarts >= 0, f"`run.max_restarts` must be >= 0, got {cfg.run.max_restarts}")
     ps = cfg.run.profile_steps
     _check(not ps or len(ps) == 2 and 1 <= ps[0] <= ps[1] <= cfg.run.steps,
@@ -418,8 +450,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(d.replicas >= 1, f"`data.replicas` must be at least 1, got {d.replicas}")
     _check(1 <= d.prefetch <= MAX_PREFETCH, f"`data.prefetch` must be in [1, {MAX_PREFETCH}] (micro-batches in flight "
            f"per rank; the dataloader holds a client to {MAX_PREFETCH}), got {d.prefetch}")
-    _check(cfg.checkpoint.host_buffers >= 1,
-           f"`checkpoint.host_buffers` must be at least 1, got {cfg.checkpoint.host_buffers}")
+    c = cfg.checkpoint
+    _check(c.interval >= 0, f"`checkpoint.interval` must be >= 0 (0: save only at the end), got {c.interval}")
+    _check(c.keep_last >= 0, f"`checkpoint.keep_last` must be >= 0 (0: keep every checkpoint), got {c.keep_last}")
+    _check(c.host_buffers >= 1, f"`checkpoint.host_buffers` must be at least 1, got {c.host_buffers}")
+    _check_sampling(cfg.rl)
     for name in ("tp", "cp", "pp", "ep", "etp"):
         _check(getattr(p, name) > 0, f"`parallel.{name}` must be positive, got {getattr(p, name)}")
     _check(m.num_experts % p.ep == 0, f"`parallel.ep={p.ep}` does not divide `model.num_experts={m.num_experts}`")

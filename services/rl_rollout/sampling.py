@@ -22,6 +22,8 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self):
+        # A run's rl.* values are refused at config load, naming the key (config.py `_check_sampling`); this guards
+        # the callers that build parameters themselves (bench/bench_rollout.py, tests).
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -29,8 +31,7 @@ class SamplingParams:
         if self.top_k < 0 or self.max_tokens < 1:
             raise ValueError(f"need top_k >= 0 and max_tokens >= 1, got top_k={self.top_k}, max_tokens={self.max_tokens}")
         if any(not s for s in self.stop):
-            raise ValueError(f"an empty stop string would end every completion at its first token (stop={self.stop!r}); "
-                             "remove it from rl.stop")
+            raise ValueError(f"an empty stop string would end every completion at its first token (stop={self.stop!r})")
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

@@ -7,18 +7,23 @@ micro-batches, runs forward/backward/step, and hands state to the checkpointer, 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from redis import RedisError
 
+from services.checkpointer.handoff import SaveError
 from services.common.config import Config, ConfigError, load_config, validate
 from services.common.metrics import TrainerMetrics
 from services.common.registry import Registry, RegistryError, redis_url
+from services.dataloader.errors import DataError
 from services.trainer import checkpointing
 from services.trainer.metrics import (MetricsLog, StepEnd, StepValues, datasheet_peak, flops_per_token,
                                       measure_peak_tflops)
@@ -47,13 +52,23 @@ class Runtime:
     autocast_dtype: torch.dtype | None
 
 
+def world_size_from_env() -> int:
+    """The ranks of this trainer as torchrun (or compose) started them; `run.nproc` is only how many `foldmoe train`
+    asks torchrun for."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_runtime(cfg: Config) -> Runtime:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size_from_env()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     want_cuda = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
     if cfg.run.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("`run.device=cuda` but no CUDA device is visible; use run.device=cpu or auto")
+    if want_cuda and local_rank >= (gpus := torch.cuda.device_count()):  # else set_device: "invalid device ordinal"
+        raise ConfigError(f"rank {rank} needs GPU {local_rank} (LOCAL_RANK={local_rank}), but only {gpus} CUDA "
+                          f"device(s) are visible: start at most {gpus} ranks per machine "
+                          f"(`run.nproc={cfg.run.nproc}`) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
     device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
     if want_cuda:
         torch.cuda.set_device(device)
@@ -220,17 +235,31 @@ def expert_load_summary(loads: torch.Tensor, cfg: Config, data_parallel: int = 1
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="services.trainer.train", description=__doc__)
+# Why a rank stops, as one line (the messages name the cause and the fix) instead of a traceback, and its exit code:
+# 2 for what must be fixed before starting again, 1 for a run that started and then lost its dataloader, a checkpoint
+# save or Redis. The launcher never restarts the trainer (services/launcher.py): any non-zero code ends the run.
+USAGE_ERRORS = (ConfigError, RegistryError, checkpointing.CheckpointLoadError)
+RUN_ERRORS = (DataError, SaveError, TimeoutError, RedisError)
+
+
+def run_rank(loop: Callable[[Config], int], argv: list[str] | None, prog: str, description: str) -> int:
+    """A trainer entry point (pre-training and RL): `--config FILE [section.key=value ...]`, logging, then `loop`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", default=None, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
+    # As the services do: the INFO records of the modules the trainer uses (snapshot buffers, the FP8 backend) reach
+    # the log. The per-step lines are printed, not logged, and torch's loggers do not propagate to this handler.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     try:
-        cfg = load_config(args.config, args.overrides)
-        return train(cfg)
-    except (ConfigError, RegistryError, checkpointing.CheckpointLoadError) as e:
+        return loop(load_config(args.config, args.overrides))
+    except (*USAGE_ERRORS, *RUN_ERRORS) as e:
         print(f"trainer: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, USAGE_ERRORS) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_rank(train, argv, "services.trainer.train", __doc__)
 
 
 if __name__ == "__main__":

@@ -26,16 +26,14 @@ not tell apart from its own.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
-from redis import RedisError
 
 from services.common import rollout_stream
-from services.common.config import Config, ConfigError, load_config
-from services.common.registry import Registry, RegistryError, redis_url
+from services.common.config import Config, ConfigError
+from services.common.registry import Registry, redis_url
 from services.dataloader.client import DataClient
 from services.dataloader.errors import DataError
 from services.trainer import checkpointing
@@ -52,12 +50,15 @@ from services.trainer.rl.folded import frozen_copy
 from services.trainer.rl.step import RLStepMetrics, rl_step
 from services.trainer.rl.weight_publisher import WeightPublisher, sync_dtype
 from services.trainer.step import host_to_device
-from services.trainer.train import advance_router_bias, expert_load_summary, init_runtime, seed_everything
+from services.trainer.train import (advance_router_bias, expert_load_summary, init_runtime, run_rank, seed_everything,
+                                   world_size_from_env)
 
 
-def validate_rl(cfg: Config) -> None:
-    """What an RL run needs beyond `config.validate`; the CLI calls it before starting any process."""
+def validate_rl(cfg: Config, world_size: int | None = None) -> None:
+    """What an RL run needs beyond `config.validate`; the CLI calls it before starting any process. `world_size`: the
+    trainer's ranks (None: `run.nproc`, what `foldmoe train` starts)."""
     rl, p = cfg.rl, cfg.parallel
+    world_size = cfg.run.nproc if world_size is None else world_size
     if p.cp > 1 or any(c > 1 for c in p.cp_sizes):
         raise ConfigError(f"RL training does not run context parallel (`parallel.cp={p.cp}`, `cp_sizes={p.cp_sizes}`): "
                           "per-token log-probs are read on whole sequences (rl/folded.py); set `parallel.cp=1` and "
@@ -65,7 +66,7 @@ def validate_rl(cfg: Config) -> None:
     if p.ep_overlap:
         raise ConfigError("`parallel.ep_overlap` pairs pre-training micro-batches; the RL step (rl/step.py) runs its "
                           "micro-batches one at a time: set parallel.ep_overlap=false")
-    dp = cfg.run.nproc // (p.tp * p.cp * p.pp)  # the data-parallel replicas; each trains on whole groups
+    dp = world_size // (p.tp * p.cp * p.pp)  # the data-parallel replicas; each trains on whole groups
     rerouted = [name for name in cfg.model.recompute if name in ("moe", "layer")]
     if rerouted:
         raise ConfigError(f"RL training cannot recompute {rerouted} (`model.recompute={cfg.model.recompute}`): the "
@@ -80,8 +81,8 @@ def validate_rl(cfg: Config) -> None:
         raise ConfigError("`rl.groups_per_step` and `rl.rollout_timeout_s` must be positive")
     if rl.groups_per_step < dp:
         raise ConfigError(f"`rl.groups_per_step={rl.groups_per_step}` is fewer than the {dp} data-parallel replicas "
-                          f"(`run.nproc={cfg.run.nproc}` / tp*cp*pp): each replica trains on whole groups, so some "
-                          "would have none")
+                          f"({world_size} trainer ranks / tp*cp*pp = {p.tp * p.cp * p.pp}): each replica trains on "
+                          "whole groups, so some would have none; raise rl.groups_per_step or lower `run.nproc`")
     if cfg.model.capacity_factor > 0:
         raise ConfigError(f"RL needs a dropless MoE (`model.capacity_factor=0`, got {cfg.model.capacity_factor}): "
                           "routing replay cannot reproduce batch-dependent token drops")
@@ -122,7 +123,7 @@ def reference_model(model: MoETransformer, cfg: Config, groups: ParallelGroups |
 
 
 def train_rl(cfg: Config) -> int:
-    validate_rl(cfg)
+    validate_rl(cfg, world_size_from_env())
     rt = init_runtime(cfg)
     seed_everything(cfg.run.seed)
     registry = Registry(redis_url(), cfg.run.name)
@@ -279,19 +280,7 @@ def _mean_over_ranks(values: list[float], device: torch.device, parallel: bool) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="services.trainer.rl.train_rl", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=None, help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        return train_rl(cfg)
-    except (ConfigError, RegistryError, checkpointing.CheckpointLoadError) as e:
-        print(f"trainer: error: {e}", file=sys.stderr)
-        return 2
-    except (DataError, TimeoutError, RedisError) as e:
-        print(f"trainer: error: {e}", file=sys.stderr)
-        return 1
+    return run_rank(train_rl, argv, "services.trainer.rl.train_rl", __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":
