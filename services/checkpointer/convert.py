@@ -7,8 +7,8 @@
                                                         [section.key=value ...]
 
 CKPT is a committed checkpoint (a step_NNNNNNNN directory) or a `checkpoint.dir` (its newest one that verifies); its
-model config is the one the checkpoint records, unless `--config`/overrides give one (which must fit its weights). `import` and `upcycle` write OUT as a
-`checkpoint.dir` holding one checkpoint (step 0, model weights only) for `checkpoint.init_from=OUT`, and OUT/model.yaml:
+model config is the one the checkpoint records, unless `--config`/overrides give one (which must fit its weights).
+`import` and `upcycle` write OUT as a `checkpoint.dir` holding one checkpoint (step 0, model weights only) for `checkpoint.init_from=OUT`, and OUT/model.yaml:
 the `model:` section a run starting from it needs. Every output is built beside OUT and renamed into place when
 complete; an existing OUT is replaced only with --force. Bad input is one line naming the cause and the fix, exit 2.
 """
@@ -33,8 +33,8 @@ from rich.console import Console
 from rich.progress import track
 
 from services.checkpointer.hf import HFError, export_hf, hf_config, import_hf, upcycle
-from services.checkpointer.layout import MANIFEST, CheckpointError, fsync_dir, parse_step, read_manifest, verify
-from services.checkpointer.load import find_latest_valid, load_checkpoint
+from services.checkpointer.layout import CheckpointError, fsync_dir, read_manifest
+from services.checkpointer.load import load_checkpoint, resolve_checkpoint
 from services.checkpointer.store import CheckpointStore
 from services.common.config import ConfigError, ModelConfig, load_config
 # The model definition is shared (as with the rollout engine): its state dict is the truth about parameter shapes, and
@@ -61,17 +61,11 @@ def say(message: str) -> None:
 
 def find_checkpoint(spec: str | Path) -> Path:
     """A step directory itself (it must verify), or the newest checkpoint under a checkpoint.dir that verifies."""
-    path = Path(spec).expanduser()
-    fix = "name a checkpoint (step_NNNNNNNN with a manifest.json) or the checkpoint.dir that holds some"
-    if not path.is_dir():
-        raise ConvertError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; {fix}")
-    if (path / MANIFEST).is_file() or parse_step(path.name) is not None:
-        verify(path)  # a CheckpointError names the damaged file
-        return path
-    latest = find_latest_valid(path)
-    if latest is None:
-        raise ConvertError(f"{path} holds no committed checkpoint that verifies; {fix}")
-    return latest
+    try:
+        return resolve_checkpoint(spec)
+    except CheckpointError as e:
+        raise ConvertError(f"{e}; name a checkpoint (step_NNNNNNNN with a manifest.json) or the checkpoint.dir that "
+                           "holds some") from None
 
 
 def recorded_model(ckpt: Path) -> dict[str, Any] | None:

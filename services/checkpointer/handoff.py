@@ -112,7 +112,8 @@ class WriterLink:
                 return path
             # The writer left the registry without answering: wait for a writer to be registered again (still
             # listening to this socket, in case the writer was alive after all and answers).
-            gone = f"checkpointer {_describe(record)} vanished from the registry before answering for step {parcel.step}"
+            gone = (f"checkpointer {_describe(record)} vanished from the registry before answering for step "
+                    f"{parcel.step}")
             log.warning("rank %d: %s; waiting up to %.0fs for a checkpointer to register, then re-sending the save",
                         self.rank, gone, self.timeout_s)
             try:

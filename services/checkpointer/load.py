@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from services.checkpointer.layout import DTYPE_NAMES, CheckpointError, Manifest, TensorEntry, checkpoint_dirs, verify
+from services.checkpointer.layout import (DTYPE_NAMES, MANIFEST, CheckpointError, Manifest, TensorEntry, checkpoint_dirs,
+                                          parse_step, verify)
 
 log = logging.getLogger("foldmoe.checkpointer")
 
@@ -32,6 +33,21 @@ def require_latest_valid(root: str | Path, checksums: bool = True) -> Path | Non
     if path is None and problems:
         raise CheckpointError(f"{root} holds {len(problems)} checkpoint(s) and none verifies ({'; '.join(problems)})")
     return path
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A committed checkpoint directory itself (it must verify), or the newest checkpoint that verifies under a
+    directory of them (a checkpoint.dir). CheckpointError names what is wrong."""
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}")
+    if (path / MANIFEST).is_file() or parse_step(path.name) is not None:
+        verify(path)
+        return path
+    latest = find_latest_valid(path)
+    if latest is None:
+        raise CheckpointError(f"{path} holds no committed checkpoint that verifies")
+    return latest
 
 
 def _newest_valid(root: str | Path, checksums: bool) -> tuple[Path | None, list[str]]:

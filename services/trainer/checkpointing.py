@@ -37,8 +37,9 @@ from torch import nn
 
 from kernels.adamw import join_master
 from services.checkpointer.arena import TensorSpec
-from services.checkpointer.layout import MANIFEST, checkpoint_dirs, parse_step, verify
-from services.checkpointer.load import CheckpointError, find_latest_valid, load_checkpoint, require_latest_valid
+from services.checkpointer.layout import checkpoint_dirs
+from services.checkpointer.load import (CheckpointError, find_latest_valid, load_checkpoint, require_latest_valid,
+                                        resolve_checkpoint)
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import Snapshotter, specs_of
 from services.common.config import Config
@@ -296,23 +297,13 @@ def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, dat
 def resolve_init_from(spec: str) -> Path:
     """`checkpoint.init_from` -> the committed checkpoint to read: the directory itself when it is one (it must
     verify), else the newest checkpoint under it that verifies."""
-    path = Path(spec).expanduser()
-    if not path.exists():
+    if not Path(spec).expanduser().exists():
         raise CheckpointLoadError(f"checkpoint.init_from={spec}: no such file or directory")
-    if not path.is_dir():
-        raise CheckpointLoadError(f"checkpoint.init_from={spec} is a file; name a checkpoint directory "
-                                  "(step_NNNNNNNN) or a checkpoint.dir that holds some")
-    if (path / MANIFEST).is_file() or parse_step(path.name) is not None:
-        try:
-            verify(path)
-        except CheckpointError as e:
-            raise CheckpointLoadError(f"checkpoint.init_from={spec} is not a usable checkpoint: {e}") from None
-        return path
-    latest = find_latest_valid(path)
-    if latest is None:
-        raise CheckpointLoadError(f"checkpoint.init_from={spec} holds no committed checkpoint that verifies "
-                                  "(expected a step_NNNNNNNN directory with a manifest.json, or a directory of them)")
-    return latest
+    try:
+        return resolve_checkpoint(spec)
+    except CheckpointError as e:
+        raise CheckpointLoadError(f"checkpoint.init_from: {e}; name a checkpoint directory (step_NNNNNNNN with a "
+                                  "manifest.json) or a checkpoint.dir that holds some") from None
 
 
 def _model_config_diff(ckpt, cfg: Config) -> str:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from services.dataloader.cp_sizing import attention_cost, segment_lengths
 from services.trainer.model.attention import Attention, document_ids, packed_causal_attention
 from services.trainer.model.moe.router import Router
 from services.trainer.parallel.differentiable import gather_tokens
@@ -100,17 +101,12 @@ def cp_share(micro_batches: list[dict], cp: int, cp_rank: int) -> list[dict]:
     shares = []
     for c in sorted(by_size, reverse=True):
         items, blocks = by_size[c], cp // c
-        costliest = sorted(items, key=lambda item: -_attention_cost(item[1]))  # stable: ties keep their order
+        costliest = sorted(items, key=lambda item: -attention_cost(segment_lengths(item[1]["cu_seqlens"])))  # stable
         left_over = len(items) % blocks
         whole += [(i, {**mb, "cp_size": torch.tensor(cp)}) for i, mb in costliest[:left_over]]
         mine = [item for k, item in enumerate(costliest[left_over:]) if _snake(k, blocks) == cp_rank // c]
         shares += [mb for _, mb in sorted(mine, key=lambda item: item[0])]
     return [mb for _, mb in sorted(whole, key=lambda item: item[0])] + shares
-
-
-def _attention_cost(mb: dict) -> int:
-    lengths = mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]
-    return int((lengths.long() ** 2).sum())
 
 
 def _snake(k: int, blocks: int) -> int:
