@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shutil
 import sys
@@ -32,6 +31,7 @@ import yaml
 from rich.console import Console
 from rich.progress import track
 
+from services.checkpointer.fit import config_diff, diff_hint, state_mismatch
 from services.checkpointer.hf import HFError, export_hf, hf_config, import_hf, upcycle
 from services.checkpointer.layout import CheckpointError, fsync_dir, read_manifest
 from services.checkpointer.load import load_checkpoint, resolve_checkpoint
@@ -84,40 +84,25 @@ def trained_config(ckpt: Path) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in recorded.items() if k in fields})
 
 
-def config_diff(recorded: dict[str, Any] | None, cfg: ModelConfig) -> list[str]:
-    mine = dataclasses.asdict(cfg)
-    return [f"model.{k}={recorded[k]!r} there, {v!r} here" for k, v in mine.items()
-            if recorded and k in recorded and recorded[k] != v]
-
-
 def progress(items: Any, what: str) -> Any:
     """`items`, with a progress bar on a terminal (nothing in logs and pipes)."""
     return track(list(items), what, console=_err, transient=True, disable=not _err.is_terminal)
 
 
 def check_fits(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, what: str, hint: str = "") -> dict[str, tuple]:
-    """`cfg`'s parameter shapes, after refusing weights of another model: each name must be there with as many
-    elements (an ETP-saved w13 is [E, h, 2, f] for [E, h, 2f]: the same bytes, see checkpointing._read_whole)."""
+    """`cfg`'s parameter shapes, after refusing weights of another model (services/checkpointer/fit.py)."""
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in MoETransformer(cfg).state_dict().items()}
-    missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
-    wrong = [k for k in expected if k in shapes and math.prod(shapes[k]) != math.prod(expected[k])]
-    if wrong:
-        why = f"{wrong[0]!r} is {list(shapes[wrong[0]])} there but {list(expected[wrong[0]])} in the model config"
-    elif missing:
-        why = f"it has no {missing[0]!r}{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}"
-    elif extra:
-        why = f"it holds {extra[0]!r}{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which the model lacks"
-    else:
-        return expected
-    raise ConvertError(f"{what} holds another model than the model config describes: {why}"
-                       f"{hint or '; pass the config (--config and overrides) that model was trained with'}")
+    why = state_mismatch(shapes, expected)
+    if why is not None:
+        raise ConvertError(f"{what} holds another model than the model config describes: {why}"
+                           f"{hint or '; pass the config (--config and overrides) that model was trained with'}")
+    return expected
 
 
 def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The model weights of a verified checkpoint, whole, after checking they are `cfg`'s model."""
-    diff = config_diff(recorded_model(ckpt), cfg)
-    hint = f"; the checkpoint's run had {', '.join(diff)}" if diff else ""
+    hint = diff_hint(recorded_model(ckpt), dataclasses.asdict(cfg))
     with load_checkpoint(ckpt, checksums=False) as c:
         names = set(c.names())
         saved = {n.removeprefix("model/"): c.global_shape(n) for n in names if n.startswith("model/")}
@@ -185,7 +170,7 @@ def export_cmd(args: argparse.Namespace) -> None:
     with staged(args.out, args.force, ckpt) as tmp:
         say(f"exporting {ckpt} as {args.family} ({args.dtype})")
         state = read_model_state(ckpt, cfg)  # refuses another model's weights, naming the config differences
-        diff = config_diff(recorded_model(ckpt), cfg)  # the same shapes, but maybe not the same function
+        diff = config_diff(recorded_model(ckpt), dataclasses.asdict(cfg))  # the same shapes, but maybe not the same function
         if diff:
             say(f"warning: the config differs from the one {ckpt} was trained with: {', '.join(diff)}")
         export_hf(state, cfg, args.family, tmp, dtype=DTYPES[args.dtype])

@@ -24,7 +24,6 @@ whole tensors, read before a parallel layout slices the model, with nothing else
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from torch import nn
 
 from kernels.adamw import join_master
 from services.checkpointer.arena import TensorSpec
+from services.checkpointer.fit import diff_hint, state_mismatch
 from services.checkpointer.layout import checkpoint_dirs
 from services.checkpointer.load import (CheckpointError, find_latest_valid, load_checkpoint, require_latest_valid,
                                         resolve_checkpoint)
@@ -306,14 +306,6 @@ def resolve_init_from(spec: str) -> Path:
                                   "manifest.json) or a checkpoint.dir that holds some") from None
 
 
-def _model_config_diff(ckpt, cfg: Config) -> str:
-    """The model fields in which the run that wrote `ckpt` differs from `cfg` (a hint for shape errors)."""
-    saved = (ckpt.extra.get("config") or {}).get("model") or {}
-    mine = cfg.to_dict()["model"]
-    diff = [f"model.{k}={saved[k]!r} there, {mine[k]!r} here" for k in mine if k in saved and saved[k] != mine[k]]
-    return f"; the checkpoint's run had {', '.join(diff)}" if diff else ""
-
-
 def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False) -> Path | None:
     """Loads the *model weights only* of `checkpoint.init_from` into `model` (whole tensors, before any parallel
     layout slices them), when set and the run has nothing to resume in `checkpoint.dir`; the optimizer, the step and
@@ -331,25 +323,14 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False)
             return None
     path = resolve_init_from(spec)
     ckpt = load_checkpoint(path, checksums=False)  # resolve_init_from verified it
-    saved = {n.removeprefix("model/") for n in ckpt.names() if n.startswith("model/")}
     state = model.state_dict()
-    hint = _model_config_diff(ckpt, cfg)
-    missing = sorted(set(state) - saved)
-    if missing:
-        raise CheckpointLoadError(f"checkpoint.init_from: {path} has no {missing[0]!r}"
-                                  f"{f' (nor {len(missing) - 1} more)' if len(missing) > 1 else ''}: it holds another "
-                                  f"model{hint}")
-    extra = sorted(saved - set(state))
-    if extra:
-        raise CheckpointLoadError(f"checkpoint.init_from: {path} holds {extra[0]!r}"
-                                  f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}, which this model does "
-                                  f"not have: it holds another model{hint}")
+    why = state_mismatch({n.removeprefix("model/"): ckpt.global_shape(n) for n in ckpt.names() if n.startswith("model/")},
+                         {name: tuple(t.shape) for name, t in state.items()})
+    if why is not None:
+        hint = diff_hint((ckpt.extra.get("config") or {}).get("model"), cfg.to_dict()["model"])
+        raise CheckpointLoadError(f"checkpoint.init_from: {path} holds another model than this one: {why}{hint}")
     loaded, names = {}, set(ckpt.names())
     for name, like in state.items():
-        shape = ckpt.global_shape(f"model/{name}")
-        if math.prod(shape) != like.numel():  # same count: the same tensor in another layout (see `_read_whole`)
-            raise CheckpointLoadError(f"checkpoint.init_from: parameter {name!r} is {list(shape)} in {path} but "
-                                      f"{list(like.shape)} in this model{hint}")
         try:
             loaded[name] = saved_value(lambda n: _read_whole(ckpt, n, like), name, names).to(like.dtype)
         except CheckpointError as e:
