@@ -13,7 +13,6 @@ When /dev/shm is missing or too small the arena falls back to anonymous memory: 
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import re
@@ -23,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("foldmoe.checkpointer")
+from services.common import logs
+
+log = logs.logger("checkpointer")
 
 PAGE = mmap.PAGESIZE
 SHM_PREFIX = "foldmoe-snapshot-"

@@ -18,7 +18,6 @@ the save.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +28,10 @@ import zmq
 from proto import checkpointer_pb2 as pb
 from services.checkpointer.arena import HostArena
 from services.checkpointer.shm import shares_memory_with
-from services.common import wire
+from services.common import logs, wire
 from services.common.registry import Registry
 
-log = logging.getLogger("foldmoe.checkpointer")
+log = logs.logger("checkpointer")
 
 SERVICE = "checkpointer"
 RECHECK_S = 1.0  # while a save awaits its answer, how often the registry is asked whether its writer still runs

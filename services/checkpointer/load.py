@@ -7,7 +7,6 @@ a new parallel layout asks for exactly its own piece, whatever layout wrote the 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,9 @@ from safetensors import safe_open
 
 from services.checkpointer.layout import (DTYPE_NAMES, MANIFEST, CheckpointError, Manifest, TensorEntry, checkpoint_dirs,
                                           parse_step, verify)
+from services.common import logs
 
-log = logging.getLogger("foldmoe.checkpointer")
+log = logs.logger("checkpointer")
 
 
 def find_latest_valid(root: str | Path, checksums: bool = True) -> Path | None:

@@ -30,7 +30,6 @@ restarted writer); its host buffer is held until the save is committed or has fi
 from __future__ import annotations
 
 import json
-import logging
 import os
 import queue
 import socket as socketlib
@@ -46,10 +45,10 @@ from proto import checkpointer_pb2 as pb
 from services.checkpointer.arena import HostArena, TensorSpec, remove_stale_files
 from services.checkpointer.handoff import Parcel, SaveError, WriterLink
 from services.checkpointer.shard import Shard, as_shard
-from services.common import net
+from services.common import logs, net
 from services.common.registry import Registry
 
-log = logging.getLogger("foldmoe.checkpointer")
+log = logs.logger("checkpointer")
 
 PART_BYTES = 256 << 20  # bytes per part: one file on disk, one ZMQ message, one writer task (the unit of parallelism)
 DRAIN_CHUNK_BYTES = 64 << 20  # device-to-host bytes queued per chunk (~1.2 ms at 55 GB/s; see the module doc)

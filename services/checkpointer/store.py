@@ -9,7 +9,6 @@ so anything a crash leaves behind is either invisible (`*.tmp`) or complete.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import threading
@@ -24,8 +23,9 @@ from services.checkpointer.layout import (KEEP, LATEST, MANIFEST, TMP_SUFFIX, TR
                                           Manifest, TensorEntry, check_tiling, checkpoint_dirs, fsync_dir, parse_step,
                                           rank_record_name, read_manifest, shard_file_name, step_dir_name, verify,
                                           write_durable, write_shard_file)
+from services.common import logs
 
-log = logging.getLogger("foldmoe.checkpointer")
+log = logs.logger("checkpointer")
 
 
 @dataclass

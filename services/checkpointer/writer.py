@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import logging
 import os
 import socket
 import sys
@@ -36,11 +35,11 @@ from services.checkpointer.control import serve_grpc
 from services.checkpointer.layout import TMP_SUFFIX, parse_step
 from services.checkpointer.shm import SharedSnapshot, make_shm_probe
 from services.checkpointer.store import CheckpointStore
-from services.common import grpc_server, net, procs, wire
+from services.common import grpc_server, logs, net, procs, wire
 from services.common.config import Config, load_config
 from services.common.registry import Registry, redis_url
 
-log = logging.getLogger("foldmoe.checkpointer")
+log = logs.logger("checkpointer")
 
 SERVICE = "checkpointer"
 SAVE_TIMEOUT_S = 600.0  # a save whose ranks have not all arrived by then is abandoned (a rank died mid-save)
@@ -446,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s checkpointer %(levelname)s %(message)s")
+    logs.configure("checkpointer")
     stop = threading.Event()
     try:
         procs.stop_on_signals(stop)  # first: a malformed stop grace fails before anything is started

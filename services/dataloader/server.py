@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import threading
 
@@ -29,7 +28,7 @@ import zmq
 
 from proto import dataloader_pb2 as pb
 from proto import dataloader_pb2_grpc as pb_grpc
-from services.common import grpc_server, net, procs, wire
+from services.common import grpc_server, logs, net, procs, wire
 from services.common.registry import Registry, redis_url
 from services.dataloader.cp_sizing import allowed_cp_sizes
 from services.dataloader.dataset import IndexedDataset
@@ -38,7 +37,7 @@ from services.dataloader.errors import DataError
 from services.dataloader.metrics import MetricsServer
 from services.dataloader.preprocess import dataset_paths, ensure_dataset, open_tokenizer
 
-log = logging.getLogger("dataloader")
+log = logs.logger("dataloader")
 SERVICE_NAME = "foldmoe.v1.DataLoader"
 POLL_MS = 50
 
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s dataloader %(levelname)s %(message)s")
+    logs.configure("dataloader")
     stop = threading.Event()
     try:
         procs.stop_on_signals(stop)  # first: a malformed stop grace fails before anything is started

@@ -14,7 +14,6 @@ the publisher up in the registry whenever the one it knows does not answer, and 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,9 +22,9 @@ import torch
 import zmq
 
 from proto import rollout_pb2 as pb
-from services.common import net, wire
+from services.common import logs, net, wire
 
-log = logging.getLogger("rl_rollout.weights")
+log = logs.logger("rollout")
 
 
 class WeightSyncError(RuntimeError):

@@ -17,7 +17,6 @@ the groups it had not finished, and a restarted one starts from the trainer's cu
 from __future__ import annotations
 
 import argparse
-import logging
 import random
 import sys
 import threading
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common import procs
+from services.common import logs, procs
 from services.common.config import Config, ConfigError, load_config
 from services.common.metrics import RolloutMetrics
 from services.common.registry import Registry, RegistryError, redis_url
@@ -38,7 +37,7 @@ from services.rl_rollout.sampling import SamplingParams
 from services.rl_rollout.weights import PolicyWeights
 from services.trainer.model.transformer import MoETransformer
 
-log = logging.getLogger("rl_rollout")
+log = logs.logger("rollout")
 
 
 @dataclass
@@ -157,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                              "worker<i>, the lowest free of the rl.workers slots")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
+    logs.configure("rollout")
     stop = threading.Event()
     try:
         procs.stop_on_signals(stop)  # first: a malformed stop grace fails before anything is started

@@ -23,7 +23,6 @@ whole tensors, read before a parallel layout slices the model, with nothing else
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -42,10 +41,11 @@ from services.checkpointer.load import (CheckpointError, find_latest_valid, load
                                         resolve_checkpoint)
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import Snapshotter, specs_of
+from services.common import logs
 from services.common.config import Config
 from services.common.registry import Registry
 
-log = logging.getLogger("foldmoe.trainer")
+log = logs.logger("trainer")
 
 
 class CheckpointLoadError(RuntimeError):

@@ -7,7 +7,6 @@ micro-batches, runs forward/backward/step, and hands state to the checkpointer, 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ import torch
 from redis import RedisError
 
 from services.checkpointer.handoff import SaveError
+from services.common import logs
 from services.common.config import Config, ConfigError, load_config, validate
 from services.common.metrics import TrainerMetrics
 from services.common.registry import Registry, RegistryError, redis_url
@@ -250,7 +250,7 @@ def run_rank(loop: Callable[[Config], int], argv: list[str] | None, prog: str, d
     args = parser.parse_args(argv)
     # As the services do: the INFO records of the modules the trainer uses (snapshot buffers, the FP8 backend) reach
     # the log. The per-step lines are printed, not logged, and torch's loggers do not propagate to this handler.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    logs.configure("trainer")
     try:
         return loop(load_config(args.config, args.overrides))
     except (*USAGE_ERRORS, *RUN_ERRORS) as e:

@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
+from services.common import logs
+
+log = logs.logger("trainer")
 
 RECIPES = ("tensorwise", "blockwise")
 ROW_MULTIPLE = 16  # TE: the token count is the wgrad GEMM's leading dim, which FP8 needs a multiple of 16 (seen on an H100)
