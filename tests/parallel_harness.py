@@ -11,6 +11,8 @@ Both sides start from `init_weights(seed)` of the full model (the parallel side 
 AdamW with the same settings and clipping, and record every step's mean token loss, every parameter's gradient
 reassembled to full shape (before clipping) and, at the end, every parameter. Optional probes record the router's kept
 masks and the MoE layers' outputs per (micro-batch, layer), and whether gradient reductions began before backward ended.
+Where the replicas share statistics pass by pass (the global aux loss), the reference runs `replicas_together(batches,
+dp)`: each of its micro-batches is the replicas' j-th micro-batches concatenated.
 """
 
 from __future__ import annotations
@@ -85,6 +87,28 @@ def make_batches(cfg: ModelConfig, steps: int, micro: int, tokens: int = 32, see
     return out
 
 
+def concat_micro_batches(mbs: list[dict]) -> dict:
+    """One packed micro-batch holding `mbs` one after another: tokens, labels and position ids concatenated, the
+    documents' boundaries shifted (document masking keeps attention inside each document, so every token sees what it
+    saw; the token-normalised loss of a step is unchanged)."""
+    starts = torch.tensor([0] + [int(mb["cu_seqlens"][-1]) for mb in mbs]).cumsum(0)
+    cu = [mbs[0]["cu_seqlens"][:1]] + [mb["cu_seqlens"][1:] + start for mb, start in zip(mbs, starts)]
+    return {"tokens": torch.cat([mb["tokens"] for mb in mbs]), "labels": torch.cat([mb["labels"] for mb in mbs]),
+            "position_ids": torch.cat([mb["position_ids"] for mb in mbs]),
+            "cu_seqlens": torch.cat(cu).to(torch.int32)}
+
+
+def replicas_together(batches: list[list[dict]], dp: int) -> list[list[dict]]:
+    """The batches as one process sees a data-parallel step whose replicas share statistics pass by pass (the global
+    aux loss): its j-th micro-batch is the dp replicas' j-th micro-batches together (replica d runs the d-th contiguous
+    block of each step, as `run_parallel` deals them)."""
+    out = []
+    for mbs in batches:
+        per_rank = len(mbs) // dp
+        out.append([concat_micro_batches([mbs[d * per_rank + j] for d in range(dp)]) for j in range(per_rank)])
+    return out
+
+
 # ---------------------------------------------------------------- probes
 
 
@@ -156,6 +180,7 @@ def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict
         loads.append([m.router.tokens_per_expert.clone() for m in model.moe_layers()])
         for m in model.moe_layers():
             m.router.tokens_per_expert.zero_()
+            m.router.reset_step_statistics()  # as train.advance_router_bias, once per optimizer step
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
             "loads": loads, "norms": norms}
@@ -232,6 +257,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
             loads.append([m.router.tokens_per_expert.clone() for m in model.moe_layers()])
             for m in model.moe_layers():
                 m.router.tokens_per_expert.zero_()
+                m.router.reset_step_statistics()
             norms.append(float(opt.step(cfg.optimizer.lr)))
         opt.wait_params()  # the last step's parameter all-gathers overlap the next forward; there is none
         params = {n: _gather_full(n, p.detach(), p, groups) for n, p in named.items()}

@@ -46,6 +46,8 @@ CASES = {
                                           "shared_expert_ffn_hidden_size": 8, "z_loss_coeff": 0.001},
     "capacity_drops": {"capacity_factor": 0.5},
     "sequence_aux_loss": {"aux_loss_type": "sequence"},
+    "global_aux_loss": {"aux_loss_type": "global", "z_loss_coeff": 0.001},  # the Triton router's counts and means
+    "pad_to_capacity": {"capacity_factor": 0.5, "pad_to_capacity": True},  # padding bypasses the permute kernels
 }
 
 

@@ -2,8 +2,10 @@
 device, so the layer can run ahead of the GPU and under CUDA graphs. CUDA's sync debug mode turns every
 device-to-host synchronisation into an error, forward and backward.
 
-Not sync-free, by design: capacity-factor dropping (`model.capacity_factor > 0` sizes its kept-token buffer from a
-count) and the expert-parallel all-to-all (its split sizes are host integers for NCCL).
+Not sync-free, by design: capacity-factor dropping on the torch path (`model.capacity_factor > 0` sizes its kept-token
+buffer from a count) and the expert-parallel all-to-all (its split sizes are host integers for NCCL) — unless
+`model.pad_to_capacity` gives every expert its capacity of rows, sizes the host knows (the all-to-all's part of that is
+checked on a CPU too, tests/test_moe_pad_to_capacity.py).
 """
 
 import pytest
@@ -22,6 +24,9 @@ CASES = {
                                                   "z_loss_coeff": 1e-3},
     "sigmoid_groups_bias": {"moe_kernels": ["permutation", "activation"], "score_func": "sigmoid", "num_groups": 4,
                             "topk_groups": 2, "bias_update_rate": 1e-3},
+    "capacity_padded": {"moe_kernels": ["permutation", "activation"], "capacity_factor": 1.0, "pad_to_capacity": True},
+    "kernels_router_global_aux": {"moe_kernels": ["permutation", "activation", "router"], "aux_loss_type": "global",
+                                  "z_loss_coeff": 1e-3},
 }
 
 
@@ -65,7 +70,7 @@ def test_the_check_catches_a_sync():
         run_layer(config(capacity_factor=1.0, moe_kernels=[]))
 
 
-@pytest.mark.parametrize("case", ["kernels", "kernels_router_shared_expert_sequence_aux"])
+@pytest.mark.parametrize("case", ["kernels", "kernels_router_shared_expert_sequence_aux", "capacity_padded"])
 def test_moe_layer_runs_under_a_cuda_graph_and_matches_eager(case):
     """What sync-free buys: the layer's forward and backward capture into CUDA graphs (make_graphed_callables) and
     replay to eager's output, input gradient and weight gradients (bf16 autocast; tolerance: atomic-add order)."""

@@ -70,3 +70,20 @@ def test_ep2_with_bf16_parameters_computes_what_fp32_parameters_compute_under_bf
     fp32 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "fp32"), as_on_gpu=True)
     cfg.optimizer.param_dtype = "bf16"
     assert_bf16_run_matches_fp32_run(fp32, run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "bf16")))
+
+
+@pytest.mark.parametrize("layout", [{"ep": 2}, {"etp": 2}], ids=["ep2", "etp2"])
+def test_pad_to_capacity_all_to_all_matches_one_process_without_padding(tmp_path, layout):
+    """`model.pad_to_capacity`: every expert's rows padded to its capacity, the all-to-all sized from it on the host.
+    Against the single process *without* padding: the padding rows change nothing, and each rank receives capacity
+    rows per local expert from each peer (ETP: each EP block once per ETP rank)."""
+    cfg = tiny_config(**layout)
+    cfg.model.capacity_factor = 1.0
+    batches = make_batches(cfg.model, steps=2, micro=4, seed=3)
+    ref = run_reference(cfg, batches)
+    assert any(not bool(k.all()) for k in ref["kept"].values()), "capacity 1.0 should drop some slots"
+    cfg.model.pad_to_capacity = True
+    par = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path))
+    for key, kept in ref["kept"].items():
+        assert torch.equal(par["kept"][key], kept), f"dropped slots of {key} differ from one process"
+    assert_parity(ref, par)

@@ -45,12 +45,19 @@ class ModelConfig:
     topk_groups: int = 0  # group-limited routing: groups each token's experts may come from
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights (DeepSeek-V3: 2.5)
     # load-balancing loss over each micro-batch's tokens, over each packed document ("sequence": DeepSeek-V3's
-    # sequence-wise loss), or none (e.g. with bias_update_rate > 0)
-    aux_loss_type: Literal["micro_batch", "sequence", "none"] = "micro_batch"
+    # sequence-wise loss), over the global batch ("global": the expert shares f counted over every token the step's
+    # data-parallel replicas have routed so far, reset at each optimizer step; Qiu et al. 2025, Megatron's
+    # global_aux_loss; not with dynamic CP, parallel.cp_sizes), or none (e.g. with bias_update_rate > 0)
+    aux_loss_type: Literal["micro_batch", "sequence", "global", "none"] = "micro_batch"
     aux_loss_coeff: float = 1e-2  # weight of the load-balancing loss in the total loss (0: off)
     z_loss_coeff: float = 0.0  # router z-loss weight (ST-MoE): keeps the router logits small (0: off)
     bias_update_rate: float = 0.0  # aux-loss-free balancing: expert bias step per optimizer step (0: off)
     capacity_factor: float = 0.0  # 0: dropless; else each expert keeps at most ceil(cf * T * k / E) tokens
+    # with capacity_factor > 0: every expert's input is padded to exactly its capacity (zero rows, router weight 0),
+    # so the grouped GEMM and expert-parallel all-to-all sizes are known on the host: no per-expert count exchange, no
+    # wait for the device. Costs the padding rows' compute and traffic. Not with parallel.dispatcher=allgather or
+    # dynamic CP (parallel.cp_sizes) under ep/etp > 1 (EP peers must route equally many tokens)
+    pad_to_capacity: bool = False
     rope_theta: float = 10000.0  # RoPE base: larger stretches the rotary wavelengths for longer contexts
     norm_eps: float = 1e-6  # added to the mean square in every RMSNorm
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
@@ -364,6 +371,28 @@ def _check_fp8_dense_widths(m: ModelConfig, tp: int) -> None:
                f"/ `parallel.tp={tp}` to be a multiple of 16; change the sizes or set model.fp8=''")
 
 
+def _check_balancing(m: ModelConfig, p: ParallelConfig) -> None:
+    """The global aux loss and pad-to-capacity: what they cannot run with (router.py, dispatcher.py)."""
+    dynamic_cp = len(set(p.cp_sizes) | {p.cp}) > 1
+    if m.aux_loss_type == "global" and m.aux_loss_coeff > 0:
+        _check(not dynamic_cp, f"`model.aux_loss_type=global` sums each micro-batch's expert counts over the "
+                               f"data-parallel replicas pass by pass, which dynamic CP (`parallel.cp_sizes="
+                               f"{p.cp_sizes}`) does not keep in step; use aux_loss_type=micro_batch or drop cp_sizes")
+    if not m.pad_to_capacity:
+        return
+    _check(m.capacity_factor > 0, "`model.pad_to_capacity=true` pads every expert to its capacity, which needs "
+                                  f"`model.capacity_factor` > 0 (got {m.capacity_factor}); set one or drop "
+                                  "pad_to_capacity")
+    if p.ep * p.etp > 1:
+        _check(p.dispatcher == "alltoall", f"`model.pad_to_capacity` is implemented by the all-to-all dispatcher, "
+                                           f"not `parallel.dispatcher={p.dispatcher}`; use parallel.dispatcher="
+                                           "alltoall or drop pad_to_capacity")
+        _check(not dynamic_cp, f"`model.pad_to_capacity` under `parallel.ep={p.ep}`/`etp={p.etp}` sizes the "
+                               "all-to-all from this rank's capacity, assuming every EP peer routes as many tokens, "
+                               f"which dynamic CP (`parallel.cp_sizes={p.cp_sizes}`) breaks; drop cp_sizes or "
+                               "pad_to_capacity")
+
+
 def _check_sampling(rl: RLConfig) -> None:
     """The rollout workers' sampling parameters (services/rl_rollout/sampling.py), refused here rather than when a
     worker starts: `foldmoe train` then fails before any process does."""
@@ -397,6 +426,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(m.topk_groups * per_group >= m.top_k,
                f"`model.topk_groups={m.topk_groups}` groups of {per_group} experts cannot hold `model.top_k={m.top_k}`")
     _check(m.capacity_factor >= 0, f"`model.capacity_factor` must be >= 0, got {m.capacity_factor}")
+    _check_balancing(m, p)
     for name in ("norm_eps", "rope_theta"):
         _check(getattr(m, name) > 0, f"`model.{name}={getattr(m, name)}` must be positive")
     _check_choices("model.moe_kernels", m.moe_kernels,

@@ -209,13 +209,15 @@ def train(cfg: Config) -> int:
 @torch.no_grad()
 def advance_router_bias(model: MoETransformer, cfg: Config) -> torch.Tensor:
     """Takes (and resets) the per-expert load of this step and applies the aux-loss-free bias update when enabled, on
-    the device without waiting for it. Returns the loads, [MoE layers, experts] (empty without MoE layers)."""
+    the device without waiting for it; resets the global aux loss's step statistics too (the one place a step ends for
+    the routers, here and in the RL loop). Returns the loads, [MoE layers, experts] (empty without MoE layers)."""
     per_layer = []
     for moe in model.moe_layers():
         counts = moe.router.tokens_per_expert.clone()
         if cfg.model.bias_update_rate > 0:
             moe.router.update_bias(counts, cfg.model.bias_update_rate)
         moe.router.tokens_per_expert.zero_()
+        moe.router.reset_step_statistics()
         per_layer.append(counts)
     return torch.stack(per_layer) if per_layer else torch.zeros(0, cfg.model.num_experts)
 

@@ -10,7 +10,8 @@ there) and after any `copy.deepcopy` of the model (the wrappers hold the module 
 Two ways to recompute, by what a module's output is used for:
 - whole modules ("attn_core", "moe", "layer"): `torch.utils.checkpoint` (non-reentrant). Only the inputs are kept; the
   forward runs again in backward. Side effects that must happen once per step (the router's load count) ask
-  `in_recompute()`.
+  `in_recompute()`; values computed from state that later forwards change (the global aux loss's step counts) are
+  taken again from the forward being repeated, `same_as_forward`.
 - modules whose *output* is what costs memory ("norm", "moe_act", "moe_fc1", "moe_dispatch"): checkpointing them alone
   saves nothing, because the next op (a projection) keeps that output for its own backward. So the output is also
   *discarded from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved
@@ -34,13 +35,15 @@ import contextlib
 import functools
 import weakref
 from contextvars import ContextVar
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("foldmoe_recomputing", default=False)
+# The memos of the checkpointed calls running now, outermost first: what `same_as_forward` kept on their forward.
+_MEMOS: ContextVar[tuple[dict, ...]] = ContextVar("foldmoe_recompute_memos", default=())
 
 
 def in_recompute() -> bool:
@@ -53,19 +56,41 @@ def checkpointed(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        calls = [0]
+        calls, memo = [0], {}
 
         def body(*a, **kw):
             token = _RECOMPUTING.set(calls[0] > 0 or _RECOMPUTING.get())
+            memos = _MEMOS.set((*_MEMOS.get(), memo))
             calls[0] += 1
             try:
                 return fn(*a, **kw)
             finally:
+                _MEMOS.reset(memos)
                 _RECOMPUTING.reset(token)
 
         return checkpoint(body, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def same_as_forward(key: object, compute: Callable[[], Any]) -> Any:
+    """`compute()`, except inside a recompute, where it is what `compute()` returned on the forward being repeated.
+
+    For values that read state the forward also changed (the global aux loss's step statistics: computing them again
+    would count the micro-batch twice and see later micro-batches' counts). `key`: the calling module. Kept in every
+    checkpointed call running, so a nested checkpoint, first run inside an outer recompute, finds the value too."""
+    memos = _MEMOS.get()
+    if in_recompute():
+        found = [m[key] for m in memos if key in m]
+        if not found:
+            raise RuntimeError(f"{type(key).__name__} is recomputed, but its forward kept no value to reuse: it ran "
+                               "outside `recompute.checkpointed`")
+        value = found[0]
+    else:
+        value = compute()
+    for m in memos:
+        m[key] = value
+    return value
 
 
 def offloaded(fn: Callable) -> Callable:

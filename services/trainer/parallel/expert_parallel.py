@@ -15,6 +15,13 @@ the MoE layer itself is unchanged:
   relative to T·ep (small EP, many active experts).
 Routing, including the capacity drop decision, is made by the router on the rank's own tokens before dispatch, so
 which slots survive does not depend on the expert layout.
+
+With `model.pad_to_capacity` the all-to-all sends every expert exactly its capacity of rows (`permute_padded`), so the
+split sizes are known on the host before anything runs: each rank receives capacity rows per local expert from each
+EP×ETP peer, and the per-expert counts are neither exchanged nor read back. That holds when the peers' micro-batches
+have as many tokens each (the same capacity): packed pre-training micro-batches do; dynamic CP is refused by the config.
+The all-gather dispatcher does not pad (it reads the peers' token counts to size its gather anyway; refused by the
+config).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from services.trainer.model.moe.dispatcher import Dispatched, permute, unpermute
+from services.trainer.model.moe.dispatcher import Dispatched, permute, permute_padded, unpermute
 from services.trainer.model.moe.experts import GroupedExperts
 from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.model.moe.router import Routing
@@ -109,6 +116,16 @@ class _CountsToHost:
         return self.send, self.recv
 
 
+class _CountsKnown:
+    """Pad-to-capacity: every peer sends `capacity` rows per expert, so the (send, recv) counts are known here."""
+
+    def __init__(self, peers: int, local_experts: int, capacity: int):
+        self.send = self.recv = torch.full((peers, local_experts), capacity, dtype=torch.int64)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.send, self.recv
+
+
 # ---------------------------------------------------------------- dispatchers
 
 
@@ -126,14 +143,18 @@ class AllToAllDispatcher:
     def dispatch_stages(self, hidden: torch.Tensor, routing: Routing, in_flight=None) -> Stages[Dispatched]:
         """`in_flight()` (the shared expert) runs while the tokens travel, in forward and in backward; then the
         forward pauses (services/trainer/model/stages.py) until resumed, so another micro-batch may compute too."""
-        x, w, counts, token_idx = permute(hidden, routing, self.num_experts)
+        padded = routing.capacity is not None
+        x, w, counts, token_idx = (permute_padded if padded else permute)(hidden, routing, self.num_experts)
         El, peers = self.local_experts, self.axis.size
         # Group rank = ep_rank * etp + etp_rank (ETP innermost), so each EP rank's expert block goes to its etp ranks.
         send_counts = counts.view(self.ep, El).repeat_interleave(self.etp, dim=0)  # [peers, El]
-        recv_counts = torch.empty_like(send_counts)
-        counts_on_host = _CountsToHost(send_counts, recv_counts, self.axis.group)
-        # all_to_all_single takes its split sizes as host ints: the dispatch's one device->host sync. Pause first, so
-        # that another micro-batch can queue work for the GPU to run while this host thread waits for the counts.
+        if padded:  # the peers send what this rank sends: capacity rows per expert; no exchange
+            recv_counts, counts_on_host = send_counts, _CountsKnown(peers, El, routing.capacity)
+        else:
+            recv_counts = torch.empty_like(send_counts)
+            counts_on_host = _CountsToHost(send_counts, recv_counts, self.axis.group)
+        # all_to_all_single takes its split sizes as host ints: the dispatch's one device->host sync (none when padded).
+        # Pause first, so that another micro-batch can queue work for the GPU to run while this host thread waits.
         yield
         send_host, recv_host = counts_on_host.wait()  # [peers, El] each
         send, recv = send_host.sum(1).tolist(), recv_host.sum(1).tolist()
@@ -155,12 +176,12 @@ class AllToAllDispatcher:
         expert_of_row = torch.arange(El, device=x.device).repeat(peers).repeat_interleave(
             recv_counts.reshape(-1), output_size=sum(recv))  # the size given: no device->host sync
         order = torch.sort(expert_of_row, stable=True).indices
-        state = (order, dup, send, recv, token_idx, hidden.shape[0])
+        state = (order, dup, send, recv, token_idx, hidden.shape[0], padded)
         return Dispatched(x[order], w[order], recv_counts.sum(0), state)
 
     def combine_stages(self, expert_out: torch.Tensor, dispatched: Dispatched) -> Stages[torch.Tensor]:
         """The way back; pauses while the expert outputs travel."""
-        order, dup, send, recv, token_idx, num_tokens = dispatched.state
+        order, dup, send, recv, token_idx, num_tokens, padded = dispatched.state
         by_source = expert_out[torch.argsort(order)]
         flight = _Flight()
         back = _Launch.apply(by_source, recv, send, self.axis.group, flight)
@@ -168,7 +189,7 @@ class AllToAllDispatcher:
         back = _Land.apply(back, recv, send, self.axis.group, flight)
         if dup is not None:  # sum the ETP partial outputs of each row
             back = back.new_zeros(token_idx.shape[0], back.shape[1]).index_add(0, dup, back)
-        return unpermute(back, token_idx, num_tokens)
+        return unpermute(back, token_idx, num_tokens, padded)
 
 
 class AllGatherDispatcher:
@@ -259,6 +280,12 @@ def apply_expert_parallel(model: nn.Module, groups: ParallelGroups, dispatcher: 
 def is_expert_param(name: str, p: torch.Tensor) -> bool:
     """Routed-expert weights: reduced over EDP, not DP×CP. Identified by the layer they belong to, sharded or not."""
     return hasattr(p, "expert_box") or name.endswith(("experts.w13", "experts.w2"))
+
+
+def bind_router_replicas(model: nn.Module, groups: ParallelGroups) -> None:
+    """Give every router the data-parallel group, over which the global aux loss sums its counts (router.py)."""
+    for moe in (m for m in model.modules() if isinstance(m, MoELayer)):
+        moe.router.dp_group = groups.dp.group
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from torch import nn
 from services.common.config import Config
 from services.trainer.parallel.context_parallel import apply_context_parallel, cp_share, shard_micro_batch
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
-from services.trainer.parallel.expert_parallel import apply_expert_parallel
+from services.trainer.parallel.expert_parallel import apply_expert_parallel, bind_router_replicas
 from services.trainer.parallel.groups import ParallelGroups, sum_over
 from services.trainer.parallel.micro_batch_pairs import backward_passes
 from services.trainer.parallel.pipeline import apply_pipeline, forward_backward_pipeline
@@ -33,6 +33,7 @@ def parallelize(model: nn.Module, cfg: Config, groups: ParallelGroups) -> nn.Mod
     p = cfg.parallel
     apply_pipeline(model, groups.pp.group, p.pp_layers)
     apply_expert_parallel(model, groups, p.dispatcher)
+    bind_router_replicas(model, groups)
     apply_tensor_parallel(model, groups.tp.group, p.sequence_parallel)
     if max(groups.cp_by_size) > 1:
         apply_context_parallel(model)

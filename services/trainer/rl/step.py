@@ -127,7 +127,8 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     metrics are all-reduced (over pp too: with pipeline stages they are computed on the last one). The result equals
     one process running every rank's micro-batches (tests/test_rl_parallel.py, test_rl_folded.py, test_rl_pipeline.py).
     The MoE aux loss, if the model is in training mode, is a per-micro-batch term here as in one process (each
-    micro-batch adds its own)."""
+    micro-batch adds its own); the global one (`model.aux_loss_type=global`) runs on one replica only (its counts are
+    reset with the bias update, train_rl.py), not over several."""
     if getattr(model.cfg, "capacity_factor", 0) > 0:
         raise ValueError("routing replay needs a dropless MoE (model.capacity_factor=0): capacity drops depend on the "
                          "batch, so replayed and rollout computations would differ")
@@ -137,6 +138,11 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     temperature = temps.pop() if temps else 1.0
     layout = step_layout(optimizer)  # folded layouts: see folded.py
     dp, distributed = layout.dp, layout.world.size > 1
+    model_cfg = getattr(model, "cfg", None)
+    if dp.size > 1 and getattr(model_cfg, "aux_loss_type", "") == "global" and model_cfg.aux_loss_coeff > 0:
+        raise ValueError(f"`model.aux_loss_type=global` sums expert counts over the {dp.size} data-parallel replicas "
+                         "micro-batch by micro-batch, but RL replicas run as many micro-batches as they were dealt "
+                         "(a collective would wait forever); use aux_loss_type=micro_batch (or none) for RL")
     packed = [RLMicroBatch.from_data(mb) for mb in data]
     # Counted on the host, before the copy: no device-to-host sync per micro-batch. Over several replicas the sums are
     # read back at once: the staleness check must refuse the step before it trains, and the per-token divisor and the

@@ -83,6 +83,10 @@ def validate_rl(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"`rl.groups_per_step={rl.groups_per_step}` is fewer than the {dp} data-parallel replicas "
                           f"({world_size} trainer ranks / tp*cp*pp = {p.tp * p.cp * p.pp}): each replica trains on "
                           "whole groups, so some would have none; raise rl.groups_per_step or lower `run.nproc`")
+    if dp > 1 and cfg.model.aux_loss_type == "global" and cfg.model.aux_loss_coeff > 0:
+        raise ConfigError(f"`model.aux_loss_type=global` sums expert counts over the {dp} data-parallel replicas "
+                          "micro-batch by micro-batch, but RL replicas run as many micro-batches as they were dealt; "
+                          "use model.aux_loss_type=micro_batch (or none) for RL")
     if cfg.model.capacity_factor > 0:
         raise ConfigError(f"RL needs a dropless MoE (`model.capacity_factor=0`, got {cfg.model.capacity_factor}): "
                           "routing replay cannot reproduce batch-dependent token drops")

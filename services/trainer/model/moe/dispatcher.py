@@ -12,6 +12,13 @@ Two implementations of the local permutation, chosen by `fused` (config `model.m
   nor the capacity case makes the host wait;
 - torch ops (`permute`/`unpermute` below, also used by the expert-parallel dispatchers): rows of dropped copies are
   removed, which needs their number on the host in the capacity case.
+
+Pad-to-capacity (`model.pad_to_capacity`, with a capacity factor; Megatron-Core's moe_pad_expert_input_to_capacity):
+`permute_padded` gives every expert exactly its capacity of rows — its kept copies, then zero rows of router weight 0 —
+so every size (the grouped GEMM's groups, the expert-parallel all-to-all's splits) is known on the host from the
+config and the token count: nothing waits for the device to count. A padding row is a copy of a zero row appended to
+the input, and `unpermute(..., padded=True)` sums its output into a spare row that it drops: it reaches no output and,
+through it, no gradient. Padding takes precedence over the fused kernels (its torch ops are sync-free too).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from services.trainer.model.moe.experts import triton_applies
 from services.trainer.model.moe.router import Routing, expert_counts
@@ -52,10 +60,41 @@ def permute(hidden: torch.Tensor, routing: Routing, num_experts: int):
     return hidden[token_idx], routing.weights.reshape(-1)[order], tokens_per_expert, token_idx
 
 
-def unpermute(expert_out: torch.Tensor, token_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sum each token's (already weighted) expert outputs back into its row; dropped slots contribute nothing."""
-    out = expert_out.new_zeros(num_tokens, expert_out.shape[1])
-    return out.index_add(0, token_idx, expert_out)
+def permute_padded(hidden: torch.Tensor, routing: Routing, num_experts: int):
+    """As `permute`, with every expert's rows padded to `routing.capacity` (the kept copies never exceed it): returns
+    the [E·capacity, h] rows, their weights (0 on padding), the counts (capacity each, made on the device without
+    reading anything back) and the token of each row, T (the zero row `with_zero_row` appends) on padding."""
+    T, k = routing.expert_ids.shape
+    E, capacity = num_experts, routing.capacity
+    flat_expert = routing.expert_ids.reshape(-1)
+    kept = routing.kept.reshape(-1)
+    sort_key = torch.where(kept, flat_expert, torch.full_like(flat_expert, E))  # dropped copies sort last
+    order = torch.sort(sort_key, stable=True).indices
+    expert = sort_key[order]
+    counts = expert_counts(flat_expert, E, kept)
+    first = F.pad(counts.cumsum(0) - counts, (0, 1))  # where each expert's copies start in `order` (dropped: any)
+    place = torch.arange(T * k, device=hidden.device) - first[expert]  # index among its expert's kept copies
+    row = torch.where(expert < E, expert * capacity + place, E * capacity)  # dropped: a spare row, cut off below
+    # The slot each row holds; T·k (one past the last slot) on padding rows, whose token is then T·k // k = T.
+    slot_of_row = torch.full((E * capacity + 1,), T * k, dtype=order.dtype, device=hidden.device)
+    slot_of_row = slot_of_row.scatter_(0, row, order)[:-1]
+    token_of_row = slot_of_row // k
+    weights = F.pad(routing.weights.reshape(-1), (0, 1))[slot_of_row]  # padding rows: weight 0
+    tokens_per_expert = torch.full((E,), capacity, dtype=torch.int64, device=hidden.device)
+    return with_zero_row(hidden)[token_of_row], weights, tokens_per_expert, token_of_row
+
+
+def with_zero_row(hidden: torch.Tensor) -> torch.Tensor:
+    """[T + 1, h]: the padding rows' source."""
+    return F.pad(hidden, (0, 0, 0, 1))
+
+
+def unpermute(expert_out: torch.Tensor, token_idx: torch.Tensor, num_tokens: int, padded: bool = False) -> torch.Tensor:
+    """Sum each token's (already weighted) expert outputs back into its row; dropped slots contribute nothing.
+    `padded` (rows of `permute_padded`): the padding rows' outputs go to a spare row, dropped."""
+    out = expert_out.new_zeros(num_tokens + padded, expert_out.shape[1])
+    out = out.index_add(0, token_idx, expert_out)
+    return out[:num_tokens] if padded else out
 
 
 @dataclass
@@ -73,18 +112,19 @@ class LocalDispatcher:
         flight, it just runs first."""
         if in_flight is not None:
             in_flight()
-        if self.fused and triton_applies(hidden):
+        padded = routing.capacity is not None
+        if self.fused and triton_applies(hidden) and not padded:
             return self._dispatch_fused(hidden, routing)
-        x, w, counts, token_idx = permute(hidden, routing, self.num_experts)
-        return Dispatched(x, w, counts, (token_idx, hidden.shape[0]))
+        x, w, counts, token_idx = (permute_padded if padded else permute)(hidden, routing, self.num_experts)
+        return Dispatched(x, w, counts, (token_idx, hidden.shape[0], padded))
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         if isinstance(dispatched.state, _FusedState):
             from kernels.unpermute import unpermute as unpermute_rows
 
             return unpermute_rows(expert_out, dispatched.state.row_id_map)  # weights already folded in: a plain sum
-        token_idx, num_tokens = dispatched.state
-        return unpermute(expert_out, token_idx, num_tokens)
+        token_idx, num_tokens, padded = dispatched.state
+        return unpermute(expert_out, token_idx, num_tokens, padded)
 
     def redispatch(self, hidden: torch.Tensor, state: object) -> torch.Tensor:
         """The rows of the dispatch whose `Dispatched.state` is given, again, from the same input, without autograd
@@ -94,8 +134,8 @@ class LocalDispatcher:
                 from kernels.permute import permute_rows_again
 
                 return permute_rows_again(hidden, state.row_id_map)
-            token_idx, _ = state
-            return hidden[token_idx]
+            token_idx, _, padded = state
+            return (with_zero_row(hidden) if padded else hidden)[token_idx]
 
     def _dispatch_fused(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
         from kernels.permute import permute as permute_rows

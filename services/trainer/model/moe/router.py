@@ -2,9 +2,11 @@
 
 Scores are computed in fp32 whatever the autocast dtype (small logit differences decide routing; for bf16 x on CUDA,
 on the tensor cores: router_logits.py). Balancing has three
-mechanisms that can be combined: the aux loss (Switch/GShard form E·Σ fᵢ·Pᵢ, per micro-batch or per sequence), the z-loss
-(ST-MoE, keeps router logits small), and the aux-loss-free expert bias (DeepSeek-V3), which shifts *selection* only and is
-updated after each optimizer step from the observed load.
+mechanisms that can be combined: the aux loss (Switch/GShard form E·Σ fᵢ·Pᵢ, per micro-batch, per sequence or global),
+the z-loss (ST-MoE, keeps router logits small), and the aux-loss-free expert bias (DeepSeek-V3), which shifts
+*selection* only and is updated after each optimizer step from the observed load. With a capacity factor each expert
+keeps its best ceil(cf·T·k/E) slots (`capacity_mask`); with `pad_to_capacity` the routing also carries that capacity,
+and the dispatchers give every expert exactly that many rows (dispatcher.py).
 
 When one micro-batch's tokens are spread over several ranks (sequence parallel over TP, context parallel over CP), the
 parallel code sets `sp_group` (fixed) and `cp_group` (bound per micro-batch). The micro-batch aux loss and the z-loss
@@ -13,10 +15,21 @@ one all-reduce (no gradient flows through them), each rank adds its own tokens' 
 tokens), and the shares sum over the ranks to exactly the single-device loss and gradients. The per-sequence aux loss stays a
 statistic of the rank's token shard.
 
+The global aux loss (`aux_loss_type: global`; Qiu et al. 2025, "Demons in the Detail": balance over the global batch,
+not each micro-batch) takes fᵢ over every token the step has routed so far: the counts of the micro-batch are summed
+over its ranks and over the data-parallel replicas (`dp_group`, set by the parallel code), whose j-th micro-batches run
+together, and added to `global_routed`, which holds the step's counts until `reset_step_statistics` (once per optimizer
+step, with the bias update). Pᵢ stays this rank's tokens' term: Σ over local tokens / (the j-th micro-batches' tokens
+over all replicas / replicas). The aux gradient is scaled by 1 / (micro-batches of the step over DP), so the replicas'
+gradients sum to the single-device gradient of one process whose j-th micro-batch is the replicas' j-th micro-batches
+together: E·Σ fᵢ·Pᵢ with Pᵢ their tokens' mean. On one rank with one micro-batch it is the micro-batch loss. It is
+taken in passes with autograd on only (a no-grad pass, e.g. RL log-probs, adds nothing to the step's counts), and a
+recompute in backward uses the statistics of the forward it repeats (`recompute.same_as_forward`), not the grown ones.
+
 Nothing here makes the host wait for the device (counts are scatter-adds, the per-sequence statistics are sized by an
 upper bound instead of the number of sequences). With `fused` (config `model.moe_kernels: [router]`) the plain case —
-no group limit, no capacity, no replay, micro-batch aux loss — runs the Triton router (`kernels/router.py`), which
-also returns the per-expert counts and mean probabilities the aux loss needs.
+no group limit, no capacity, no replay, micro-batch or global aux loss — runs the Triton router (`kernels/router.py`),
+which also returns the per-expert counts and mean probabilities the aux loss needs.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ class Routing:
     weights: torch.Tensor
     kept: torch.Tensor | None
     aux_loss: torch.Tensor  # already scaled by its coefficients (aux + z), a scalar attached to the graph
+    capacity: int | None = None  # `model.pad_to_capacity`: rows every expert gets (kept slots, then padding); else None
 
 
 class Router(nn.Module):
@@ -54,12 +68,16 @@ class Router(nn.Module):
         # seen since the last bias update.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
+        # The global aux loss's step statistics: routed slots per expert, then routed tokens, over the DP replicas and
+        # the step's micro-batches so far (int64: exact at any batch size). Zeroed by `reset_step_statistics`.
+        self.register_buffer("global_routed", torch.zeros(cfg.num_experts + 1, dtype=torch.int64), persistent=False)
         # Set by a replay context (RL routing replay): a [T, k] tensor of expert ids to use instead of top-k.
         self.replay_ids: torch.Tensor | None = None
         self.fused = "router" in cfg.moe_kernels  # the Triton router where it applies (see the module docstring)
         # Process groups over which one micro-batch's tokens are spread (see the module docstring); empty: all here.
         self.sp_group: dist.ProcessGroup | None = None
         self.cp_group: dist.ProcessGroup | None = None
+        self.dp_group: dist.ProcessGroup | None = None  # the data-parallel replicas (the global aux loss only)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> Routing:
         cfg = self.cfg
@@ -76,15 +94,53 @@ class Router(nn.Module):
         routed = expert_counts(expert_ids, self.num_experts)  # slots that chose each expert, dropped ones included
         self._count_load(routed if kept is None else expert_counts(expert_ids, self.num_experts, kept))
         aux, tokens = logits.new_zeros(()), None  # tokens: the micro-batch's token count, once a loss needs it
-        if cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training:
+        if self._aux_applies():
             probs = scores if cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
             if cfg.aux_loss_type == "sequence" and segment_ids is not None:
                 aux = aux + cfg.aux_loss_coeff * load_balancing_loss(probs, expert_ids, self.num_experts, segment_ids)
             else:
-                counts, tokens = self._micro_batch_stats(routed, logits)
-                f = counts / (tokens * self.top_k)
-                aux = aux + cfg.aux_loss_coeff * self.num_experts * (f * probs.sum(0) / tokens).sum()
-        return Routing(expert_ids, weights, kept, self._with_z_loss(aux, logits, tokens))
+                aux, tokens = self._balance_loss(routed, probs.sum(0), logits)
+        capacity = None
+        if cfg.pad_to_capacity and kept is not None:
+            capacity = expert_capacity(logits.shape[0], self.top_k, self.num_experts, cfg.capacity_factor)
+        return Routing(expert_ids, weights, kept, self._with_z_loss(aux, logits, tokens), capacity)
+
+    def _aux_applies(self) -> bool:
+        cfg = self.cfg
+        # A global aux loss only in passes that train: a no-grad pass must not add to the step's statistics.
+        wanted = cfg.aux_loss_type != "global" or torch.is_grad_enabled()
+        return cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training and wanted
+
+    def _balance_loss(self, counts: torch.Tensor, prob_sum: torch.Tensor, logits: torch.Tensor):
+        """(this rank's share of coeff·E·Σ fᵢ·Pᵢ, the micro-batch's token count or None): `counts` are the local
+        routed slots per expert, `prob_sum` the local tokens' summed probabilities (with gradient). Micro-batch: f and
+        the token count of the whole micro-batch; global: f of the step so far and the tokens per replica (module
+        docstring)."""
+        scale = self.cfg.aux_loss_coeff * self.num_experts
+        if self.cfg.aux_loss_type == "global":
+            f, tokens_per_replica = recompute.same_as_forward(self, lambda: self._global_stats(counts, logits))
+            return scale * (f * prob_sum / tokens_per_replica).sum(), None  # (the z-loss counts its micro-batch)
+        counts, tokens = self._micro_batch_stats(counts, logits)
+        f = counts / (tokens * self.top_k)
+        return scale * (f * prob_sum / tokens).sum(), tokens
+
+    @torch.no_grad()
+    def _global_stats(self, counts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds this micro-batch's routing, summed over its ranks and the DP replicas (one all-reduce per group, on the
+        device), to the step's statistics. Returns (f of the step so far, the micro-batch's tokens per replica)."""
+        stats = torch.cat([counts.detach().long(), logits.new_full((1,), logits.shape[0], dtype=torch.long)])
+        for group in (*self._token_groups(), self.dp_group):
+            if group is not None:
+                dist.all_reduce(stats, group=group)
+        self.global_routed += stats
+        f = self.global_routed[:-1].float() / (self.global_routed[-1].float() * self.top_k)
+        replicas = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        return f, stats[-1].float() / replicas
+
+    @torch.no_grad()
+    def reset_step_statistics(self) -> None:
+        """Forget the step's global aux statistics: once per optimizer step (train.advance_router_bias)."""
+        self.global_routed.zero_()
 
     def _token_groups(self) -> list:
         return [g for g in (self.sp_group, self.cp_group) if g is not None]
@@ -114,12 +170,8 @@ class Router(nn.Module):
                            cfg.routed_scaling_factor)
         self._count_load(out.tokens_per_expert)
         aux, tokens = logits.new_zeros(()), None
-        if cfg.aux_loss_coeff > 0 and cfg.aux_loss_type != "none" and self.training:
-            # The micro-batch aux loss from the kernel's statistics: f = counts / (T·k), P = mean probabilities.
-            counts, tokens = self._micro_batch_stats(out.tokens_per_expert, logits)
-            f = counts / (tokens * self.top_k)
-            local_share = out.mean_probs * (logits.shape[0] / tokens)
-            aux = aux + cfg.aux_loss_coeff * self.num_experts * (f * local_share).sum()
+        if self._aux_applies():  # from the kernel's statistics: the counts, and the mean probabilities times T
+            aux, tokens = self._balance_loss(out.tokens_per_expert, out.mean_probs * logits.shape[0], logits)
         return Routing(out.indices, out.weights, None, self._with_z_loss(aux, logits, tokens))
 
     def _with_z_loss(self, aux: torch.Tensor, logits: torch.Tensor, tokens) -> torch.Tensor:
@@ -169,6 +221,12 @@ def limit_to_top_groups(scores: torch.Tensor, num_groups: int, topk_groups: int)
     return grouped.masked_fill(~group_mask[:, :, None], float("-inf")).view(T, E)
 
 
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots each expert keeps of `num_tokens` tokens' top-k: ceil(cf·T·k/E), at least 1. A host number (T is a
+    shape): what pad-to-capacity sizes every expert's rows with."""
+    return max(1, int(-(-capacity_factor * num_tokens * top_k // num_experts)))
+
+
 def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, capacity_factor: float) -> torch.Tensor | None:
     """[T, k] bool: which (token, slot) assignments survive an expert capacity of ceil(cf·T·k/E); None when dropless.
 
@@ -178,7 +236,7 @@ def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, capacity_facto
     if capacity_factor <= 0:
         return None
     E = scores.shape[1]
-    capacity = max(1, int(-(-capacity_factor * T * k // E)))
+    capacity = expert_capacity(T, k, E, capacity_factor)
     routed = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, expert_ids, True)  # [T, E]
     ranked = scores.masked_fill(~routed, float("-inf"))
     keep_tokens = ranked.topk(min(capacity, T), dim=0).indices  # [cap, E] best tokens per expert
