@@ -4,6 +4,8 @@
         model.num_layers=2 data.micro_batch_size=2 parallel.ep=8 [--warmup 3] [--steps 8] [--profile-steps 3] \
         [--json out.jsonl]
     torchrun --standalone --nproc_per_node=2 bench/bench_parallel_step.py --config configs/tiny.yaml parallel.ep=2
+    torchrun --standalone --nproc_per_node=2 bench/bench_parallel_step.py --config configs/qwen3_30b_a3b.yaml \
+        model.num_layers=8 data.grad_accum=8 parallel.pp=2 [parallel.pp_virtual=2]   # plain vs interleaved 1F1B
 
 The model, its sharding, memory policy and optimizer are built as in `services/trainer/train.py` (the folded path on
 several ranks, the plain AdamW step on one); the dataloader service is replaced by random tokens packed into a few
@@ -214,7 +216,8 @@ def main() -> None:
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
     busy = prof_ms["device"]["busy"] if cuda else None
     result = {
-        "layout": {k: getattr(lay, k) for k in ("tp", "cp", "ep", "etp", "dp", "edp", "pp")}, "world": rt.world_size,
+        "layout": {**{k: getattr(lay, k) for k in ("tp", "cp", "ep", "etp", "dp", "edp", "pp")},
+                   "pp_virtual": cfg.parallel.pp_virtual}, "world": rt.world_size,
         "device": torch.cuda.get_device_name(rt.device) if cuda else "cpu", "tokens_per_step": tokens_per_step,
         "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / rt.world_size,
         "mfu": tps * flops_tok / 1e12 / rt.world_size / peak if peak else None, "peak_tflops": peak,

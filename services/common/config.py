@@ -123,7 +123,15 @@ class ParallelConfig:
     cp_sizes: list[int] = field(default_factory=list)  # allowed dynamic CP sizes; empty: only `cp`
     distributed_optimizer: bool = True  # ZeRO-1: each data-parallel rank keeps master weights and Adam moments for
     #                                     its 1/dp of every gradient bucket (false: all-reduce, every rank updates all)
-    pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty: split evenly
+    pp_layers: list[int] = field(default_factory=list)  # layers per stage (pp entries), or with pp_virtual > 1 per
+    #                                                     model chunk (pp*pp_virtual entries, in layer order); empty:
+    #                                                     split evenly, earlier ones taking the extra layers
+    pp_virtual: int = 1  # model chunks per pipeline rank (interleaved 1F1B, parallel/pipeline_interleaved.py): the
+    #                      layers are cut into pp*pp_virtual chunks and rank s holds chunks s, s+pp, s+2*pp, ...; the
+    #                      pipeline bubble shrinks by this factor, for pp_virtual times the stage-to-stage transfers
+    #                      (the last rank also sends to the first) and more activations held in warm-up: on the first
+    #                      rank up to (pp-1)/pp_virtual stages' more than plain 1F1B's pp when a step's micro-batches
+    #                      are a multiple of pp, up to pp-1 more otherwise; any number of micro-batches works; 1: off
     grad_bucket_mb: float = 25.0  # gradients are reduced in flat buckets of this size, each launched in backward
     #                               as soon as it is complete
     ep_overlap: bool = False  # micro-batches in pairs, interleaved layer by layer, so one's expert all-to-alls are in
@@ -495,6 +503,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(m.moe_ffn_hidden_size % p.etp == 0,
            f"`parallel.etp={p.etp}` does not divide `model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}`")
     _check(p.pp <= m.num_layers, f"`parallel.pp={p.pp}` exceeds `model.num_layers={m.num_layers}`")
+    _check(p.pp_virtual >= 1, f"`parallel.pp_virtual={p.pp_virtual}` must be at least 1 model chunk per pipeline "
+                              "rank (1: plain 1F1B)")
+    _check(p.pp_virtual == 1 or p.pp > 1, f"`parallel.pp_virtual={p.pp_virtual}` interleaves model chunks over "
+                                          "pipeline ranks: it needs `parallel.pp` > 1; set parallel.pp or "
+                                          "parallel.pp_virtual=1")
+    chunks = p.pp * p.pp_virtual
+    _check(chunks <= m.num_layers, f"`parallel.pp={p.pp}` x `parallel.pp_virtual={p.pp_virtual}` = {chunks} model "
+                                   f"chunks exceed `model.num_layers={m.num_layers}` (each chunk needs a layer); "
+                                   "lower parallel.pp_virtual")
     if p.ep_overlap:
         _check(p.ep > 1 and d.grad_accum >= 2,
                f"`parallel.ep_overlap` pairs micro-batches to hide the expert all-to-all: it needs `parallel.ep` > 1 "
@@ -506,8 +523,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                             "MoE layer or block forward, which the interleaved forward pauses inside; use recompute "
                             "'attn_core'/'moe_act' and offload 'attn', or set parallel.ep_overlap=false")
     if p.pp_layers:
-        _check(len(p.pp_layers) == p.pp and sum(p.pp_layers) == m.num_layers,
-               f"`parallel.pp_layers={p.pp_layers}` must have pp={p.pp} entries summing to num_layers={m.num_layers}")
+        per = "stage" if p.pp_virtual == 1 else f"model chunk (pp*pp_virtual = {p.pp}*{p.pp_virtual})"
+        _check(len(p.pp_layers) == chunks and sum(p.pp_layers) == m.num_layers and min(p.pp_layers) >= 1,
+               f"`parallel.pp_layers={p.pp_layers}` must have one positive entry per {per}, {chunks} in all, summing "
+               f"to num_layers={m.num_layers}")
     if world_size is not None:
         attn = p.pp * p.tp * p.cp
         moe = p.pp * p.etp * p.ep

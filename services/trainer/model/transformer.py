@@ -133,22 +133,25 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int | None = None, hidden: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, staged: bool = False):
+                labels: torch.Tensor | None = None, staged: bool = False, layers: range | None = None):
         """Packed micro-batch [T] -> logits [T, vocab]; with `labels` [T], the summed token loss (fp32 scalar) instead.
 
-        A pipeline stage holds only some of the modules: one without `embed` starts from `hidden` (the previous stage's
-        output), one without `output` returns its hidden states instead of logits (and ignores `labels`).
+        A pipeline stage holds only some of the modules and runs them a chunk at a time: `layers` (ids; None: every
+        layer it holds) starts from `hidden` (the previous chunk's output) when given, else from the embedding, and
+        returns its hidden states instead of logits (ignoring `labels`) when it ends before the model's last layer or
+        the stage has no `output`.
         With `staged`, a generator that pauses while MoE all-to-alls are in flight and returns that output
         (services/trainer/model/stages.py; used to interleave two micro-batches, `parallel.ep_overlap`).
         """
-        stages = self._stages(tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels, staged)
+        stages = self._stages(tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels, staged, layers)
         return stages if staged else run_to_end(stages)
 
-    def _stages(self, tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels,
-                staged: bool) -> Stages[torch.Tensor]:
+    def _stages(self, tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels, staged: bool,
+                layers: range | None) -> Stages[torch.Tensor]:
         segment_ids = document_ids(cu_seqlens, tokens.shape[0])
-        x, branch = (self.embed(tokens) if self.embed is not None else hidden), None
-        for block in self.layers.values():
+        x, branch = (self.embed(tokens) if hidden is None else hidden), None
+        blocks = self.layers.values() if layers is None else [self.layers[str(i)] for i in layers]
+        for block in blocks:
             if branch is not None and _forward_replaced(block):
                 # Recomputed or offloaded as a whole, a block keeps its inputs: one tensor, as without the split stream.
                 x, branch = x + branch, None
@@ -157,8 +160,8 @@ class MoETransformer(nn.Module):
                                              branch=branch)
             else:  # called plainly: a memory policy may have wrapped the block's forward
                 x, branch = block(x, position_ids, cu_seqlens, segment_ids, max_seqlen, branch=branch)
-        if self.output is None:  # a pipeline stage sends the whole stream
-            return x if branch is None else x + branch
+        if self.output is None or (layers is not None and layers.stop < self.cfg.num_layers):
+            return x if branch is None else x + branch  # a pipeline chunk sends the whole stream
         _, x = residual_norm(self.norm, x, branch, self.cfg.compile)
         if labels is None:
             return self.output(x)

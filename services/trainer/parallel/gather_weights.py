@@ -69,15 +69,19 @@ class WeightGather:
         else:
             everyone = [mine]
         plans: dict[str, dict] = {}
-        for rank, entries in enumerate(everyone):  # PP is the outermost axis: rank order is stage order
-            for name, gshape, offsets, shape, written, full, dtype in entries:
-                p = plans.setdefault(name, dict(global_shape=gshape, full_shape=full, dtype=dtype, pieces=[]))
+        for rank, entries in enumerate(everyone):
+            orders = _model_order([entry[0] for entry in entries])
+            for (name, gshape, offsets, shape, written, full, dtype), order in zip(entries, orders):
+                p = plans.setdefault(name, dict(global_shape=gshape, full_shape=full, dtype=dtype, pieces=[],
+                                                order=order))
                 if p["global_shape"] != gshape:
                     raise RuntimeError(f"ranks disagree on the global shape of {name}: {p['global_shape']} vs {gshape}")
                 if written:
                     p["pieces"].append(_Piece(rank, shape, offsets))
         out = []
-        for name, p in plans.items():
+        # In the single-process order: stages in rank order are model order, but a rank with virtual pipeline stages
+        # holds layers from several places (rank 0: layers of chunks 0, pp, ...). A stable sort by layer id.
+        for name, p in sorted(plans.items(), key=lambda item: item[1]["order"]):
             covered = sum(int(torch.tensor(pc.shape).prod()) for pc in p["pieces"])
             if covered != int(torch.tensor(p["global_shape"]).prod()):
                 raise RuntimeError(f"the written boxes of {name} cover {covered} of its "
@@ -120,6 +124,19 @@ class WeightGather:
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def _model_order(names: list[str]) -> list[float]:
+    """Where each of a rank's tensor `names` (in its state_dict order) goes in the single-process order, as sort keys:
+    decoder layer i's tensors at i, those the rank lists before any layer (the embedding) first, those after any (final
+    norm, output layer) last."""
+    keys: list[float] = []
+    for name in names:
+        if name.startswith("layers."):
+            keys.append(int(name.split(".")[1]))
+        else:
+            keys.append(float("inf") if keys and keys[-1] >= 0 else -1)
+    return keys
 
 
 def _box(piece: _Piece) -> tuple[slice, ...]:

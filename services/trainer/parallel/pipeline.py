@@ -4,6 +4,9 @@ A stage is the model itself with the modules it does not own removed (the embedd
 norm, output layer and loss on the last), so parameter names stay the single-device ones and checkpoints need no
 renaming. Between stages travel hidden states [T_local, h] (T_local / tp with sequence parallelism) forward and their
 gradients backward; both sides know the shape from the micro-batch's token count, so no shapes are exchanged.
+With virtual stages (`parallel.pp_virtual` = V) the layers are cut into pp·V chunks and a rank's stage holds V of them
+(`rank_chunks`: rank r holds chunks r, r+pp, ...), which it runs one at a time (the model's forward takes the chunk's
+layer ids); the schedules then take their interleaved form (pipeline_interleaved.py).
 
 The schedules (`one_f_one_b`, and `forward_only` for passes without gradients) move hidden states and know nothing of
 the loss: the caller supplies the stage's forward of one micro-batch (`StageForward`), which on the last stage turns
@@ -11,7 +14,7 @@ the model's output into the loss (pre-training: the model's cross-entropy, `forw
 policy loss on per-token log-probs, rl/pipelined.py).
 
 MoE aux losses need no plumbing: each MoE layer attaches its aux-loss gradient to its output (`AttachAuxLoss`), so the
-backward of a stage started from the received activation gradient also back-propagates that stage's aux losses.
+backward of a stage (or chunk) started from the received activation gradient also back-propagates its aux losses.
 """
 
 from __future__ import annotations
@@ -27,33 +30,46 @@ from services.trainer.model.moe.experts import fp8_weights_held
 from services.trainer.parallel.context_parallel import bind_micro_batch
 from services.trainer.parallel.differentiable import group_rank, group_size
 from services.trainer.parallel.micro_batch_pairs import pair_forward
+from services.trainer.parallel.pipeline_interleaved import interleaved_forward_backward, interleaved_forward_only
 from services.trainer.step import to_device
 
 ProcessGroup = dist.ProcessGroup
 
 
-def stage_layers(num_layers: int, pp_size: int, pp_layers: list[int] | None = None) -> list[range]:
-    """Layer ids of each stage: `pp_layers` counts per stage, or as even as possible (earlier stages take the extra)."""
+def stage_layers(num_layers: int, pp_size: int, pp_layers: list[int] | None = None, virtual: int = 1) -> list[range]:
+    """Layer ids of each of the pp_size * virtual model chunks, in model order (with `virtual` 1 a chunk is a stage):
+    `pp_layers` counts per chunk, or as even as possible (earlier chunks take the extra)."""
+    chunks = pp_size * virtual
     if pp_layers:
-        if len(pp_layers) != pp_size or sum(pp_layers) != num_layers or min(pp_layers) < 1:
-            raise ValueError(f"`parallel.pp_layers={pp_layers}` must have pp={pp_size} positive entries summing to "
-                             f"num_layers={num_layers}")
+        if len(pp_layers) != chunks or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+            per = "stage" if virtual == 1 else "model chunk"
+            raise ValueError(f"`parallel.pp_layers={pp_layers}` must have one positive entry per {per} "
+                             f"(pp*pp_virtual = {pp_size}*{virtual}) summing to num_layers={num_layers}")
         counts = list(pp_layers)
     else:
-        if pp_size > num_layers:
-            raise ValueError(f"`parallel.pp={pp_size}` exceeds `model.num_layers={num_layers}`")
-        base, extra = divmod(num_layers, pp_size)
-        counts = [base + (s < extra) for s in range(pp_size)]
-    starts = [sum(counts[:s]) for s in range(pp_size)]
-    return [range(starts[s], starts[s] + counts[s]) for s in range(pp_size)]
+        if chunks > num_layers:
+            raise ValueError(f"`parallel.pp={pp_size}` x `parallel.pp_virtual={virtual}` exceeds "
+                             f"`model.num_layers={num_layers}`")
+        base, extra = divmod(num_layers, chunks)
+        counts = [base + (c < extra) for c in range(chunks)]
+    starts = [sum(counts[:c]) for c in range(chunks)]
+    return [range(starts[c], starts[c] + counts[c]) for c in range(chunks)]
 
 
-def apply_pipeline(model: nn.Module, pp_group: ProcessGroup | None, pp_layers: list[int] | None = None) -> nn.Module:
-    """Reduce `model` (in place) to this rank's stage; before tensor parallelism, so only owned modules get sharded."""
-    size, rank = group_size(pp_group), group_rank(pp_group)
+def rank_chunks(num_layers: int, pp_size: int, rank: int, pp_layers: list[int] | None = None,
+                virtual: int = 1) -> list[range]:
+    """The chunks pipeline rank `rank` holds: rank, rank + pp_size, ... (interleaved 1F1B's layout, in which a
+    micro-batch visits the ranks in order `virtual` times: rank 0 holds the first chunk, the last rank the last)."""
+    return stage_layers(num_layers, pp_size, pp_layers, virtual)[rank::pp_size]
+
+
+def keep_stage(model: nn.Module, size: int, rank: int, pp_layers: list[int] | None = None,
+               virtual: int = 1) -> nn.Module:
+    """Reduce `model` (in place) to pipeline rank `rank`'s stage of `size`: its chunks' layers, the embedding if it
+    holds the first chunk, the final norm and output layer if it holds the last."""
     if size == 1:
         return model
-    owned = stage_layers(len(model.layers), size, pp_layers)[rank]
+    owned = {i for chunk in rank_chunks(len(model.layers), size, rank, pp_layers, virtual) for i in chunk}
     for layer_id in list(model.layers.keys()):
         if int(layer_id) not in owned:
             del model.layers[layer_id]
@@ -65,20 +81,44 @@ def apply_pipeline(model: nn.Module, pp_group: ProcessGroup | None, pp_layers: l
     return model
 
 
+def apply_pipeline(model: nn.Module, pp_group: ProcessGroup | None, pp_layers: list[int] | None = None,
+                   virtual: int = 1) -> nn.Module:
+    """Reduce `model` (in place) to this rank's stage; before tensor parallelism, so only owned modules get sharded."""
+    return keep_stage(model, group_size(pp_group), group_rank(pp_group), pp_layers, virtual)
+
+
+def held_chunks(model_stage: nn.Module) -> list[range]:
+    """The layer ranges a stage runs one at a time: the runs of consecutive layer ids it holds. A rank's chunks are
+    separated by the other ranks' (each at least one layer), so these are exactly its `rank_chunks`; one range for a
+    plain stage or a whole model."""
+    runs: list[range] = []
+    for i in sorted(int(k) for k in model_stage.layers.keys()):
+        if runs and runs[-1].stop == i:
+            runs[-1] = range(runs[-1].start, i + 1)
+        else:
+            runs.append(range(i, i + 1))
+    return runs
+
+
 # ---------------------------------------------------------------- point-to-point
 
 
-# (micro-batch index, the hidden states received from the previous stage, None on the first) -> the stage's output:
-# hidden states for the next stage, or on the last stage whatever the caller computes from the model's output (the
-# micro-batch's summed loss when training; e.g. per-token log-probs in a forward-only pass).
-StageForward = Callable[[int, torch.Tensor | None], torch.Tensor]
+# (micro-batch index, the hidden states received from the previous chunk, None for the first chunk, index of the chunk
+# among the rank's `StageLink.chunks`) -> that chunk's output: hidden states for the next chunk, or for the model's
+# last chunk (`StageLink.holds_loss`) whatever the caller computes from the model's output (the micro-batch's summed
+# loss when training; e.g. per-token log-probs in a forward-only pass). Without virtual stages the chunk is always 0.
+StageForward = Callable[[int, torch.Tensor | None, int], torch.Tensor]
 
 
 @dataclass
 class StageLink:
     """This stage's neighbours and what travels between them: the hidden states of micro-batch i, [tokens[i] / sp, h]
     (sp: the TP size when sequence parallelism splits them along tokens, else 1), forward, and their gradients
-    backward. Both sides know the shape from the micro-batch's token count, so no shapes are exchanged."""
+    backward. Both sides know the shape from the micro-batch's token count, so no shapes are exchanged.
+
+    The stage runs its layers as `chunks` (layer id ranges): one, or with virtual stages (`parallel.pp_virtual`) one
+    per virtual stage, and then hidden states also travel from the last rank to the first (pipeline_interleaved.py).
+    """
 
     group: ProcessGroup | None  # None: a single stage
     rank: int
@@ -88,6 +128,7 @@ class StageLink:
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
+    chunks: list[range]  # layer ids of each chunk the stage runs, in model order (`held_chunks`)
 
     @classmethod
     def of(cls, model_stage: nn.Module, tokens: list[int], device: torch.device, pp_group: ProcessGroup | None,
@@ -95,7 +136,7 @@ class StageLink:
         hidden_size = next(b for b in model_stage.layers.values()).attn_norm.weight.shape[0]
         dtype = next(model_stage.parameters()).dtype
         return cls(pp_group, group_rank(pp_group), group_size(pp_group), list(tokens), sequence_parallel_size,
-                   hidden_size, dtype, device)
+                   hidden_size, dtype, device, held_chunks(model_stage))
 
     @property
     def first(self) -> bool:
@@ -105,6 +146,15 @@ class StageLink:
     def last(self) -> bool:
         return self.rank == self.size - 1
 
+    @property
+    def virtual(self) -> int:
+        return len(self.chunks)
+
+    def holds_loss(self, chunk: int) -> bool:
+        """Whether the rank's `chunk` is the model's last: its output is the model's (logits, loss), not hidden
+        states."""
+        return self.last and chunk == len(self.chunks) - 1
+
     def buffer(self, i: int) -> torch.Tensor:
         if self.tokens[i] % self.sp:
             raise ValueError(f"micro-batch {i} has {self.tokens[i]} tokens, not divisible by the sequence-parallel "
@@ -113,9 +163,10 @@ class StageLink:
 
     def exchange(self, send: list[tuple[torch.Tensor, int]], recv: list[tuple[torch.Tensor, int]]) -> None:
         """Post every send and receive of one schedule slot together, then wait: neighbours that both send before they
-        receive cannot deadlock."""
-        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.rank + d) for t, d in send]
-        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.rank + d) for t, d in recv]
+        receive cannot deadlock. Peers are offsets (+1: next, -1: previous) on the ring of pp ranks; only virtual
+        stages wrap around it. Tensors to one peer are received there in the order they are listed."""
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=(self.rank + d) % self.size) for t, d in send]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=(self.rank + d) % self.size) for t, d in recv]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -166,38 +217,40 @@ class StageLink:
 # ---------------------------------------------------------------- the 1F1B schedule
 
 
-# Several micro-batches' forward on this stage at once, interleaved (`micro_batch_pairs.pair_forward`): (indices,
-# their received hidden states or Nones) -> their outputs, as `StageForward` gives them one by one.
-UnitForward = Callable[[list[int], list[torch.Tensor | None]], list[torch.Tensor]]
+# Several micro-batches' forward through one chunk at once, interleaved (`micro_batch_pairs.pair_forward`): (indices,
+# their received hidden states or Nones, chunk) -> their outputs, as `StageForward` gives them one by one.
+UnitForward = Callable[[list[int], list[torch.Tensor | None], int], list[torch.Tensor]]
 
 
 class _StageRunner:
-    """Forward/backward of one schedule unit (a micro-batch, or a pair) on this stage, keeping what backward needs."""
+    """Forward/backward of one schedule unit (a micro-batch, or a pair) through one of this stage's chunks, keeping
+    what backward needs (by micro-batch and chunk: with virtual stages a micro-batch is alive in several chunks)."""
 
     def __init__(self, unit_forward: UnitForward, link: StageLink, step_tokens: int | torch.Tensor):
         self.unit_forward, self.link, self.step_tokens = unit_forward, link, step_tokens
-        self.inputs: dict[int, torch.Tensor | None] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}  # by (micro-batch, chunk)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.loss = torch.zeros((), device=link.device)
 
-    def forward(self, unit: list[int], hiddens: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    def forward(self, unit: list[int], hiddens: list[torch.Tensor] | None, chunk: int = 0) -> list[torch.Tensor] | None:
         hiddens = hiddens if hiddens is not None else [None] * len(unit)
         for h in hiddens:
             if h is not None:
                 h.requires_grad_(True)
-        outs = self.unit_forward(unit, hiddens)
+        outs = self.unit_forward(unit, hiddens, chunk)
+        loss = self.link.holds_loss(chunk)
         for i, h, out in zip(unit, hiddens, outs, strict=True):
-            self.inputs[i] = h
-            if self.link.last:  # the micro-batch's summed loss
+            self.inputs[i, chunk] = h
+            if loss:  # the micro-batch's summed loss
                 self.loss += out.detach()
-                self.outputs[i] = out / self.step_tokens
+                self.outputs[i, chunk] = out / self.step_tokens
             else:
-                self.outputs[i] = out
-        return None if self.link.last else [out.detach().contiguous() for out in outs]
+                self.outputs[i, chunk] = out
+        return None if loss else [out.detach().contiguous() for out in outs]
 
-    def backward(self, unit: list[int], grads: list[torch.Tensor] | None) -> list[torch.Tensor | None]:
+    def backward(self, unit: list[int], grads: list[torch.Tensor] | None, chunk: int = 0) -> list[torch.Tensor | None]:
         """One backward for the whole unit (so a pair's backward interleaves like its forward)."""
-        outs, hiddens = [self.outputs.pop(i) for i in unit], [self.inputs.pop(i) for i in unit]
+        outs, hiddens = [self.outputs.pop((i, chunk)) for i in unit], [self.inputs.pop((i, chunk)) for i in unit]
         torch.autograd.backward(outs, grad_tensors=grads)
         return [None if h is None else h.grad for h in hiddens]
 
@@ -213,12 +266,18 @@ def one_f_one_b(stage_forward: StageForward, link: StageLink, step_tokens: int |
     `unit_forward` that interleaves them (`parallel.ep_overlap`, unit_size 2), one backward per unit.
     Stage s runs min(P-1-s, U) warm-up unit forwards, then alternates one forward with one backward, then drains the
     backwards: at most P-s units' activations are alive on stage s, instead of all U with all-forward-then-backward.
+    With virtual stages (several chunks per rank) the interleaved form of the schedule runs instead
+    (pipeline_interleaved.py).
     """
     if unit_forward is None:
-        unit_forward = lambda unit, hiddens: [stage_forward(i, h) for i, h in zip(unit, hiddens)]  # noqa: E731
+        unit_forward = lambda unit, hiddens, chunk: [stage_forward(i, h, chunk)  # noqa: E731
+                                                     for i, h in zip(unit, hiddens)]
     run = _StageRunner(unit_forward, link, step_tokens)
     M = len(link.tokens)
     units = [list(range(i, min(i + unit_size, M))) for i in range(0, M, unit_size)]
+    if link.virtual > 1:
+        interleaved_forward_backward(run, link, units)
+        return run.loss
     U = len(units)
     warmup = min(link.size - 1 - link.rank, U)
     for u in units[:warmup]:
@@ -242,12 +301,14 @@ def one_f_one_b(stage_forward: StageForward, link: StageLink, step_tokens: int |
 def forward_only(stage_forward: StageForward, link: StageLink) -> list[torch.Tensor | None]:
     """Every micro-batch of `link.tokens` forward through the pipeline, in order, without autograd: the last stage's
     outputs of `stage_forward` (e.g. per-token log-probs), None on the other stages. Nothing is kept for a backward, so
-    no stage holds more than one micro-batch's activations."""
+    no stage holds more than one micro-batch's activations. With virtual stages, `interleaved_forward_only`."""
+    if link.virtual > 1:
+        return interleaved_forward_only(stage_forward, link)
     outs: list[torch.Tensor | None] = []
     with torch.no_grad():
         for i in range(len(link.tokens)):
             received = link.recv_forward([i])
-            out = stage_forward(i, received[0] if received is not None else None)
+            out = stage_forward(i, received[0] if received is not None else None, 0)
             if link.last:
                 outs.append(out)
             else:
@@ -263,8 +324,9 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
                               step_tokens: int | torch.Tensor, device: torch.device,
                               autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None,
                               sequence_parallel_size: int = 1, pairs: bool = False) -> torch.Tensor:
-    """`step.forward_backward` for a pipeline stage: 1F1B (`one_f_one_b`) over the micro-batches with the model's
-    cross-entropy as the last stage's loss; returns the summed token loss on the last stage (zero elsewhere).
+    """`step.forward_backward` for a pipeline stage: 1F1B (`one_f_one_b`; interleaved when the stage holds several
+    chunks) over the micro-batches with the model's cross-entropy as the last chunk's loss; returns the summed token
+    loss on the last stage (zero elsewhere).
 
     Micro-batches must already be CP-sharded (`context_parallel.shard_micro_batch`); `sequence_parallel_size` is the TP
     size when sequence parallelism splits the hidden states along tokens (1 otherwise). With one stage (`pp_group`
@@ -275,19 +337,19 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
     mbs = [to_device(mb, device) for mb in micro_batches]
     link = StageLink.of(model_stage, [mb["tokens"].shape[0] for mb in mbs], device, pp_group, sequence_parallel_size)
 
-    def stage_forward(i: int, hidden: torch.Tensor | None, staged: bool = False):
+    def stage_forward(i: int, hidden: torch.Tensor | None, chunk: int, staged: bool = False):
         mb = mbs[i]
         bind_micro_batch(model_stage, mb)
-        labels = mb["labels"] if link.last else None
+        labels = mb["labels"] if link.holds_loss(chunk) else None
         return model_stage(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden,
-                           labels=labels, staged=staged)
+                           labels=labels, staged=staged, layers=link.chunks[chunk])
 
     def autocast():
         return torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
 
-    def micro_batch_forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+    def micro_batch_forward(i: int, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
         with autocast():
-            return stage_forward(i, hidden)
+            return stage_forward(i, hidden, chunk)
 
     with fp8_weights_held(model_stage, len(mbs)):
         if not pairs:

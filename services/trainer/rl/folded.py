@@ -145,9 +145,10 @@ def _padded(mb, pad: int):
 
 
 @contextmanager
-def _padding_excluded(model: nn.Module, local_pad_ids: torch.Tensor | None, filler: bool):
+def _padding_excluded(model: nn.Module, local_pad_ids: torch.Tensor | None, filler: bool, run: range | None = None):
     """Keep padding and fillers out of the routers' load (and fillers out of the aux loss). `local_pad_ids`: the
-    padding tokens' replayed ids [this model's MoE layers, pad tokens of this rank, k]."""
+    padding tokens' replayed ids [this model's MoE layers, pad tokens of this rank, k]. `run`: the layer ids the
+    forward runs (a pipeline chunk; None: all), the only ones whose load the padding reached."""
     layers = model.moe_layers()
     saved = [(m.router.tokens_per_expert.clone(), m.aux_loss_scale) for m in layers] if filler else None
     if filler:
@@ -161,9 +162,11 @@ def _padding_excluded(model: nn.Module, local_pad_ids: torch.Tensor | None, fill
                 m.router.tokens_per_expert.copy_(load)
                 m.aux_loss_scale = scale
         elif local_pad_ids is not None:
+            ran = [run is None or b.layer_id in run for b in model.layers.values() if b.is_moe]
             with torch.no_grad():
-                for m, ids in zip(layers, local_pad_ids):
-                    m.router.tokens_per_expert -= expert_counts(ids, m.router.num_experts).float()
+                for m, ids, counted in zip(layers, local_pad_ids, ran, strict=True):
+                    if counted:
+                        m.router.tokens_per_expert -= expert_counts(ids, m.router.num_experts).float()
 
 
 @dataclass
@@ -201,9 +204,10 @@ def policy_input(model: nn.Module, mb: Any) -> PolicyInput:
 
 
 @contextmanager
-def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype | None):
-    """What the model's forward of `p` runs under: replayed routing, padding kept out of the load, autocast."""
-    with routing_replay(model, p.routing), _padding_excluded(model, p.local_pad, p.filler), \
+def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype | None, layers: range | None = None):
+    """What the model's forward of `p` (through `layers`, a pipeline chunk; None: all the model holds) runs under:
+    replayed routing, padding kept out of the load, autocast."""
+    with routing_replay(model, p.routing), _padding_excluded(model, p.local_pad, p.filler, layers), \
             torch.autocast(p.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         yield
 

@@ -2,8 +2,10 @@
 
 Each stage runs rl/folded.py's policy forward on the layers it owns: the micro-batch padded for sequence parallelism,
 the replayed expert ids cut to the rank's token shard, and each of the stage's MoE layers taking the recorded row of
-its layer id (rl/replay.py). Hidden states travel between stages as in pre-training (`pipeline.StageLink`). The last
-stage turns its logits into per-token log-probs under the rollout temperature (vocab-parallel under TP):
+its layer id (rl/replay.py). Hidden states travel between stages as in pre-training (`pipeline.StageLink`; with
+virtual stages, `parallel.pp_virtual`, each forward runs one of the stage's chunks and the schedules are the
+interleaved ones). The last stage turns its logits into per-token log-probs under the rollout temperature
+(vocab-parallel under TP):
 
 - `pipeline_logprobs`: forward only (`pipeline.forward_only`, no autograd), for the old and reference log-probs. They
   stay on the last stage: only its loss reads them.
@@ -36,13 +38,14 @@ def _stage(model: nn.Module, micro_batches: list, layout: ParallelGroups) -> tup
 
 def _stage_forward(model: nn.Module, inputs: list[PolicyInput], link: StageLink, autocast_dtype: torch.dtype | None,
                    last_stage: Callable[[int, torch.Tensor], torch.Tensor]) -> StageForward:
-    """The policy forward of micro-batch i on this stage; on the last stage, `last_stage(i, logits)` of its output."""
+    """The policy forward of micro-batch i through one of this stage's chunks; for the model's last chunk,
+    `last_stage(i, logits)` of its output."""
 
-    def forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
-        p = inputs[i]
-        with policy_forward(model, p, autocast_dtype):
-            out = model(p.tokens, p.position_ids, p.cu_seqlens, p.max_seqlen, hidden=hidden)
-        return last_stage(i, out) if link.last else out
+    def forward(i: int, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
+        p, layers = inputs[i], link.chunks[chunk]
+        with policy_forward(model, p, autocast_dtype, layers):
+            out = model(p.tokens, p.position_ids, p.cu_seqlens, p.max_seqlen, hidden=hidden, layers=layers)
+        return last_stage(i, out) if link.holds_loss(chunk) else out
 
     return forward
 
