@@ -283,9 +283,11 @@ def is_expert_param(name: str, p: torch.Tensor) -> bool:
 
 
 def bind_router_replicas(model: nn.Module, groups: ParallelGroups) -> None:
-    """Give every router the data-parallel group, over which the global aux loss sums its counts (router.py)."""
+    """Give every router of a global aux loss the data-parallel group, over which it sums its counts (router.py);
+    other routers hold no group they do not use (a `copy.deepcopy` of the model needs none shared)."""
     for moe in (m for m in model.modules() if isinstance(m, MoELayer)):
-        moe.router.dp_group = groups.dp.group
+        if moe.router.cfg.aux_loss_type == "global":
+            moe.router.dp_group = groups.dp.group
 
 
 @torch.no_grad()
