@@ -5,6 +5,9 @@ fixtures that several test files share."""
 import kernels_interpreter  # noqa: F401
 import pytest
 import torch
+import torch.distributed as dist
+
+from services.trainer.parallel.groups import Axis
 
 
 @pytest.fixture
@@ -12,3 +15,14 @@ def as_on_a_cpu_machine(monkeypatch):
     """`torch.cuda.is_available()` answers False: for tests that build models with `model.fp8` set and run them on
     CPU, which on a machine with CUDA but no Transformer Engine would (rightly) refuse to build."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-process gloo world as an expert-parallel axis: the all-to-all dispatcher's collectives run (to this rank
+    itself), so its code path, and what it sends, can be checked in one process."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        yield Axis("ep_etp", dist.group.WORLD, (0,), 0)
+    finally:
+        dist.destroy_process_group()

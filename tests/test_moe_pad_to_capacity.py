@@ -17,7 +17,6 @@ from services.common.config import ConfigError, validate
 from services.trainer.model.moe.dispatcher import permute
 from services.trainer.model.moe.router import expert_capacity, expert_counts
 from services.trainer.parallel.expert_parallel import AllToAllDispatcher
-from services.trainer.parallel.groups import Axis
 from test_moe_layer import make_layer
 
 T, E, K = 40, 6, 2
@@ -85,16 +84,6 @@ def test_padded_dispatch_gives_each_expert_exactly_its_capacity_its_kept_rows_th
         assert torch.equal(d.weights[block][:n], weights[start:start + n])
         assert not d.hidden[block][n:].any() and not d.weights[block][n:].any(), f"expert {e}: padding not zero"
         start += n
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A one-process gloo world: the all-to-all dispatcher's collectives run (to this rank itself)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
-    try:
-        yield Axis("ep_etp", dist.group.WORLD, (0,), 0)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "unpadded"])

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from services.common.config import ModelConfig
 from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.parallel.expert_parallel import AllToAllDispatcher
-from services.trainer.parallel.groups import Axis
 
 
 def recording_all_to_all(events: list[str], synchronous, counts: bool = False):
@@ -37,15 +36,6 @@ def recording_all_to_all(events: list[str], synchronous, counts: bool = False):
         return Recorded()
 
     return recording
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
-    try:
-        yield Axis("ep_etp", dist.group.WORLD, (0,), 0)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_shared_expert_overlaps_the_dispatch_all_to_all_in_forward_and_backward(one_rank_group, monkeypatch):
