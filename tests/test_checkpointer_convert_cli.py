@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,11 @@ import torch
 
 from services.checkpointer.convert import main
 from services.checkpointer.load import load_checkpoint
-from services.checkpointer.snapshot import Snapshotter
-from services.checkpointer.store import CheckpointStore
-from services.checkpointer.writer import Writer
 from services.common.config import load_config
 from services.trainer import checkpointing
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw
+from test_checkpointer_glue import checkpoint_writer
 
 TINY = "configs/tiny.yaml"
 QWEN3 = ["model.qk_norm=true", "model.first_k_dense=1"]  # what Qwen3-MoE computes (mixtral: tiny.yaml as it is)
@@ -51,18 +48,9 @@ def trained(ckpt_dir: Path, overrides: list[str]) -> dict[str, torch.Tensor]:
         logits = model(TOKENS, POS, CU.to(torch.int32))
     torch.nn.functional.cross_entropy(logits.float(), TOKENS).backward()
     opt.step()
-    writer = Writer(CheckpointStore(ckpt_dir, keep_last=0), None)
-    stop = threading.Event()
-    thread = threading.Thread(target=writer.serve, args=(stop,), daemon=True)
-    thread.start()
-    saver = Snapshotter(writer.endpoint)
-    try:
+    with checkpoint_writer(ckpt_dir) as saver:
         checkpointing.save(saver, cfg, model, opt, NoData(), step=7)
         saver.wait(30)
-    finally:
-        saver.close()
-        stop.set()
-        thread.join(10)
     masters = {n: opt.master_value(p).clone() for n, p in model.named_parameters()}
     return {n: masters.get(n, t) for n, t in model.state_dict().items()}  # + buffers (the routers' expert bias)
 
