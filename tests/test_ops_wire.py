@@ -69,3 +69,9 @@ def test_random_headers_over_random_frames_never_raise_anything_but_wire_error(t
         wire.decode([header(*tensors), *payloads])
     except WireError:
         pass
+
+
+def test_an_empty_tensor_whose_other_dimensions_overflow_is_a_wire_error():
+    """Found by the fuzz test above: [2**32, 2**32, 0] needs 0 bytes, but torch cannot size its shape."""
+    with pytest.raises(WireError, match="dimensions"):
+        wire.decode([header(("a", "int64", [1 << 32, 1 << 32, 0])), b""])

@@ -82,11 +82,14 @@ def decode(frames: list, body_type: type[M] | None = None,
         if dtype is None:
             raise WireError(f"tensor {meta.name!r} has unknown dtype {meta.dtype!r}")
         buf = frame.buffer if isinstance(frame, zmq.Frame) else frame
-        nbytes = dtype.itemsize
+        nbytes, spans = dtype.itemsize, dtype.itemsize  # spans: the bytes without zero dimensions
         for s in meta.shape:
             if s < 0:
                 raise WireError(f"tensor {meta.name!r} has a negative dimension {list(meta.shape)}")
             nbytes = min(nbytes * s, MAX_FRAME_BYTES + 1)  # bounded: a hostile shape must not build a huge integer
+            spans = min(spans * max(s, 1), MAX_FRAME_BYTES + 1)
+        if nbytes == 0 and spans > MAX_FRAME_BYTES:  # empty, but torch cannot size e.g. [2**32, 2**32, 0]
+            raise WireError(f"tensor {meta.name!r} has dimensions {list(meta.shape)} beyond {MAX_FRAME_BYTES} bytes")
         if nbytes > MAX_FRAME_BYTES or len(buf) != nbytes:
             raise WireError(f"tensor {meta.name!r} {list(meta.shape)} {meta.dtype} needs {nbytes} bytes, frame has {len(buf)}")
         # One copy into writable memory: received frames are read-only and receivers may modify batches in place.
