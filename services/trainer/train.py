@@ -31,7 +31,7 @@ from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
 from services.trainer.parallel.expert_parallel import sync_expert_load
-from services.trainer.parallel.groups import init_groups
+from services.trainer.parallel.groups import ParallelGroups, init_groups
 from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
 from services.trainer.profiling import StepProfiler
 from services.trainer.progress import StepPrinter
@@ -87,69 +87,119 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def train(cfg: Config) -> int:
-    rt = init_runtime(cfg)
-    seed_everything(cfg.run.seed)
-    registry = Registry(redis_url(), cfg.run.name)
-
-    groups = init_groups(cfg, rt.world_size, rt.rank)
-    parallel = rt.world_size > 1  # one rank keeps torch's AdamW and the plain step; several run the folded layout
+def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bool = False) -> MoETransformer:
+    """This rank's model on its device: the seeded init, `checkpoint.init_from`'s weights unless a resume will
+    overwrite them (`force_init`: load them anyway), then this rank's slices of the folded layout. The memory policy is
+    the caller's to apply, last (it wraps the cores parallelize swapped in; RL copies its reference model first)."""
     model = MoETransformer(cfg.model)
     model.init_weights(cfg.run.seed)  # full weights on every rank: parallelize keeps each rank's slice
-    checkpointing.init_from(cfg, model, rt.rank)  # checkpoint.init_from's weights, unless there is a run to resume
-    if parallel:
+    checkpointing.init_from(cfg, model, rt.rank, force=force_init)
+    if rt.world_size > 1:
         parallelize(model, cfg, groups)
-    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload, cfg.model.recompute_layers,
-                        cfg.model.offload_layers)  # after parallelize: it wraps the swapped cores
-    model.to(rt.device)
-    optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
+    return model.to(rt.device)
 
-    from services.dataloader.client import DataClient
 
-    data = DataClient.from_registry(registry, dp_rank=groups.dp.rank, dp_size=groups.dp.size, cfg=cfg)
-    saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
-    shard_groups = groups if parallel else None  # a folded layout saves and reads parameters' boxes (see checkpointing)
-    start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups)
-    checkpointing.attach(saver, model, optimizer, rt.rank, shard_groups)  # host buffers now; copies fenced per step
-    exporter = TrainerMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
-    beat = registry.register("trainer", {"metrics": exporter.endpoint, "rank": rt.rank},
-                             instance=f"rank{rt.rank}-{os.getpid()}")
+def apply_model_memory_policy(model: MoETransformer, cfg: Config) -> None:
+    m = cfg.model
+    apply_memory_policy(model, m.recompute, m.offload, m.recompute_layers, m.offload_layers)
 
-    tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * groups.dp.size
-    flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
-    peak_sheet = cfg.run.peak_tflops or datasheet_peak(rt.device)
-    peak_measured = measure_peak_tflops(rt.device, rt.autocast_dtype or torch.float32) if rt.rank == 0 else 0.0
-    for moe in model.moe_layers():
-        moe.aux_loss_scale = 1.0 / cfg.data.grad_accum
-    printer = StepPrinter(cfg.run.steps, start_step, enabled=rt.rank == 0)
-    log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
-    printer.header(cfg, rt.device, peak_sheet, peak_measured, start_step)
 
-    def report(step: int, values: StepValues, end: StepEnd, lr: float, data_wait: float, stall: float,
-               since: StepEnd) -> StepEnd:
-        """Write step's record once its values are on the host; `since`: the previous step's end. Returns `end`."""
+def build_rank_optimizer(model: MoETransformer, cfg: Config, groups: ParallelGroups):
+    """One rank keeps torch's AdamW and the plain step; several run the distributed optimizer of the folded layout."""
+    return build_optimizer(model, cfg, groups) if groups.world.size > 1 else build_adamw(model, cfg.optimizer)
+
+
+def train_step(model: MoETransformer, optimizer, micro_batches: list, lr: float, cfg: Config, rt: Runtime,
+               groups: ParallelGroups) -> StepValues:
+    """One optimizer step over the step's micro-batches, queued on the device; its values are read at its report."""
+    if rt.world_size > 1:
+        optimizer.zero_grad()
+        # the token count stays on the device (the divisor of the step's loss): read with the step's values
+        loss_sum, step_tokens = forward_backward_parallel(model, micro_batches, groups, cfg, rt.device,
+                                                          rt.autocast_dtype, optimizer)
+        grad_norm = optimizer.step(lr)
+        sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
+    else:
+        set_lr(optimizer, lr)
+        step_tokens = count_loss_tokens(micro_batches)
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
+        grad_norm = clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
+    return StepValues(loss_sum=loss_sum, step_tokens=torch.as_tensor(step_tokens), grad_norm=torch.as_tensor(grad_norm),
+                      aux_loss=sum((m.last_aux_loss for m in model.moe_layers()), torch.zeros(())),
+                      loads=advance_router_bias(model, cfg))
+
+
+class StepReporter:
+    """Each step's record, written once its values are on the host: the metrics file and progress line (rank 0), the
+    Prometheus exporter, and the run state's step (rank 0)."""
+
+    def __init__(self, cfg: Config, rt: Runtime, groups: ParallelGroups, registry: Registry,
+                 exporter: TrainerMetrics, start_step: int):
+        self.cfg, self.rt, self.dp, self.registry, self.exporter = cfg, rt, groups.dp.size, registry, exporter
+        self.tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * self.dp
+        self.flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_sheet = cfg.run.peak_tflops or datasheet_peak(rt.device)
+        dtype = rt.autocast_dtype or torch.float32
+        self.peak_measured = measure_peak_tflops(rt.device, dtype) if rt.rank == 0 else 0.0
+        self.printer = StepPrinter(cfg.run.steps, start_step, enabled=rt.rank == 0)
+        self.log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
+        self.printer.header(cfg, rt.device, self.peak_sheet, self.peak_measured, start_step)
+
+    def __call__(self, step: int, values: StepValues, end: StepEnd, lr: float, data_wait: float, stall: float,
+                 since: StepEnd) -> StepEnd:
+        """Step's record; `since`: the previous step's end. Returns `end`."""
         v = values.read()
         end.wait()
         dt = end.seconds_since(since)
-        tps = tokens_per_step / dt
-        load = expert_load_summary(v["loads"], cfg, groups.dp.size)
+        tps = self.tokens_per_step / dt
+        per_rank_tflops = tps * self.flops_tok / 1e12 / self.rt.world_size
+        load = expert_load_summary(v["loads"], self.cfg, self.dp)
         record = {
             "step": step + 1, "loss": float(v["loss_sum"]) / max(int(v["step_tokens"]), 1),
             "grad_norm": float(v["grad_norm"]),
             "lr": lr, "tokens_per_s": tps, "step_time_s": dt, "data_wait_s": data_wait, "ckpt_stall_s": stall,
             "aux_loss": float(v["aux_loss"]),
-            "mfu": tps * flops_tok / 1e12 / rt.world_size / peak_sheet if peak_sheet else None,
-            "mfu_measured_peak": tps * flops_tok / 1e12 / rt.world_size / peak_measured if peak_measured else None,
+            "mfu": per_rank_tflops / self.peak_sheet if self.peak_sheet else None,
+            "mfu_measured_peak": per_rank_tflops / self.peak_measured if self.peak_measured else None,
             "expert_load": load["per_expert"], "max_load_ratio": load["max_ratio"],
             "dropped_frac": load["dropped_frac"],
         }
-        if rt.device.type == "cuda":
-            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
-        log.write(record)
-        exporter.observe(record)
-        printer.step(record)
-        registry.set_state("step", step + 1) if rt.rank == 0 else None
+        if self.rt.device.type == "cuda":
+            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.rt.device) / 2**30
+        self.log.write(record)
+        self.exporter.observe(record)
+        self.printer.step(record)
+        if self.rt.rank == 0:
+            self.registry.set_state("step", step + 1)
         return end
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def train(cfg: Config) -> int:
+    rt = init_runtime(cfg)
+    seed_everything(cfg.run.seed)
+    registry = Registry(redis_url(), cfg.run.name)
+    groups = init_groups(cfg, rt.world_size, rt.rank)
+    model = build_model(cfg, rt, groups)
+    apply_model_memory_policy(model, cfg)
+    optimizer = build_rank_optimizer(model, cfg, groups)
+    for moe in model.moe_layers():
+        moe.aux_loss_scale = 1.0 / cfg.data.grad_accum
+
+    from services.dataloader.client import DataClient
+
+    data = DataClient.from_registry(registry, dp_rank=groups.dp.rank, dp_size=groups.dp.size, cfg=cfg)
+    saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
+    shard_groups = groups if rt.world_size > 1 else None  # a folded layout saves and reads parameters' boxes
+    start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups)
+    checkpointing.attach(saver, model, optimizer, rt.rank, shard_groups)  # host buffers now; copies fenced per step
+    exporter = TrainerMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
+    beat = registry.register("trainer", {"metrics": exporter.endpoint, "rank": rt.rank},
+                             instance=f"rank{rt.rank}-{os.getpid()}")
+    report = StepReporter(cfg, rt, groups, registry, exporter, start_step)
 
     # Step k is reported after step k+1 has been queued (StepValues): the host never drains the device's queue between
     # steps (while a save's copies run, up to MAX_UNREPORTED steps later). A step's time runs from the previous step's
@@ -166,23 +216,7 @@ def train(cfg: Config) -> int:
             micro_batches = data.next_step()
             data_wait = time.perf_counter() - t0
             lr = lr_at(step, cfg.optimizer, cfg.run.steps)
-            if parallel:
-                optimizer.zero_grad()
-                # the token count stays on the device (the divisor of the step's loss): read with the step's values
-                loss_sum, step_tokens = forward_backward_parallel(model, micro_batches, groups, cfg, rt.device,
-                                                                  rt.autocast_dtype, optimizer)
-                grad_norm = optimizer.step(lr)
-                sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
-            else:
-                set_lr(optimizer, lr)
-                step_tokens = count_loss_tokens(micro_batches)
-                optimizer.zero_grad(set_to_none=True)
-                loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
-                grad_norm = clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
-            values = StepValues(loss_sum=loss_sum, step_tokens=torch.as_tensor(step_tokens),
-                                grad_norm=torch.as_tensor(grad_norm),
-                                aux_loss=sum((m.last_aux_loss for m in model.moe_layers()), torch.zeros(())),
-                                loads=advance_router_bias(model, cfg))
+            values = train_step(model, optimizer, micro_batches, lr, cfg, rt, groups)
             # The previous steps: done on the device by now (this one still queued), unless a save's copies hold
             # their values back; then the host goes on queuing steps, up to MAX_UNREPORTED.
             behind = MAX_UNREPORTED if saver.copying else 0
@@ -201,8 +235,8 @@ def train(cfg: Config) -> int:
         beat.stop()
         exporter.close()
         saver.close()
-        log.close()
-    printer.done()
+        report.close()
+    report.printer.done()
     return 0
 
 

@@ -129,38 +129,13 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     The MoE aux loss, if the model is in training mode, is a per-micro-batch term here as in one process (each
     micro-batch adds its own); the global one (`model.aux_loss_type=global`) runs on one replica only (its counts are
     reset with the bias update, train_rl.py), not over several."""
-    if getattr(model.cfg, "capacity_factor", 0) > 0:
-        raise ValueError("routing replay needs a dropless MoE (model.capacity_factor=0): capacity drops depend on the "
-                         "batch, so replayed and rollout computations would differ")
-    temps = {float(mb["temperature"]) for mb in data}
-    if len(temps) > 1:
-        raise ValueError(f"micro-batches sampled at different temperatures {sorted(temps)} cannot share a step")
-    temperature = temps.pop() if temps else 1.0
     layout = step_layout(optimizer)  # folded layouts: see folded.py
     dp, distributed = layout.dp, layout.world.size > 1
-    model_cfg = getattr(model, "cfg", None)
-    if dp.size > 1 and getattr(model_cfg, "aux_loss_type", "") == "global" and model_cfg.aux_loss_coeff > 0:
-        raise ValueError(f"`model.aux_loss_type=global` sums expert counts over the {dp.size} data-parallel replicas "
-                         "micro-batch by micro-batch, but RL replicas run as many micro-batches as they were dealt "
-                         "(a collective would wait forever); use aux_loss_type=micro_batch (or none) for RL")
+    temperature = _step_temperature(model, data, dp.size)
     packed = [RLMicroBatch.from_data(mb) for mb in data]
-    # Counted on the host, before the copy: no device-to-host sync per micro-batch. Over several replicas the sums are
-    # read back at once: the staleness check must refuse the step before it trains, and the per-token divisor and the
-    # data metrics come from them. In the RL loop this read (and `with_fillers`' count) finds the device idle: the
-    # previous step's weights were just published from the host (train_rl.py).
-    data_sums = step_sums(packed, version, cfg.max_staleness)
-    if dp.size > 1:
-        data_sums = sum_over(data_sums.to(device), dp).cpu()
-    if data_sums[5] > 0:  # on every rank at once: the sums are global
-        raise ValueError(f"the dataloader served {int(data_sums[5])} samples of policy versions outside "
-                         f"[{version - cfg.max_staleness}, {version}] for step {version} (rl.max_staleness="
-                         f"{cfg.max_staleness}): it filters by the step it builds, so the trainer and the dataloader "
-                         "disagree on the step; resume both from the same checkpoint")
+    data_sums = _global_data_sums(packed, version, cfg.max_staleness, dp, device)
     micro_batches = with_fillers([mb.to(device) for mb in packed], model, layout, device)  # EP pairs forwards
-    step_tokens, samples = int(data_sums[0]), max(int(data_sums[1]), 1)
-    reward_mean = float(data_sums[2]) / samples
-    reward_var = (float(data_sums[3]) - samples * reward_mean ** 2) / (samples - 1) if samples > 1 else 0.0
-    versions = [version - j for j in range(cfg.max_staleness + 1) if data_sums[6 + j] > 0]
+    step_tokens = int(data_sums[0])
 
     # the policy's weights are fixed until the optimizer step: its FP8 experts quantise them once for every pass
     forwards = len(micro_batches) * (2 if cfg.recompute_logprobs else 1)
@@ -204,11 +179,54 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         grad_norm = optimizer.step(lr)  # sums the replicas' gradients, clips by the global norm
     else:
         grad_norm = clip_and_step(optimizer, model.parameters(), clip_grad)
-    data_metrics = {"reward": reward_mean, "reward_std": max(reward_var, 0.0) ** 0.5, "samples": int(data_sums[1]),
-                    "response_length": float(data_sums[4]) / samples, "response_tokens": step_tokens,
-                    "policy_versions": sorted(versions),
-                    "staleness_max": version - min(versions) if versions else 0}
-    return RLStepMetrics(data_metrics, step_tokens, sums, grad_norm)
+    return RLStepMetrics(_data_metrics(data_sums, version, cfg.max_staleness), step_tokens, sums, grad_norm)
+
+
+def _step_temperature(model: nn.Module, data: list[dict[str, torch.Tensor]], replicas: int) -> float:
+    """The sampling temperature the step's micro-batches share, after refusing what routing replay or the replicas
+    cannot run."""
+    model_cfg = getattr(model, "cfg", None)
+    if getattr(model_cfg, "capacity_factor", 0) > 0:
+        raise ValueError("routing replay needs a dropless MoE (model.capacity_factor=0): capacity drops depend on the "
+                         "batch, so replayed and rollout computations would differ")
+    if replicas > 1 and getattr(model_cfg, "aux_loss_type", "") == "global" and model_cfg.aux_loss_coeff > 0:
+        raise ValueError(f"`model.aux_loss_type=global` sums expert counts over the {replicas} data-parallel replicas "
+                         "micro-batch by micro-batch, but RL replicas run as many micro-batches as they were dealt "
+                         "(a collective would wait forever); use aux_loss_type=micro_batch (or none) for RL")
+    temps = {float(mb["temperature"]) for mb in data}
+    if len(temps) > 1:
+        raise ValueError(f"micro-batches sampled at different temperatures {sorted(temps)} cannot share a step")
+    return temps.pop() if temps else 1.0
+
+
+def _global_data_sums(packed: list[RLMicroBatch], version: int, max_staleness: int, dp, device: torch.device
+                      ) -> torch.Tensor:
+    """`step_sums` over every replica's share of the step, on the host. Counted on the host, before the copy: no
+    device-to-host sync per micro-batch. Over several replicas the sums are read back at once: the staleness check must
+    refuse the step before it trains, and the per-token divisor and the data metrics come from them. In the RL loop
+    this read (and `with_fillers`' count) finds the device idle: the previous step's weights were just published from
+    the host (train_rl.py)."""
+    data_sums = step_sums(packed, version, max_staleness)
+    if dp.size > 1:
+        data_sums = sum_over(data_sums.to(device), dp).cpu()
+    if data_sums[5] > 0:  # on every rank at once: the sums are global
+        raise ValueError(f"the dataloader served {int(data_sums[5])} samples of policy versions outside "
+                         f"[{version - max_staleness}, {version}] for step {version} (rl.max_staleness="
+                         f"{max_staleness}): it filters by the step it builds, so the trainer and the dataloader "
+                         "disagree on the step; resume both from the same checkpoint")
+    return data_sums
+
+
+def _data_metrics(data_sums: torch.Tensor, version: int, max_staleness: int) -> dict[str, Any]:
+    """The step's data figures from its global sums (`step_sums`' layout): reward mean and spread, response length,
+    which policy versions generated the samples and the oldest one's staleness."""
+    samples = max(int(data_sums[1]), 1)
+    reward_mean = float(data_sums[2]) / samples
+    reward_var = (float(data_sums[3]) - samples * reward_mean ** 2) / (samples - 1) if samples > 1 else 0.0
+    versions = [version - j for j in range(max_staleness + 1) if data_sums[6 + j] > 0]
+    return {"reward": reward_mean, "reward_std": max(reward_var, 0.0) ** 0.5, "samples": int(data_sums[1]),
+            "response_length": float(data_sums[4]) / samples, "response_tokens": int(data_sums[0]),
+            "policy_versions": sorted(versions), "staleness_max": version - min(versions) if versions else 0}
 
 
 _LOSS_SUMS = ("loss", *PolicyLoss.STATS)

@@ -38,19 +38,18 @@ from services.dataloader.client import DataClient
 from services.dataloader.errors import DataError
 from services.trainer import checkpointing
 from services.trainer.metrics import MetricsLog, StepValues
-from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.optim import build_adamw, lr_at, set_lr
+from services.trainer.optim import lr_at, set_lr
 from services.trainer.parallel.expert_parallel import sync_expert_load
 from services.trainer.parallel.gather_weights import WeightGather
 from services.trainer.parallel.groups import ParallelGroups, init_groups
-from services.trainer.parallel.parallelize import build_optimizer, parallelize
 from services.trainer.progress import StepPrinter
 from services.trainer.rl.folded import frozen_copy
 from services.trainer.rl.step import RLStepMetrics, rl_step
 from services.trainer.rl.weight_publisher import WeightPublisher, sync_dtype
 from services.trainer.step import host_to_device
-from services.trainer.train import (advance_router_bias, expert_load_summary, init_runtime, run_rank, seed_everything,
+from services.trainer.train import (Runtime, advance_router_bias, apply_model_memory_policy, build_model,
+                                   build_rank_optimizer, expert_load_summary, init_runtime, run_rank, seed_everything,
                                    world_size_from_env)
 
 
@@ -126,6 +125,77 @@ def reference_model(model: MoETransformer, cfg: Config, groups: ParallelGroups |
     return frozen_copy(model, groups)  # a parallelized model's process groups stay shared
 
 
+def rl_train_step(model: MoETransformer, optimizer, micro_batches: list, ref: MoETransformer | None, step: int,
+                  lr: float, cfg: Config, rt: Runtime, groups: ParallelGroups) -> tuple[RLStepMetrics, StepValues]:
+    """One policy update, queued on the device: its metrics and expert loads are read at its report. The router bias
+    moves the rollout's routing, so it is part of the policy: updated (on the device) here, before the weights of
+    version step+1 are gathered."""
+    if rt.world_size == 1:
+        set_lr(optimizer, lr)  # the distributed optimizer takes lr in its step (rl_step)
+    metrics = rl_step(model, optimizer, micro_batches, cfg.rl, rt.device, cfg.optimizer.clip_grad, ref,
+                      rt.autocast_dtype, version=step, lr=lr)
+    if rt.world_size > 1:
+        sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
+    return metrics, StepValues(loads=advance_router_bias(model, cfg))
+
+
+class PolicyVersions:
+    """Publishing the policy's versions: every rank sends its shards of the weights (WeightGather, a collective); the
+    lead rank alone gets the full tensors, cast to `rl.sync_dtype` before they travel, publishes them and, once the
+    first version is out, registers the publisher for the workers to find."""
+
+    def __init__(self, model: MoETransformer, cfg: Config, groups: ParallelGroups, registry: Registry, lead: bool):
+        self.gather, self.dtype, self.registry = WeightGather(model, groups), sync_dtype(cfg.rl), registry
+        self.publisher = WeightPublisher.from_config(cfg.rl, cfg.run.bind_host, cfg.run.advertise_host).start() \
+            if lead else None
+        self.beat = None
+
+    def publish(self, version: int) -> None:
+        state = self.gather.state_dict(self.dtype)
+        if self.publisher is None:
+            return
+        self.publisher.publish(version, state)
+        if self.beat is None:
+            self.beat = self.registry.register("rl_weights", {"zmq": self.publisher.endpoint})
+
+    def close(self) -> None:
+        if self.beat is not None:
+            self.beat.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+
+
+class RLStepReporter:
+    """Each RL step's record, written by the lead rank once its values are on the host: the metrics file, the progress
+    line and the run state's step."""
+
+    def __init__(self, cfg: Config, rt: Runtime, groups: ParallelGroups, registry: Registry, start_step: int):
+        self.cfg, self.rt, self.dp, self.registry = cfg, rt, groups.dp.size, registry
+        self.lead = rt.rank == 0
+        self.printer = RLStepPrinter(cfg.run.steps, start_step, enabled=self.lead)
+        self.log = MetricsLog(cfg.run.metrics_file if self.lead else None)
+        self.printer.rl_header(cfg, rt.device, start_step)
+
+    def __call__(self, step: int, metrics: RLStepMetrics, loads: StepValues, timings: StepValues, lr: float,
+                 stall: float, position: dict, micro_batches: int) -> None:
+        if not self.lead:
+            return
+        wait, step_time = timings.read()["timings"].tolist()
+        load = expert_load_summary(loads.read()["loads"], self.cfg, self.dp)
+        # the share of the step the trainer sat idle waiting for trajectories: near 1, rollout is the bottleneck
+        # (add workers); near 0, the trainer is (the workers wait on the backlog bound)
+        record = {"step": step + 1, **metrics.read(), "lr": lr, "step_time_s": step_time, "rollout_wait_s": wait,
+                  "rollout_wait_frac": wait / step_time if step_time > 0 else 0.0, "ckpt_stall_s": stall,
+                  "max_load_ratio": load["max_ratio"], **position, "micro_batches": micro_batches,
+                  "trainer_ranks": self.rt.world_size}
+        self.log.write(record)
+        self.printer.step(record)
+        self.registry.set_state("step", step + 1)
+
+    def close(self) -> None:
+        self.log.close()
+
+
 def train_rl(cfg: Config) -> int:
     validate_rl(cfg, world_size_from_env())
     rt = init_runtime(cfg)
@@ -134,20 +204,14 @@ def train_rl(cfg: Config) -> int:
     groups = init_groups(cfg, rt.world_size, rt.rank)
     parallel = rt.world_size > 1  # one rank keeps torch's AdamW; several sum gradients in the distributed optimizer
     lead = rt.rank == 0  # discards the stream's backlog, publishes weights, prints and logs
-    model = MoETransformer(cfg.model)
-    model.init_weights(cfg.run.seed)
     # checkpoint.init_from's weights (e.g. a pre-trained model); with a KL term even when resuming, since the reference
     # is the starting policy (a resume then overwrites the policy's weights)
-    checkpointing.init_from(cfg, model, rt.rank, force=cfg.rl.kl_coef > 0)
-    if parallel:
-        parallelize(model, cfg, groups)  # the folded layout validate_rl accepts
-    model.to(rt.device)
+    model = build_model(cfg, rt, groups, force_init=cfg.rl.kl_coef > 0)
     # before the optimizer: the distributed one makes parameters views of its buckets
     ref = reference_model(model, cfg, groups)
     # after the reference copy (the wrappers hold the module they wrap); validate_rl refused what replay cannot redo
-    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload, cfg.model.recompute_layers,
-                        cfg.model.offload_layers)
-    optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
+    apply_model_memory_policy(model, cfg)
+    optimizer = build_rank_optimizer(model, cfg, groups)
     shard_groups = groups if parallel else None  # checkpoints name each rank's pieces as in pre-training
 
     data = DataClient.from_registry(registry, dp_rank=groups.dp.rank, dp_size=groups.dp.size, cfg=cfg,
@@ -161,39 +225,15 @@ def train_rl(cfg: Config) -> int:
         discard_backlog(registry, cfg.rl.rollout_timeout_s)
     if parallel:
         torch.distributed.barrier()  # no rank asks for step data before the backlog is gone
-    publisher, beat = None, None
-    gather = WeightGather(model, groups)  # every rank sends its shards; rank 0 gets full tensors
-    if lead:
-        publisher = WeightPublisher.from_config(cfg.rl, cfg.run.bind_host, cfg.run.advertise_host).start()
-    publish(publisher, gather, start_step, sync_dtype(cfg.rl))
-    if lead:
-        beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
-    printer = RLStepPrinter(cfg.run.steps, start_step, enabled=lead)
-    log = MetricsLog(cfg.run.metrics_file if lead else None)
-    printer.rl_header(cfg, rt.device, start_step)
-
-    def report(step: int, metrics: RLStepMetrics, loads: StepValues, timings: StepValues, lr: float, stall: float,
-               position: dict, micro_batches: int) -> None:
-        """Write step's record (the lead rank) once its values are on the host."""
-        if not lead:
-            return
-        wait, step_time = timings.read()["timings"].tolist()
-        load = expert_load_summary(loads.read()["loads"], cfg, groups.dp.size)
-        # the share of the step the trainer sat idle waiting for trajectories: near 1, rollout is the bottleneck
-        # (add workers); near 0, the trainer is (the workers wait on the backlog bound)
-        record = {"step": step + 1, **metrics.read(), "lr": lr, "step_time_s": step_time, "rollout_wait_s": wait,
-                  "rollout_wait_frac": wait / step_time if step_time > 0 else 0.0, "ckpt_stall_s": stall,
-                  "max_load_ratio": load["max_ratio"], **position, "micro_batches": micro_batches,
-                  "trainer_ranks": rt.world_size}
-        log.write(record)
-        printer.step(record)
-        registry.set_state("step", step + 1)
+    policy = PolicyVersions(model, cfg, groups, registry, lead)
+    policy.publish(start_step)
+    report = RLStepReporter(cfg, rt, groups, registry, start_step)
 
     # As in pre-training, step k is reported after step k+1 has been queued (its values come back through StepValues).
     # The loop still waits for the device once a step, at its end: the workers generate step k+1's trajectories with
-    # version k+1, which exists only once step k is done (`publish`), so what a step reads at its start (rl_step: the
-    # data sums over the replicas) finds the device idle. A step's time is the host's, on each rank from asking for the
-    # step's data to the end of its checkpoint save, after that wait: the whole step, the last one's too.
+    # version k+1, which exists only once step k is done (PolicyVersions.publish), so what a step reads at its start
+    # (rl_step: the data sums over the replicas) finds the device idle. A step's time is the host's, on each rank from
+    # asking for the step's data to the end of its checkpoint save, after that wait: the whole step, the last one's too.
     pending = None
     try:
         for step in range(start_step, cfg.run.steps):
@@ -204,20 +244,12 @@ def train_rl(cfg: Config) -> int:
                 raise DataError(f"the dataloader served step {data.step - 1} to a trainer at step {step}: resume "
                                 "both from the same checkpoint")
             lr = lr_at(step, cfg.optimizer, cfg.run.steps)
-            if not parallel:
-                set_lr(optimizer, lr)
-            metrics = rl_step(model, optimizer, micro_batches, cfg.rl, rt.device, cfg.optimizer.clip_grad, ref,
-                              rt.autocast_dtype, version=step, lr=lr)  # queued: its results are read at its report
-            if parallel:
-                sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
-            # the bias moves the rollout's routing, so it is part of the policy: updated (on the device) before the
-            # weights are gathered below; the loads are only reported
-            loads = StepValues(loads=advance_router_bias(model, cfg))
+            metrics, loads = rl_train_step(model, optimizer, micro_batches, ref, step, lr, cfg, rt, groups)
             if pending is not None:  # the previous step: done by now (its publish waited), this one still queued
                 report(*pending)
             # Collective: every rank sends its shards; rank 0 takes the full weights to host memory, so it waits here
             # for this step's work, the one wait the loop keeps (the workers need version step+1 on the host).
-            publish(publisher, gather, step + 1, sync_dtype(cfg.rl))
+            policy.publish(step + 1)
             if parallel:
                 # No rank asks for the next step's data before version step+1 is published: the dataloader builds a
                 # step from the stream as it stands when asked, and an early ask would build it from older
@@ -232,14 +264,11 @@ def train_rl(cfg: Config) -> int:
             report(*pending)
         saver.wait()
     finally:
-        if beat is not None:
-            beat.stop()
-        if publisher is not None:
-            publisher.stop()
+        policy.close()
         saver.close()
-        log.close()
+        report.close()
         data.close()
-    printer.done()
+    report.printer.done()
     return 0
 
 
@@ -261,14 +290,6 @@ def data_position(state: dict) -> dict:
     position = state.get("stream", {})
     return {"dropped_stale": int(position.get("dropped_stale", 0)),
             "dropped_foreign": int(position.get("dropped_foreign", 0)), "rollout_position": position.get("after")}
-
-
-def publish(publisher: WeightPublisher | None, gather: WeightGather, version: int, dtype: torch.dtype) -> None:
-    """Version `version` of the full weights, cast to `dtype` before they travel, to the rank holding the publisher
-    (collective: every rank must call it)."""
-    state = gather.state_dict(dtype)
-    if publisher is not None:
-        publisher.publish(version, state)
 
 
 def _mean_over_ranks(values: list[float], device: torch.device, parallel: bool) -> StepValues:
