@@ -32,6 +32,7 @@ from services.trainer.model.moe.router import Router
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import MasterWeightAdamW, build_adamw, clip_and_step, set_lr
 from services.trainer.step import count_loss_tokens, forward_backward
+from services.trainer.train import advance_router_bias
 
 RTOL = 1e-5  # relative L2 error allowed for every gradient, parameter and step loss (fp32)
 LR = 1e-2
@@ -177,10 +178,7 @@ def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict
         grad_of = opt.grad if isinstance(opt, MasterWeightAdamW) else (lambda p: p.grad)  # fp32 sums with bf16 params
         grads.append({n: grad_of(p).clone() for n, p in model.named_parameters() if grad_of(p) is not None})
         norms.append(float(clip_and_step(opt, model.parameters(), cfg.optimizer.clip_grad)))
-        loads.append([m.router.tokens_per_expert.clone() for m in model.moe_layers()])
-        for m in model.moe_layers():
-            m.router.tokens_per_expert.zero_()
-            m.router.reset_step_statistics()  # as train.advance_router_bias, once per optimizer step
+        loads.append(list(advance_router_bias(model, cfg)))  # once per optimizer step, as the training loop
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
             "loads": loads, "norms": norms}
@@ -254,10 +252,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
             losses.append(float(loss) / int(tokens))
             grads.append({n: _gather_full(n, g, named[n], groups) for n, g in opt.full_grads().items()})
             sync_expert_load(model, groups)
-            loads.append([m.router.tokens_per_expert.clone() for m in model.moe_layers()])
-            for m in model.moe_layers():
-                m.router.tokens_per_expert.zero_()
-                m.router.reset_step_statistics()
+            loads.append(list(advance_router_bias(model, cfg)))
             norms.append(float(opt.step(cfg.optimizer.lr)))
         opt.wait_params()  # the last step's parameter all-gathers overlap the next forward; there is none
         params = {n: _gather_full(n, p.detach(), p, groups) for n, p in named.items()}

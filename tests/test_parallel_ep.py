@@ -54,6 +54,24 @@ def test_expert_load_for_the_bias_update_is_the_global_load_on_every_rank(tmp_pa
                 assert torch.equal(got, want), f"step {step}: load {got.tolist()} != one-process load {want.tolist()}"
 
 
+def test_aux_loss_free_bias_updates_on_dp2_ep2_route_as_one_process_step_after_step(tmp_path):
+    """The expert bias (`model.bias_update_rate`) moves once per optimizer step from the step's global load
+    (`sync_expert_load`, then `advance_router_bias`, as the training loop runs them), so every later step routes with
+    it: steps 2-3 match one process only if the bias is the single-process bias on every rank. The bias has to matter
+    for that to prove anything: the same reference without it computes other losses from step 2 on."""
+    cfg = tiny_config(ep=2)
+    cfg.model.capacity_factor = 0.0
+    cfg.model.bias_update_rate = 0.05
+    batches = make_batches(cfg.model, steps=3, micro=4, seed=3)
+    ref = run_reference(cfg, batches)
+    assert_parity(ref, run_parallel(cfg, batches, world=4, out_dir=str(tmp_path)))
+    cfg.model.bias_update_rate = 0.0
+    unbiased = run_reference(cfg, batches)
+    assert unbiased["losses"][0] == ref["losses"][0]
+    assert all(abs(a - b) > 1e-6 for a, b in zip(unbiased["losses"][1:], ref["losses"][1:])), \
+        "the bias should change the routing of steps 2-3"
+
+
 def test_ep2_with_bf16_parameters_computes_what_fp32_parameters_compute_under_bf16_autocast(tmp_path):
     """`optimizer.param_dtype=bf16` under EP2, against the same layout with fp32 parameters under bf16 autocast,
     `assert_bf16_run_matches_fp32_run`. Not against one process: an expert's weight gradient comes out of its bf16
