@@ -142,6 +142,10 @@ def test_model_shaped_configs_carry_the_published_shapes():
     assert (d.num_experts, d.top_k, d.moe_ffn_hidden_size, d.shared_expert_ffn_hidden_size) == (256, 8, 2048, 2048)
     assert (d.score_func, d.num_groups, d.topk_groups, d.routed_scaling_factor) == ("sigmoid", 8, 4, 2.5)
     assert (d.bias_update_rate, d.aux_loss_type, d.vocab_size) == (1e-3, "sequence", 129280)
+    assert (d.attention, d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == (
+        "mla", 1536, 512, 128, 64, 128)
+    assert (d.rope_scaling_factor, d.rope_original_max_position, d.rope_beta_fast, d.rope_beta_slow, d.rope_mscale,
+            d.rope_mscale_all_dim) == (40.0, 4096, 32.0, 1.0, 1.0, 1.0)
 
 
 def test_tiny_config_is_a_cpu_run_that_checkpoints_every_50_steps():

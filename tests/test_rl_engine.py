@@ -31,10 +31,18 @@ def _model(device, **overrides):
     return tiny_model(seed=3, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32, **overrides)
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+MLA = dict(attention="mla", kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8)
+ATTENTION = {"plain": {}, "qk_norm": {"qk_norm": True}, "mla": MLA,
+             # YaRN scales the queries in `qkv`: cached decoding must score them as the packed forward does
+             "mla_q_lora_yarn": {**MLA, "q_lora_rank": 32, "rope_scaling_factor": 4.0, "rope_original_max_position": 16,
+                                 "rope_mscale_all_dim": 1.0}}
+
+
+@pytest.mark.parametrize("attention", list(ATTENTION))
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_cached_decoding_matches_full_forward_token_by_token(device, qk_norm):
-    model = _model(device, qk_norm=qk_norm)
+def test_greedy_cached_decoding_matches_full_forward_token_by_token(device, attention):
+    """GQA and Multi-head Latent Attention alike: MLA caches per-head keys and values, narrower values than keys."""
+    model = _model(device, **ATTENTION[attention])
     engine = Engine(model, TOK, max_batch=3, max_seq_len=64)
     for c in engine.generate(_requests(_greedy())):
         seq = c.prompt_tokens + c.tokens

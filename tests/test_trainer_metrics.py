@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from services.common.config import ModelConfig
-from services.trainer.metrics import active_params, flops_per_token
+from services.common.config import ModelConfig, load_config
+from services.trainer.metrics import active_params, attention_params, flops_per_token
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import lr_at
 from services.common.config import OptimizerConfig
@@ -24,6 +26,29 @@ def test_active_params_equal_the_built_model_with_experts_scaled_by_top_k(overri
         count += p.numel() * (cfg.top_k / cfg.num_experts if ".experts." in name else 1)
     assert active_params(cfg) == pytest.approx(count)
     assert flops_per_token(cfg, 128) == pytest.approx(6 * count + 6 * 3 * 4 * 16 * 128)
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 16])
+def test_mla_active_params_and_attention_flops_by_hand(q_lora_rank):
+    cfg = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_experts=8, top_k=2, moe_ffn_hidden_size=32,
+                      ffn_hidden_size=96, first_k_dense=1, attention="mla", q_lora_rank=q_lora_rank, kv_lora_rank=12,
+                      qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    # q: 64·16 + 16·4·(8+4), or 64·4·12; kv_a_proj_with_mqa 64·(12+4); kv_b_proj 12·4·(8+6); o_proj 4·6·64
+    q = 64 * 16 + 16 * 48 if q_lora_rank else 64 * 48
+    assert attention_params(cfg) == q + 1024 + 672 + 1536
+    model = MoETransformer(cfg)
+    count = sum(p.numel() * (cfg.top_k / cfg.num_experts if ".experts." in n else 1)
+                for n, p in model.named_parameters() if p.ndim >= 2 and not n.startswith("embed."))
+    assert active_params(cfg) == pytest.approx(count)
+    # per layer and head: the score GEMM over nope + rope = 12 dims, the value GEMM over v_head_dim = 6
+    assert flops_per_token(cfg, 128) == pytest.approx(6 * count + 3 * 3 * 4 * (12 + 6) * 128)
+
+
+def test_deepseek_v3_attention_has_its_published_size():
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "deepseek_v3.yaml").model
+    # q_a 7168·1536, q_b 1536·128·192, kv_a 7168·(512+64), kv_b 512·128·(128+128), o 128·128·7168: 187.1M a layer
+    assert attention_params(cfg) == 187_105_280
+    assert 36e9 < active_params(cfg) + cfg.vocab_size * cfg.hidden_size < 38e9  # "37B activated" with the embedding
 
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():

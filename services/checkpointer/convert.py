@@ -1,11 +1,13 @@
 """Command line for Hugging Face interop (services/checkpointer/hf.py): export, import, upcycle.
 
-    python -m services.checkpointer.convert export CKPT OUT --family {mixtral,qwen3_moe} [--config FILE] [--dtype D]
-                                                        [--force] [section.key=value ...]
+    python -m services.checkpointer.convert export CKPT OUT --family {mixtral,qwen3_moe,deepseek_v3} [--config FILE]
+                                                        [--dtype D] [--force] [section.key=value ...]
     python -m services.checkpointer.convert import HF_DIR OUT [--force]
     python -m services.checkpointer.convert upcycle DENSE_CKPT OUT [--config FILE] [--seed N] [--force]
                                                         [section.key=value ...]
 
+HF_DIR may hold a published FP8 checkpoint (DeepSeek-V3's block-quantised weights are dequantised; its MTP layers,
+which our model lacks, are skipped with a log line).
 CKPT is a committed checkpoint (a step_NNNNNNNN directory) or a `checkpoint.dir` (its newest one that verifies); its
 model config is the one the checkpoint records, unless `--config`/overrides give one (which must fit its weights).
 `import` and `upcycle` write OUT as a `checkpoint.dir` holding one checkpoint (step 0, model weights only) for `checkpoint.init_from=OUT`, and OUT/model.yaml:
@@ -33,9 +35,11 @@ from rich.progress import track
 
 from services.checkpointer.fit import config_diff, diff_hint, state_mismatch
 from services.checkpointer.hf import HFError, export_hf, hf_config, import_hf, upcycle
+from services.checkpointer.hf_families import FAMILIES
 from services.checkpointer.layout import CheckpointError, fsync_dir, read_manifest
 from services.checkpointer.load import load_checkpoint, resolve_checkpoint
 from services.checkpointer.store import CheckpointStore
+from services.common import logs
 from services.common.config import ConfigError, ModelConfig, load_config
 # The model definition is shared (as with the rollout engine): its state dict is the truth about parameter shapes, and
 # saved_value is how the trainer reads a parameter back (bf16 values joined with their saved fp32 remainders).
@@ -213,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     export = commands.add_parser("export", help="a foldmoe checkpoint -> an HF model directory")
     export.add_argument("checkpoint", help="a step_NNNNNNNN directory or a checkpoint.dir (its newest valid one)")
-    export.add_argument("--family", required=True, help="HF model family: mixtral or qwen3_moe")
+    export.add_argument("--family", required=True, help=f"HF model family: {', '.join(FAMILIES)}")
     export.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="dtype of the HF weights (default: bfloat16)")
     imp = commands.add_parser("import", help="an HF model directory -> a foldmoe checkpoint.dir for init_from")
@@ -234,6 +238,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logs.configure("convert")  # hf.py logs what it skips on import (DeepSeek-V3's MTP layers)
     parser = _parser()
     # Overrides may follow options (`--force a.b=c`), which one nargs="*" positional cannot take: collect the rest.
     args, rest = parser.parse_known_args(argv)

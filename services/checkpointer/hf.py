@@ -1,21 +1,30 @@
 """Hugging Face interop: our full (unsharded) model state dict <-> HF safetensors + config.json, and dense -> MoE upcycling.
 
-This is the one checkpointer module that knows parameter names; it follows `services/trainer/model/` (MoETransformer):
-`embed`, `layers.{i}.attn.{q,k,v,o}_proj`, `attn.{q,k}_norm` (with `model.qk_norm`), `attn_norm`, `mlp_norm`, dense
-`mlp.{gate,up,down}_proj`, MoE `mlp.router.weight` / `mlp.router.expert_bias` / `mlp.experts.w13` [E, h, 2f] (gate
-columns first) / `mlp.experts.w2` [E, f, h], `norm`, `output`. HF `nn.Linear` weights are [out, in]; our stacked experts
+The checkpointer knows parameter names here only (with hf_deepseek.py: DeepSeek-V3's attention and FP8 layouts;
+hf_families.py maps config.json); they follow `services/trainer/model/` (MoETransformer):
+`embed`, `layers.{i}.attn.{q,k,v,o}_proj`, `attn.{q,k}_norm` (with `model.qk_norm`) or MLA's `attn.{q_proj | q_a_proj,
+q_a_layernorm, q_b_proj}`, `attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}` (with
+`model.attention=mla`), `attn_norm`, `mlp_norm`, dense `mlp.{gate,up,down}_proj`, MoE `mlp.router.weight` /
+`mlp.router.expert_bias` / `mlp.experts.w13` [E, h, 2f] (gate columns first) / `mlp.experts.w2` [E, f, h] /
+`mlp.shared_expert.{gate,up,down}_proj`, `norm`, `output`. HF `nn.Linear` weights are [out, in]; our stacked experts
 are [in, out], hence transposes.
 
 Families: "mixtral" (MixtralForCausalLM: `block_sparse_moe.gate`, `experts.{e}.w1/w3/w2`, no QK-norm, top-k
-probabilities always renormalised) and "qwen3_moe" (Qwen3MoeForCausalLM: `mlp.gate`, `experts.{e}.gate_proj/up_proj/
-down_proj`, per-head `self_attn.{q,k}_norm`, `norm_topk_prob` as configured, leading dense layers as `mlp_only_layers`).
-Export writes this per-expert ("original") layout, which every transformers version loads; import also reads the fused
-layout transformers 5 keeps in memory (`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`).
+probabilities always renormalised), "qwen3_moe" (Qwen3MoeForCausalLM: `mlp.gate`, `experts.{e}.gate_proj/up_proj/
+down_proj`, per-head `self_attn.{q,k}_norm`, `norm_topk_prob` as configured, leading dense layers as `mlp_only_layers`)
+and "deepseek_v3" (DeepseekV3ForCausalLM: MLA attention with its RoPE rows reordered, sigmoid
+group-limited routing whose `mlp.gate.e_score_correction_bias` is our expert bias, `mlp.shared_experts`, YaRN RoPE,
+leading dense layers as `first_k_dense_replace`). Export writes the per-expert ("original") layout, which every
+transformers version loads; import also reads the fused layout transformers 5 keeps in memory
+(`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`), FP8 block-quantised weights (the
+published DeepSeek-V3 checkpoints: dequantised on import) and skips DeepSeek-V3's multi-token-prediction layers, which
+our model does not have.
 
 Conversion is exact or refused: a config or state the family cannot express (a shared expert, sigmoid or group-limited
-routing, expert capacity, a trained expert bias, QK-norm on Mixtral or its absence on Qwen3, RoPE scaling, attention
-biases, sliding windows, ...) raises `HFError` naming what does not fit, and so does an HF tensor that import would
-otherwise drop. tests/test_checkpointer_hf_transformers.py checks that transformers computes the same logits.
+routing, expert capacity, a trained expert bias, QK-norm on Mixtral or its absence on Qwen3, MLA or YaRN outside
+DeepSeek-V3, RoPE types other than plain and YaRN, attention biases, sliding windows, ...) raises `HFError` naming what
+does not fit, and so does an HF tensor that import would otherwise drop. tests/test_checkpointer_hf_transformers.py
+and tests/test_checkpointer_hf_deepseek_transformers.py check that transformers computes the same logits.
 """
 
 from __future__ import annotations
@@ -23,209 +32,154 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Literal
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from services.checkpointer.hf_deepseek import dequantize_blocks, mla_from_hf, mla_to_hf
+from services.checkpointer.hf_families import Family, HFError, check_family, config_from_hf, hf_config
+from services.common import logs
 from services.common.config import ModelConfig
 
-Family = Literal["mixtral", "qwen3_moe"]
 _MOE = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
-        "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}
+        "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+        "deepseek_v3": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _QK_NORM = ("q_norm", "k_norm")
-_ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_MLP = ("gate_proj", "up_proj", "down_proj")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # a non-persistent buffer some older HF checkpoints still hold
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+log = logs.logger("checkpointer")
 
 
-class HFError(ValueError):
-    """A model or HF checkpoint that cannot be converted; the message says what does not fit."""
-
-
-def _check_family(cfg: ModelConfig, family: str) -> None:
-    """Refuse a config whose model the HF family would compute differently."""
-    if family not in _MOE:
-        raise HFError(f"unknown HF family {family!r}; choose one of {', '.join(sorted(_MOE))}")
-    if cfg.shared_expert_ffn_hidden_size:
-        raise HFError(f"{family} has no shared expert but `model.shared_expert_ffn_hidden_size="
-                      f"{cfg.shared_expert_ffn_hidden_size}`")
-    if family == "mixtral" and cfg.first_k_dense:
-        raise HFError(f"mixtral has no dense layers but `model.first_k_dense={cfg.first_k_dense}`")
-    if cfg.qk_norm != (family == "qwen3_moe"):
-        raise HFError(f"{family} {'has' if family == 'qwen3_moe' else 'has no'} per-head q/k RMSNorm: it needs "
-                      f"`model.qk_norm={str(family == 'qwen3_moe').lower()}`, got {str(cfg.qk_norm).lower()}")
-    if cfg.score_func != "softmax":
-        raise HFError(f"{family} routes with softmax scores but `model.score_func={cfg.score_func}`")
-    if cfg.num_groups:
-        raise HFError(f"{family} has no group-limited routing but `model.num_groups={cfg.num_groups}`")
-    if cfg.routed_scaling_factor != 1.0:
-        raise HFError(f"{family} does not scale routed outputs but `model.routed_scaling_factor="
-                      f"{cfg.routed_scaling_factor}`")
-    if cfg.capacity_factor > 0:
-        raise HFError(f"{family} is dropless but `model.capacity_factor={cfg.capacity_factor}` drops tokens")
-    if family == "mixtral" and not cfg.norm_topk_prob:
-        raise HFError("mixtral always renormalises its top-k probabilities (softmax over the top-k logits): it needs "
-                      "`model.norm_topk_prob=true`")
+# ---------------------------------------------------------------- weights
 
 
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:
     """Our full state dict -> HF names and layouts (the per-expert layout every transformers version reads)."""
-    _check_family(cfg, family)
-    block, gate_name, (w_gate, w_up, w_down) = _MOE[family]
-    f = cfg.moe_ffn_hidden_size
+    check_family(cfg, family)
     out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
            "lm_head.weight": state["output.weight"]}
     for i in range(cfg.num_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
         out[hf + "input_layernorm.weight"] = state[ours + "attn_norm.weight"]
         out[hf + "post_attention_layernorm.weight"] = state[ours + "mlp_norm.weight"]
-        for p in _ATTN + (_QK_NORM if cfg.qk_norm else ()):
+        if cfg.attention == "mla":
+            out.update(mla_to_hf(state, cfg, ours, hf))
+        for p in () if cfg.attention == "mla" else _ATTN + (_QK_NORM if cfg.qk_norm else ()):
             out[f"{hf}self_attn.{p}.weight"] = state[f"{ours}attn.{p}.weight"]
         if i < cfg.first_k_dense:
-            for p in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{hf}mlp.{p}.weight"] = state[f"{ours}mlp.{p}.weight"]
-            continue
-        bias = state.get(ours + "mlp.router.expert_bias")
-        if bias is not None and bool(torch.any(bias != 0)):
-            raise HFError(f"{ours}mlp.router.expert_bias is not zero (aux-loss-free balancing): {family} routes "
-                          "without a selection bias, so the exported model would pick other experts")
-        out[f"{hf}{block}.{gate_name}.weight"] = state[ours + "mlp.router.weight"]
-        w13, w2 = state[ours + "mlp.experts.w13"], state[ours + "mlp.experts.w2"]
-        for e in range(cfg.num_experts):
-            prefix = f"{hf}{block}.experts.{e}."
-            out[prefix + f"{w_gate}.weight"] = w13[e, :, :f].T.contiguous()
-            out[prefix + f"{w_up}.weight"] = w13[e, :, f:].T.contiguous()
-            out[prefix + f"{w_down}.weight"] = w2[e].T.contiguous()
+            out.update({f"{hf}mlp.{p}.weight": state[f"{ours}mlp.{p}.weight"] for p in _MLP})
+        else:
+            out.update(_moe_to_hf(state, cfg, family, ours, hf))
     return out
 
 
-def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:
-    """HF names and layouts -> our full state dict (expert bias starts at zero: HF has none).
-
-    Reads the per-expert layout and transformers 5's fused one (`mlp.experts.gate_up_proj` / `down_proj`); every HF
-    tensor must be used, so nothing the family computes with is dropped.
-    """
-    _check_family(cfg, family)
+def _moe_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, ours: str,
+               hf: str) -> dict[str, torch.Tensor]:
     block, gate_name, (w_gate, w_up, w_down) = _MOE[family]
-    used: set[str] = set()
+    f, gate = cfg.moe_ffn_hidden_size, f"{hf}{block}.{gate_name}."
+    out = {gate + "weight": state[ours + "mlp.router.weight"]}
+    bias = state.get(ours + "mlp.router.expert_bias")
+    if family == "deepseek_v3":  # the same role: added to the scores for selection only
+        out[gate + "e_score_correction_bias"] = bias
+        out.update({f"{hf}mlp.shared_experts.{p}.weight": state[f"{ours}mlp.shared_expert.{p}.weight"] for p in _MLP})
+    elif bias is not None and bool(torch.any(bias != 0)):
+        raise HFError(f"{ours}mlp.router.expert_bias is not zero (aux-loss-free balancing): {family} routes "
+                      "without a selection bias, so the exported model would pick other experts")
+    w13, w2 = state[ours + "mlp.experts.w13"], state[ours + "mlp.experts.w2"]
+    for e in range(cfg.num_experts):
+        prefix = f"{hf}{block}.experts.{e}."
+        out[prefix + f"{w_gate}.weight"] = w13[e, :, :f].T.contiguous()
+        out[prefix + f"{w_up}.weight"] = w13[e, :, f:].T.contiguous()
+        out[prefix + f"{w_down}.weight"] = w2[e].T.contiguous()
+    return out
 
-    def take(*names: str) -> torch.Tensor:
+
+class _Reader:
+    """An HF state dict read name by name; what was read is remembered, so import can refuse to drop the rest."""
+
+    def __init__(self, hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family):
+        self.hf, self.cfg, self.family, self.used = hf, cfg, family, set()
+
+    def __call__(self, *names: str) -> torch.Tensor:
         """The first of `names` the checkpoint has (alternative spellings of one tensor)."""
         for name in names:
-            if name in hf:
-                used.add(name)
-                return hf[name]
-        raise HFError(f"HF checkpoint has no {names[0]!r}; is it a {family} model with {cfg.num_layers} layers and "
-                      f"{cfg.num_experts} experts?")
+            if name in self.hf:
+                self.used.add(name)
+                return self.hf[name]
+        raise HFError(f"HF checkpoint has no {names[0]!r}; is it a {self.family} model with {self.cfg.num_layers} "
+                      f"layers and {self.cfg.num_experts} experts?")
 
+    def has(self, name: str) -> bool:
+        return name in self.hf
+
+    def refuse_unused(self) -> None:
+        unused = sorted(k for k in self.hf if k not in self.used and not _IGNORED.search(k))
+        if unused:
+            raise HFError(f"HF checkpoint has {len(unused)} tensors a {self.family} model of this config does not "
+                          f"use (e.g. {unused[:3]}); converting would drop them")
+
+
+def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
+            rope_interleave: bool = True) -> dict[str, torch.Tensor]:
+    """HF names and layouts -> our full state dict (expert bias from deepseek_v3's e_score_correction_bias, zero for
+    the families that have none).
+
+    Reads the per-expert layout and transformers 5's fused one (`mlp.experts.gate_up_proj` / `down_proj`); every HF
+    tensor must be used, so nothing the family computes with is dropped. `rope_interleave`: deepseek_v3's config
+    field of that name (whether its rope rows are interleaved pairs).
+    """
+    check_family(cfg, family)
+    take = _Reader(hf, cfg, family)
     out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight"),
            "output.weight": take("lm_head.weight")}
     for i in range(cfg.num_layers):
         ours, pre = f"layers.{i}.", f"model.layers.{i}."
         out[ours + "attn_norm.weight"] = take(pre + "input_layernorm.weight")
         out[ours + "mlp_norm.weight"] = take(pre + "post_attention_layernorm.weight")
-        for p in _ATTN + (_QK_NORM if cfg.qk_norm else ()):
+        if cfg.attention == "mla":
+            out.update(mla_from_hf(take, cfg, ours, pre, rope_interleave))
+        for p in () if cfg.attention == "mla" else _ATTN + (_QK_NORM if cfg.qk_norm else ()):
             out[f"{ours}attn.{p}.weight"] = take(f"{pre}self_attn.{p}.weight")
         if i < cfg.first_k_dense:
-            for p in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{ours}mlp.{p}.weight"] = take(f"{pre}mlp.{p}.weight")
-            continue
-        out[ours + "mlp.router.weight"] = take(f"{pre}{block}.{gate_name}.weight", f"{pre}mlp.gate.weight")
-        out[ours + "mlp.router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
-        fused = f"{pre}mlp.experts."
-        if fused + "gate_up_proj" in hf:  # [E, 2f, h] (gate rows first) and [E, h, f]
-            out[ours + "mlp.experts.w13"] = take(fused + "gate_up_proj").transpose(1, 2).contiguous()
-            out[ours + "mlp.experts.w2"] = take(fused + "down_proj").transpose(1, 2).contiguous()
-            continue
-        experts = [f"{pre}{block}.experts.{e}." for e in range(cfg.num_experts)]
-        out[ours + "mlp.experts.w13"] = torch.stack([
-            torch.cat([take(p + f"{w_gate}.weight").T, take(p + f"{w_up}.weight").T], dim=1) for p in experts])
-        out[ours + "mlp.experts.w2"] = torch.stack([take(p + f"{w_down}.weight").T for p in experts])
-    unused = sorted(k for k in hf if k not in used and not _IGNORED.search(k))
-    if unused:
-        raise HFError(f"HF checkpoint has {len(unused)} tensors a {family} model of this config does not use (e.g. "
-                      f"{unused[:3]}); converting would drop them")
+            out.update({f"{ours}mlp.{p}.weight": take(f"{pre}mlp.{p}.weight") for p in _MLP})
+        else:
+            out.update(_moe_from_hf(take, cfg, family, ours, pre))
+    take.refuse_unused()
     return out
 
 
-def hf_config(cfg: ModelConfig, family: Family, dtype: str = "bfloat16", max_positions: int = 4096) -> dict:
-    """config.json for transformers: every field that decides what the HF model computes is written explicitly, so the
-    model does not depend on a transformers version's defaults."""
-    _check_family(cfg, family)
-    common = {"architectures": [_ARCH[family]], "model_type": family,
-              "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-              "head_dim": cfg.kv_channels, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps,
-              # transformers < 5 reads rope_theta, 5 reads rope_parameters (and still accepts rope_theta alone)
-              "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-              "num_experts_per_tok": cfg.top_k, "tie_word_embeddings": False, "hidden_act": "silu",
-              "max_position_embeddings": max_positions, "torch_dtype": dtype, "dtype": dtype,
-              "initializer_range": cfg.init_std, "attention_dropout": 0.0, "sliding_window": None,
-              "router_aux_loss_coef": cfg.aux_loss_coeff if cfg.aux_loss_type != "none" else 0.0,
-              "output_router_logits": False, "use_cache": True}
-    if family == "mixtral":  # always renormalises the top-k probabilities: no norm_topk_prob field
-        return {**common, "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.num_experts,
-                "router_jitter_noise": 0.0}
-    return {**common, "intermediate_size": cfg.ffn_hidden_size, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
-            "num_experts": cfg.num_experts, "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(cfg.first_k_dense)), "attention_bias": False, "use_sliding_window": False}
+def _moe_from_hf(take: _Reader, cfg: ModelConfig, family: Family, ours: str, pre: str) -> dict[str, torch.Tensor]:
+    block, gate_name, (w_gate, w_up, w_down) = _MOE[family]
+    out = {ours + "mlp.router.weight": take(f"{pre}{block}.{gate_name}.weight", f"{pre}mlp.gate.weight")}
+    if family == "deepseek_v3":
+        out[ours + "mlp.router.expert_bias"] = take(f"{pre}mlp.gate.e_score_correction_bias").float()
+        out.update({f"{ours}mlp.shared_expert.{p}.weight": take(f"{pre}mlp.shared_experts.{p}.weight") for p in _MLP})
+    else:
+        out[ours + "mlp.router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
+    fused = f"{pre}mlp.experts."
+    if take.has(fused + "gate_up_proj"):  # [E, 2f, h] (gate rows first) and [E, h, f]
+        out[ours + "mlp.experts.w13"] = take(fused + "gate_up_proj").transpose(1, 2).contiguous()
+        out[ours + "mlp.experts.w2"] = take(fused + "down_proj").transpose(1, 2).contiguous()
+        return out
+    experts = [f"{pre}{block}.experts.{e}." for e in range(cfg.num_experts)]
+    out[ours + "mlp.experts.w13"] = torch.stack([
+        torch.cat([take(p + f"{w_gate}.weight").T, take(p + f"{w_up}.weight").T], dim=1) for p in experts])
+    out[ours + "mlp.experts.w2"] = torch.stack([take(p + f"{w_down}.weight").T for p in experts])
+    return out
 
 
-def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
-    """Our ModelConfig from an HF config.json of a supported family (transformers 4 or 5 spelling)."""
-    family = config.get("model_type")
-    if family not in _MOE:
-        raise HFError(f"config.json model_type {family!r} is not supported: only MoE models of the families "
-                      f"{', '.join(sorted(_MOE))} convert")
-    if config.get("hidden_act", "silu") != "silu":
-        raise HFError(f"hidden_act={config['hidden_act']!r}: our experts are SwiGLU (silu)")
-    if config.get("attention_bias"):
-        raise HFError("attention_bias=true: our attention projections have no biases")
-    window = config.get("sliding_window") if config.get("use_sliding_window", family == "mixtral") else None
-    if window is not None:
-        raise HFError(f"sliding_window={window}: our attention is full causal")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if "full_attention" in rope:  # transformers 5 may nest the parameters by layer type
-        rope = rope["full_attention"]
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise HFError(f"RoPE type {rope_type!r}: only plain RoPE (rope_type 'default') is supported")
-    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise HFError("partial_rotary_factor != 1: our RoPE rotates the whole head")
-    default_theta = 1e6 if family == "mixtral" else 10000.0  # the families' defaults when config.json gives none
-    rope_theta = rope.get("rope_theta", config.get("rope_theta", default_theta))
-
-    num_layers = config["num_hidden_layers"]
-    num_experts = config.get("num_local_experts", config.get("num_experts"))
-    if not num_experts:
-        raise HFError(f"num_experts={num_experts}: not an MoE model")
-    step = config.get("decoder_sparse_step", 1) or 1
-    dense = sorted(set(config.get("mlp_only_layers") or []) | {i for i in range(num_layers) if (i + 1) % step})
-    if family == "qwen3_moe" and dense != list(range(len(dense))):
-        raise HFError(f"dense layers {dense} (mlp_only_layers, decoder_sparse_step={step}) must be the leading layers "
-                      "(our model's first_k_dense)")
-    cfg = ModelConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=num_layers,
-                      num_heads=config["num_attention_heads"],
-                      num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-                      head_dim=config.get("head_dim") or 0, num_experts=num_experts,
-                      top_k=config["num_experts_per_tok"], norm_eps=config["rms_norm_eps"], rope_theta=rope_theta,
-                      first_k_dense=len(dense) if family == "qwen3_moe" else 0,
-                      # transformers' defaults: Mixtral always renormalises, Qwen3-MoE only with norm_topk_prob
-                      norm_topk_prob=True if family == "mixtral" else bool(config.get("norm_topk_prob", False)),
-                      qk_norm=family == "qwen3_moe",
-                      aux_loss_coeff=config.get("router_aux_loss_coef", 0.001),
-                      init_std=config.get("initializer_range", ModelConfig.init_std),
-                      moe_ffn_hidden_size=config.get("moe_intermediate_size", config["intermediate_size"]),
-                      ffn_hidden_size=config["intermediate_size"] if family == "qwen3_moe" else ModelConfig.ffn_hidden_size)
-    return cfg, family
+# ---------------------------------------------------------------- files
 
 
 def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, out_dir: str | Path,
               dtype: torch.dtype = torch.bfloat16, max_positions: int = 4096) -> Path:
-    """Write `model.safetensors` and `config.json` loadable by transformers' {Mixtral,Qwen3Moe}ForCausalLM."""
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in to_hf(state, cfg, family).items()}
+    """Write `model.safetensors` and `config.json` loadable by transformers' {Mixtral,Qwen3Moe,DeepseekV3}ForCausalLM.
+    DeepSeek-V3's expert bias stays fp32, as transformers keeps it: a rounded bias would pick other experts."""
+    tensors = {k: v.detach().to("cpu", torch.float32 if k.endswith("e_score_correction_bias") else dtype).contiguous()
+               for k, v in to_hf(state, cfg, family).items()}
     config = hf_config(cfg, family, str(dtype).removeprefix("torch."), max_positions)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,33 +189,91 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, 
 
 
 def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Read an HF model directory (config.json + one or more *.safetensors) into our state dict and config."""
+    """Read an HF model directory (config.json + one or more *.safetensors) into our state dict and config.
+    FP8 block-quantised weights are dequantised to `dtype`; DeepSeek-V3's MTP layers are skipped (logged)."""
     src = Path(src)
     if not (src / "config.json").is_file():
         raise HFError(f"{src / 'config.json'} is missing; point at an HF model directory")
     try:
         config = json.loads((src / "config.json").read_text())
         cfg, family = config_from_hf(config)
+        block = _fp8_block(config)
     except json.JSONDecodeError as e:
         raise HFError(f"{src / 'config.json'} is not valid JSON ({e})") from None
     except KeyError as e:
         raise HFError(f"{src / 'config.json'} has no {e} field: not a complete HF model config") from None
     except (TypeError, AttributeError) as e:  # a field of the wrong kind
         raise HFError(f"{src / 'config.json'} is not an HF model config ({type(e).__name__}: {e})") from None
+    mtp = _mtp_layer_pattern(config) if family == "deepseek_v3" else None
+    hf = dequantize(_read_safetensors(src, dtype, mtp), block, dtype)
+    if "lm_head.weight" not in hf and config.get("tie_word_embeddings") and "model.embed_tokens.weight" in hf:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()  # tied: our output layer gets its own copy
+    return from_hf(hf, cfg, family, rope_interleave=bool(config.get("rope_interleave", True))), cfg
+
+
+def _read_safetensors(src: Path, dtype: torch.dtype, skip: re.Pattern | None) -> dict[str, torch.Tensor]:
+    """Every tensor of src/*.safetensors whose name `skip` does not match, in `dtype`; FP8 weights and their scales
+    as stored (`dequantize` converts them), routers' selection biases in fp32 (the dtype our routers keep)."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise HFError(f"no *.safetensors files in {src}; point at an HF model directory")
     hf: dict[str, torch.Tensor] = {}
+    skipped = 0
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    hf[key] = f.get_tensor(key).to(dtype)
+                    if skip is not None and skip.match(key):
+                        skipped += 1
+                        continue
+                    t = f.get_tensor(key)
+                    keep = t.dtype in _FP8 or key.endswith("_scale_inv")
+                    hf[key] = t if keep else t.to(torch.float32 if key.endswith("e_score_correction_bias") else dtype)
         except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types (SafetensorError, OSError)
             raise HFError(f"{file} cannot be read as safetensors ({e}); the file is corrupt or truncated") from None
-    if "lm_head.weight" not in hf and config.get("tie_word_embeddings") and "model.embed_tokens.weight" in hf:
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()  # tied: our output layer gets its own copy
-    return from_hf(hf, cfg, family), cfg
+    if skipped:
+        log.info("%s: %d tensors of DeepSeek-V3's multi-token-prediction (MTP) layers are not imported: our model "
+                 "has no MTP module", src, skipped)
+    return hf
+
+
+def _mtp_layer_pattern(config: dict) -> re.Pattern | None:
+    """DeepSeek-V3 keeps its num_nextn_predict_layers MTP modules as `model.layers.{L..L+n-1}.*` after the L decoder
+    layers; transformers does not load them either."""
+    n = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0
+    first = config["num_hidden_layers"]
+    return re.compile(rf"model\.layers\.({'|'.join(str(first + i) for i in range(n))})\.") if n else None
+
+
+def _fp8_block(config: dict) -> tuple[int, int] | None:
+    """The weight block of an FP8 block-quantised checkpoint (quantization_config as DeepSeek-V3 publishes it)."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8" or len(quant.get("weight_block_size") or ()) != 2:
+        raise HFError(f"quantization_config {quant}: only FP8 with per-block weight scales (quant_method 'fp8', "
+                      "weight_block_size [rows, cols], as DeepSeek-V3 publishes) is dequantised on import")
+    return tuple(quant["weight_block_size"])
+
+
+def dequantize(hf: dict[str, torch.Tensor], block: tuple[int, int] | None,
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every `X.weight` with an `X.weight_scale_inv` -> fp8 x scale per `block` in `dtype`; the scales go."""
+    scales = [k for k in hf if k.endswith(".weight_scale_inv")]
+    if scales and block is None:
+        raise HFError(f"{scales[0]}: block scales but config.json has no quantization_config naming their block size")
+    for key in scales:
+        name = key.removesuffix("_scale_inv")
+        if name not in hf:
+            raise HFError(f"HF checkpoint has {key} but no {name} to scale")
+        try:
+            hf[name] = dequantize_blocks(hf[name], hf.pop(key), block, dtype)
+        except ValueError as e:
+            raise HFError(f"{name}: {e}") from None
+    raw = [k for k, t in hf.items() if t.dtype in _FP8]
+    if raw:
+        raise HFError(f"{raw[:3]} are FP8 without a weight_scale_inv: cannot recover their values")
+    return hf
 
 
 def upcycle(dense: dict[str, torch.Tensor], dense_cfg: ModelConfig, moe_cfg: ModelConfig,

@@ -31,7 +31,17 @@ class ModelConfig:
     num_layers: int = 4  # decoder blocks
     num_heads: int = 4  # query heads per attention layer
     num_kv_heads: int = 2  # GQA: query heads share key/value heads in groups of num_heads // num_kv_heads
-    head_dim: int = 0  # 0: hidden_size // num_heads
+    #                        (ignored with attention=mla: every head has its own keys/values from the latent)
+    head_dim: int = 0  # GQA's per-head q/k/v width, 0: hidden_size // num_heads (ignored with attention=mla)
+    # "gqa": grouped-query attention (q/k/v/o projections); "mla": DeepSeek-V2/V3 Multi-head Latent Attention
+    # (services/trainer/model/mla.py): keys and values expanded per head from a kv_lora_rank latent plus one
+    # qk_rope_head_dim RoPE key shared by all heads; needs the five MLA dims below (the last four > 0)
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int = 0  # MLA: queries through a low-rank q_a_proj -> RMSNorm -> q_b_proj of this rank; 0: one q_proj
+    kv_lora_rank: int = 0  # MLA: width of the compressed key/value latent (what a KV cache of MLA would hold)
+    qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without RoPE (from the latent)
+    qk_rope_head_dim: int = 0  # MLA: per-head query/key dims with RoPE (the key's are one head shared by all), even
+    v_head_dim: int = 0  # MLA: per-head value width (o_proj reads num_heads x v_head_dim)
     ffn_hidden_size: int = 512  # dense MLP width (dense first layers)
     first_k_dense: int = 0  # leading layers with a dense MLP instead of MoE (DeepSeek-V3: 3)
     num_experts: int = 8  # routed experts per MoE layer
@@ -59,6 +69,17 @@ class ModelConfig:
     # dynamic CP (parallel.cp_sizes) under ep/etp > 1 (EP peers must route equally many tokens)
     pad_to_capacity: bool = False
     rope_theta: float = 10000.0  # RoPE base: larger stretches the rotary wavelengths for longer contexts
+    # YaRN context extension (Peng et al. 2023), GQA and MLA alike, as transformers' "yarn" rope type: the rotary
+    # frequencies blend interpolated (/ factor) and original ones between the beta_fast and beta_slow rotation counts
+    # over rope_original_max_position tokens; the rotated q/k are scaled by m(rope_mscale) / m(rope_mscale_all_dim)
+    # (m(1) when either is 0), where m(x) = 0.1 x ln(factor) + 1; and the softmax scale is multiplied by
+    # m(rope_mscale_all_dim)^2 (DeepSeek-V2/V3). 1.0: off; > 1: YaRN (DeepSeek-V3: 40)
+    rope_scaling_factor: float = 1.0
+    rope_original_max_position: int = 4096  # YaRN: context length the model was pre-trained at
+    rope_beta_fast: float = 32.0  # YaRN: frequencies rotating more than this often over that context are kept
+    rope_beta_slow: float = 1.0  # YaRN: frequencies rotating less than this often are fully interpolated
+    rope_mscale: float = 1.0  # YaRN: mscale of the rotated q/k's scale (numerator)
+    rope_mscale_all_dim: float = 0.0  # YaRN: mscale of that scale's denominator and of the softmax scale; 0: unused
     norm_eps: float = 1e-6  # added to the mean square in every RMSNorm
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
     init_std: float = 0.02  # std of the normal init of weight matrices; residual-branch outputs: / sqrt(2 * num_layers)
@@ -101,6 +122,16 @@ class ModelConfig:
     @property
     def kv_channels(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head width of queries and keys: MLA's nope + rope dims, GQA's head dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.kv_channels
+
+    @property
+    def value_head_dim(self) -> int:
+        """Per-head width of values (and of the attention output before o_proj)."""
+        return self.v_head_dim if self.attention == "mla" else self.kv_channels
 
 
 @dataclass
@@ -364,19 +395,70 @@ def _check_choices(key: str, values: list[str], allowed: tuple[str, ...]) -> Non
     _check(len(set(values)) == len(values), f"`{key}` lists an entry twice: {values}")
 
 
+_MLA_DIMS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_YARN = ("rope_original_max_position", "rope_beta_fast", "rope_beta_slow")
+
+
+def _check_attention(m: ModelConfig) -> None:
+    """GQA's head grouping, or MLA's dims (services/trainer/model/mla.py); YaRN's settings for either."""
+    if m.attention == "gqa":
+        _check(m.hidden_size % m.num_heads == 0 or m.head_dim > 0,
+               f"`model.hidden_size={m.hidden_size}` is not divisible by `model.num_heads={m.num_heads}` (or set "
+               "model.head_dim)")
+        _check(m.num_heads % m.num_kv_heads == 0,
+               f"`model.num_heads={m.num_heads}` is not divisible by `model.num_kv_heads={m.num_kv_heads}`")
+        _check(m.kv_channels % 2 == 0, f"head dim {m.kv_channels} must be even for RoPE (`model.head_dim`)")
+        # Refused rather than ignored: MLA dims on a GQA model are most likely a forgotten `model.attention=mla`.
+        set_ = ", ".join(f"`model.{k}`" for k in ("q_lora_rank", *_MLA_DIMS) if getattr(m, k))
+        _check(not set_, f"{set_}: Multi-head Latent Attention dims, but `model.attention=gqa`; set "
+                         "model.attention=mla or set them to 0")
+    else:
+        missing = ", ".join(f"`model.{k}`" for k in _MLA_DIMS if getattr(m, k) <= 0)
+        _check(not missing, f"`model.attention=mla` needs {missing} > 0")
+        _check(m.q_lora_rank >= 0, f"`model.q_lora_rank={m.q_lora_rank}` must be >= 0 (0: one q_proj)")
+        _check(m.qk_rope_head_dim % 2 == 0, f"`model.qk_rope_head_dim={m.qk_rope_head_dim}` must be even for RoPE")
+        _check(not m.qk_norm, "`model.qk_norm` (Qwen3's per-head RMSNorm) is not part of `model.attention=mla`, "
+                              "which normalises its latents instead (q_a_layernorm, kv_a_layernorm); drop qk_norm")
+    _check(m.rope_scaling_factor >= 1, f"`model.rope_scaling_factor={m.rope_scaling_factor}` must be >= 1 "
+                                       "(1: no YaRN)")
+    for name in _YARN:
+        _check(getattr(m, name) > 0, f"`model.{name}={getattr(m, name)}` must be positive")
+    for name in ("rope_mscale", "rope_mscale_all_dim"):
+        _check(getattr(m, name) >= 0, f"`model.{name}={getattr(m, name)}` must be >= 0")
+
+
 def _check_fp8_dense_widths(m: ModelConfig, tp: int) -> None:
     """Transformer Engine's FP8 GEMMs need every dense projection's in and out features, as one TP rank holds them,
     to be multiples of 16 (services/trainer/model/fp8_linear.py)."""
-    widths = {"`model.num_heads` x head dim (the q/o projections)": m.num_heads * m.kv_channels,
-              "`model.num_kv_heads` x head dim (the k/v projections)": m.num_kv_heads * m.kv_channels}
+    split, whole = _attention_widths(m)
     if m.first_k_dense:
-        widths["`model.ffn_hidden_size`"] = m.ffn_hidden_size
+        split["`model.ffn_hidden_size`"] = m.ffn_hidden_size
     if m.shared_expert_ffn_hidden_size:
-        widths["`model.shared_expert_ffn_hidden_size`"] = m.shared_expert_ffn_hidden_size
-    for name, width in widths.items():
+        split["`model.shared_expert_ffn_hidden_size`"] = m.shared_expert_ffn_hidden_size
+    fix = "change the sizes or set model.fp8=''"
+    for name, width in split.items():
         _check(width % (16 * tp) == 0,
                f"`model.fp8={m.fp8}` runs the dense linears in FP8 (Transformer Engine), which needs {name} = {width} "
-               f"/ `parallel.tp={tp}` to be a multiple of 16; change the sizes or set model.fp8=''")
+               f"/ `parallel.tp={tp}` to be a multiple of 16; {fix}")
+    for name, width in whole.items():
+        _check(width % 16 == 0, f"`model.fp8={m.fp8}` runs the dense linears in FP8 (Transformer Engine), which "
+                                f"needs {name} = {width} (whole on every TP rank) to be a multiple of 16; {fix}")
+
+
+def _attention_widths(m: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """The attention projections' widths: (those split over TP, those whole on every TP rank: MLA's latents)."""
+    if m.attention == "gqa":
+        return {"`model.num_heads` x head dim (the q/o projections)": m.num_heads * m.kv_channels,
+                "`model.num_kv_heads` x head dim (the k/v projections)": m.num_kv_heads * m.kv_channels}, {}
+    heads = "`model.num_heads` x "
+    split = {f"{heads}(qk_nope_head_dim + qk_rope_head_dim) (q_proj / q_b_proj)": m.num_heads * m.qk_head_dim,
+             f"{heads}(qk_nope_head_dim + v_head_dim) (kv_b_proj)": m.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+             f"{heads}v_head_dim (o_proj)": m.num_heads * m.v_head_dim}
+    whole = {"`model.kv_lora_rank` (kv_b_proj's input)": m.kv_lora_rank,
+             "`model.kv_lora_rank` + `model.qk_rope_head_dim` (kv_a_proj_with_mqa)": m.kv_lora_rank + m.qk_rope_head_dim}
+    if m.q_lora_rank:
+        whole["`model.q_lora_rank` (q_a_proj, q_b_proj)"] = m.q_lora_rank
+    return split, whole
 
 
 def _check_balancing(m: ModelConfig, p: ParallelConfig) -> None:
@@ -417,11 +499,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     m, p, d, o = cfg.model, cfg.parallel, cfg.data, cfg.optimizer
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts", "top_k"):
         _check(getattr(m, name) > 0, f"`model.{name}` must be positive, got {getattr(m, name)}")
-    _check(m.hidden_size % m.num_heads == 0 or m.head_dim > 0,
-           f"`model.hidden_size={m.hidden_size}` is not divisible by `model.num_heads={m.num_heads}` (or set model.head_dim)")
-    _check(m.num_heads % m.num_kv_heads == 0,
-           f"`model.num_heads={m.num_heads}` is not divisible by `model.num_kv_heads={m.num_kv_heads}`")
-    _check(m.kv_channels % 2 == 0, f"head dim {m.kv_channels} must be even for RoPE (`model.head_dim`)")
+    _check_attention(m)
     _check(m.top_k <= m.num_experts, f"`model.top_k={m.top_k}` exceeds `model.num_experts={m.num_experts}`")
     _check(0 <= m.first_k_dense <= m.num_layers,
            f"`model.first_k_dense={m.first_k_dense}` must be within [0, model.num_layers={m.num_layers}]")
@@ -497,7 +575,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(getattr(p, name) > 0, f"`parallel.{name}` must be positive, got {getattr(p, name)}")
     _check(m.num_experts % p.ep == 0, f"`parallel.ep={p.ep}` does not divide `model.num_experts={m.num_experts}`")
     _check(m.num_heads % p.tp == 0, f"`parallel.tp={p.tp}` does not divide `model.num_heads={m.num_heads}`")
-    _check(m.num_kv_heads % p.tp == 0, f"`parallel.tp={p.tp}` does not divide `model.num_kv_heads={m.num_kv_heads}`")
+    _check(m.attention == "mla" or m.num_kv_heads % p.tp == 0,
+           f"`parallel.tp={p.tp}` does not divide `model.num_kv_heads={m.num_kv_heads}`")
     _check(m.vocab_size % p.tp == 0, f"`parallel.tp={p.tp}` does not divide `model.vocab_size={m.vocab_size}`")
     _check(m.ffn_hidden_size % p.tp == 0, f"`parallel.tp={p.tp}` does not divide `model.ffn_hidden_size`")
     _check(m.moe_ffn_hidden_size % p.etp == 0,

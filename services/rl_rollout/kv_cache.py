@@ -1,6 +1,6 @@
 """A cached forward pass over the trainer's `MoETransformer`: prefill a packed batch of prompts, then decode one token per
-sequence per step, reusing the model's own modules and weights (embedding, norms, q/k/v/o projections, RoPE, MLP/MoE,
-output layer). Only the attention core differs: prefill uses the model's packed causal attention, decode attends one
+sequence per step, reusing the model's own modules and weights (embedding, norms, the attention's `qkv` and o_proj,
+RoPE, MLP/MoE, output layer; GQA or MLA alike). Only the attention core differs: prefill uses the model's packed causal attention, decode attends one
 query per sequence to that sequence's cached keys.
 
 The cache is slot based: `slots` sequences of at most `max_len` tokens, one slot per running sequence. A slot is reused
@@ -29,9 +29,12 @@ class CachedDecoder:
         self.model, self.slots, self.max_len = model, slots, max_len
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = (len(model.layers), slots, cfg.num_kv_heads, max_len, cfg.kv_channels)
-        self.k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v = torch.zeros_like(self.k)
+        # Multi-head Latent Attention's `qkv` gives keys and values expanded to every head, its values narrower
+        # than its keys (v_head_dim): cached as such, not as the latent.
+        kv_heads = cfg.num_heads if cfg.attention == "mla" else cfg.num_kv_heads
+        shape = (len(model.layers), slots, kv_heads, max_len)
+        self.k = torch.zeros(*shape, cfg.qk_head_dim, device=self.device, dtype=self.dtype)
+        self.v = torch.zeros(*shape, cfg.value_head_dim, device=self.device, dtype=self.dtype)
         self._routers = [m.router for m in model.moe_layers()]
         self._taps: list[torch.Tensor | None] = [None] * len(self._routers)
         self._hooks = [r.register_forward_hook(self._tap(i)) for i, r in enumerate(self._routers)]

@@ -14,10 +14,22 @@ from services.common.config import ModelConfig
 DATASHEET_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
 
+def attention_params(cfg: ModelConfig) -> int:
+    """Weights of one attention layer's projections (norm scales do no multiply-adds)."""
+    h, heads = cfg.hidden_size, cfg.num_heads
+    if cfg.attention == "gqa":
+        return h * cfg.kv_channels * (heads * 2 + cfg.num_kv_heads * 2)
+    q_rank = cfg.q_lora_rank
+    q = (h * q_rank + q_rank * heads * cfg.qk_head_dim) if q_rank else h * heads * cfg.qk_head_dim
+    kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim +
+                                                                                     cfg.v_head_dim)
+    return q + kv + heads * cfg.v_head_dim * h
+
+
 def active_params(cfg: ModelConfig) -> int:
     """Parameters a token actually multiplies with: attention, its MLP or top-k experts + shared, router, output layer."""
-    h, d = cfg.hidden_size, cfg.kv_channels
-    attn = h * d * (cfg.num_heads * 2 + cfg.num_kv_heads * 2)
+    h = cfg.hidden_size
+    attn = attention_params(cfg)
     dense = 3 * h * cfg.ffn_hidden_size
     moe = 3 * h * cfg.moe_ffn_hidden_size * cfg.top_k + 3 * h * cfg.shared_expert_ffn_hidden_size + h * cfg.num_experts
     n_moe = cfg.num_layers - cfg.first_k_dense
@@ -25,8 +37,10 @@ def active_params(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6·N_active + 6·L·heads·head_dim·seq (the attention score/value GEMMs, forward + backward)."""
-    return 6.0 * active_params(cfg) + 6.0 * cfg.num_layers * cfg.num_heads * cfg.kv_channels * seq_len
+    """6·N_active + 3·L·heads·(qk head dim + v head dim)·seq: the attention score (q·k) and value (p·v) GEMMs, 2
+    FLOPs per multiply-add, forward + backward (x3), half the keys visible (causal); 6·L·heads·head_dim·seq for GQA."""
+    per_head = cfg.qk_head_dim + cfg.value_head_dim
+    return 6.0 * active_params(cfg) + 3.0 * cfg.num_layers * cfg.num_heads * per_head * seq_len
 
 
 class StepValues:

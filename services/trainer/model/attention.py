@@ -2,13 +2,15 @@
 
 The packed micro-batch is one flat [T, hidden] tensor with `cu_seqlens` marking document boundaries. On CUDA the core is
 `torch.nn.attention.varlen.varlen_attn` (flash attention on variable-length segments, no T×T mask); elsewhere, SDPA with an
-explicit block-diagonal causal mask, which is exact and fine for the small shapes tests use.
+explicit block-diagonal causal mask, which is exact and fine for the small shapes tests use. The core is shared with
+Multi-head Latent Attention (mla.py), whose values are narrower than its queries and keys.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from services.common.config import ModelConfig
 from services.trainer.model.flash_varlen import causal_gqa
 from services.trainer.model.fp8_linear import FP8Linear
 from services.trainer.model.precision import to_compute_dtype
-from services.trainer.model.rope import rope_frequencies
+from services.trainer.model.rope import query_scales, rotary
 
 
 @functools.cache  # asked on first CUDA use: importing varlen pulls in torch._dynamo (seconds per process)
@@ -50,12 +52,15 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int | None = None) -> torch.Tensor:
-    """q: [T, Hq, d], k/v: [T, Hkv, d] -> [T, Hq, d]; causal inside each segment of `cu_seqlens`."""
+    """q: [T, Hq, d], k: [T, Hkv, d], v: [T, Hkv, dv] -> [T, Hq, dv]; causal inside each segment of `cu_seqlens`,
+    scores scaled by 1/sqrt(d)."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu_seqlens.to(torch.int32)
         max_len = max_seqlen or longest_document(cu)
+        if v.shape[-1] != q.shape[-1]:
+            return _varlen_unequal_dims(q, k, v, cu, max_len)
         if k.shape[1] != q.shape[1]:
             if _varlen_supports_gqa():
                 return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
@@ -67,6 +72,22 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(0, 1)
+
+
+def _varlen_unequal_dims(q, k, v, cu: torch.Tensor, max_len: int) -> torch.Tensor:
+    """varlen_attn for values of another head dim than queries and keys (MLA; as many K/V heads as query heads).
+
+    FlashAttention-2's kernels (under varlen_attn) take one head dim for q, k and v. Zero columns appended to the
+    narrower side change no score and no kept output column: narrower values (DeepSeek-V3: 128 against 192) get zero
+    columns, whose zero outputs are cut off; narrower queries and keys get them too, with q scaled so that the kernel's
+    1/sqrt(padded dim) is still 1/sqrt(d) of the scores."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        return varlen_attn(q, k, F.pad(v, (0, d - dv)), cu, cu, max_len, max_len, window_size=(-1, 0))[..., :dv]
+    q, k = F.pad(q * math.sqrt(dv / d), (0, dv - d)), F.pad(k, (0, dv - d))
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
 
 
 @functools.cache
@@ -90,7 +111,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.norm_eps = cfg.norm_eps
-        self.register_buffer("inv_freq", rope_frequencies(self.head_dim, cfg.rope_theta), persistent=False)
+        self.register_buffer("inv_freq", rotary(self.head_dim, cfg), persistent=False)
+        # YaRN's corrections of the scores (rope.py), on q alone; every dim of a GQA head is rotated. 1: none.
+        self.q_scale = query_scales(cfg)[1]
         # QK-norm + RoPE where Triton does not run (CPU) or the head dim is no power of two; elsewhere `qkv` takes
         # the fused kernels, `model.compile` or not.
         self.head_norm_rope = compiled_head_norm_rope() if cfg.compile else head_norm_rope
@@ -109,6 +132,8 @@ class Attention(nn.Module):
         fused = use_triton(q) and supports_head_dim(self.head_dim)
         norm_rope = fused_head_norm_rope if fused else self.head_norm_rope
         q, k = norm_rope(q, k, *scales, self.norm_eps, position_ids, self.inv_freq)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         return q, k, v
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,

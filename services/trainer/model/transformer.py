@@ -1,5 +1,7 @@
 """The decoder: embedding -> [RMSNorm -> attention -> RMSNorm -> MLP or MoE] x L -> RMSNorm -> output layer.
 
+Attention is GQA (attention.py) or Multi-head Latent Attention (mla.py), by `model.attention`.
+
 Written as a single-device model; parallelism is applied to it from `services/trainer/parallel/` (layers are replaced by
 their parallel counterparts, the dispatcher by an expert-parallel one), so this file stays readable on its own.
 
@@ -20,6 +22,7 @@ from torch import nn
 from services.common.config import ModelConfig
 from kernels.cross_entropy import linear_cross_entropy_sum
 from services.trainer.model.attention import Attention, document_ids
+from services.trainer.model.mla import MLAttention
 from services.trainer.model.loss import cross_entropy_sum
 from services.trainer.model.mlp import SwiGLUMLP
 from services.trainer.model.moe.moe_layer import MoELayer
@@ -72,7 +75,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)  # same signature
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.is_moe = layer_id >= cfg.first_k_dense
         self.mlp = MoELayer(cfg) if self.is_moe else SwiGLUMLP(cfg.hidden_size, cfg.ffn_hidden_size, fp8=cfg.fp8)

@@ -104,6 +104,8 @@ def _read(ckpt, name: str, p: nn.Parameter, groups: ParallelGroups) -> torch.Ten
 @torch.no_grad()
 def load_shards(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: ParallelGroups) -> None:
     """Read this rank's boxes of every parameter, buffer and moment from `ckpt` (a `load.Checkpoint`)."""
+    # A step's parameter all-gathers still in flight would land after (and over) what is read here.
+    opt.wait_params()
     saved = set(ckpt.names())
 
     slot_of = {s.name: (b, s) for b in opt.buckets for s in b.slots}

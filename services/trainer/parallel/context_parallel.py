@@ -11,6 +11,7 @@ KV exchange, chosen by `parallel.cp_comm`:
   (batched isend/irecv) and merges partial results by log-sum-exp. Backward travels the ring again with the K/V gradient
   accumulating alongside its block, and a last hop brings each block's gradient home.
 - allgather: K/V are all-gathered once (backward reduce-scatters their gradients) and attention runs against all keys.
+Values may be narrower than queries and keys (MLA's v_head_dim): a ring message is K and V side by side on the last dim.
 
 The CP group (hence size) can change per micro-batch (dynamic CP): the group travels with the layout, and `cp_share`
 picks which of its dp rank's micro-batches each CP block runs.
@@ -28,6 +29,7 @@ from torch import nn
 
 from services.dataloader.cp_sizing import attention_cost, segment_lengths
 from services.trainer.model.attention import Attention, document_ids, packed_causal_attention
+from services.trainer.model.mla import MLAttention
 from services.trainer.model.moe.router import Router
 from services.trainer.parallel.differentiable import gather_tokens
 from services.trainer.parallel.groups import ParallelGroups
@@ -208,12 +210,17 @@ def _wait(works: list) -> None:
         w.wait()
 
 
+def _split_kv(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a ring message: [T, Hkv, d + dv], the value head dim dv possibly another than d (MLA)."""
+    return kv[..., :d], kv[..., d:]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: CPLayout):
-        H, kv_heads = q.shape[1], k.shape[1]
+        H, kv_heads, d = q.shape[1], k.shape[1], k.shape[-1]
         qf = q.float()
-        kv = torch.stack((k, v))  # one message per hop
+        kv = torch.cat((k, v), dim=-1)  # one message per hop
         out = lse = None
         for step in range(layout.size):
             pending = None
@@ -222,7 +229,7 @@ class _RingAttention(torch.autograd.Function):
             src = (layout.rank - step) % layout.size
             mask = _visible(layout, layout.rank, src)
             if mask.any():  # zigzag makes some blocks entirely future: skip them
-                kb, vb = (_expand_kv(t.float(), H) for t in kv)
+                kb, vb = (_expand_kv(t.float(), H) for t in _split_kv(kv, d))
                 out, lse = merge(out, lse, *block_attention(qf, kb, vb, mask))
             if pending is not None:
                 _wait(pending)
@@ -234,11 +241,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, H = ctx.layout, q.shape[1]
+        layout, H, d = ctx.layout, q.shape[1], k.shape[-1]
         qf, dout = q.float(), dout.float()
         delta = (dout * out).sum(-1).transpose(0, 1)  # [H, Tq]: rowsum(dO ∘ O)
         dq = torch.zeros_like(qf)
-        kv = torch.stack((k, v))
+        kv = torch.cat((k, v), dim=-1)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(layout.size):
             pending = None
@@ -247,18 +254,20 @@ class _RingAttention(torch.autograd.Function):
             src = (layout.rank - step) % layout.size
             mask = _visible(layout, layout.rank, src)
             if mask.any():
-                kb, vb = (_expand_kv(t.float(), H) for t in kv)
+                kb, vb = (_expand_kv(t.float(), H) for t in _split_kv(kv, d))
                 dqb, dkb, dvb = block_attention_backward(qf, kb, vb, mask, out, lse, dout, delta)
                 dq += dqb
-                dkv[0] += _fold_kv_grad(dkb, ctx.kv_heads)
-                dkv[1] += _fold_kv_grad(dvb, ctx.kv_heads)
+                dk, dv = _split_kv(dkv, d)
+                dk += _fold_kv_grad(dkb, ctx.kv_heads)
+                dv += _fold_kv_grad(dvb, ctx.kv_heads)
             # The K/V gradient follows its block; after the last step it is one hop from home, and takes that hop.
             dkv, dkv_pending = _ring_shift(dkv, layout)
             _wait(dkv_pending)
             if pending is not None:
                 _wait(pending)
                 kv = nxt_kv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        dk, dv = _split_kv(dkv, d)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 # ---------------------------------------------------------------- all-gather exchange
@@ -303,7 +312,7 @@ class ContextParallelAttention(nn.Module):
 def apply_context_parallel(model: nn.Module) -> nn.Module:
     """Swap every attention core for the context-parallel one, in place (groups come per micro-batch, in the layout)."""
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, MLAttention)):
             module.core = ContextParallelAttention()
     return model
 

@@ -8,7 +8,10 @@ all-gathers tokens, the exit reduce-scatters them. Norms, the router and the rou
 token shard, which is why their parameter gradients are partial over TP (the norm scales and the router weight get a
 backward hook that all-reduces them over TP; the routed experts are reduced over EDP by the expert grouping). The
 optional QK-norm scales live inside the attention region, whole on every rank but applied to the rank's heads only, so
-they get the same hook, with or without sequence parallelism.
+they get the same hook, with or without sequence parallelism. Multi-head Latent Attention splits its heads the same way
+(q_proj or q_b_proj and kv_b_proj column parallel, o_proj row parallel); its latent projections and norms (q_a_proj,
+q_a_layernorm, kv_a_proj_with_mqa with the shared RoPE key, kv_a_layernorm) are whole on every rank and feed only the
+rank's heads, so their gradients are partial over TP too and get the hook.
 
 The embedding and output layer are split over the vocabulary; the loss is a vocab-parallel cross-entropy in fp32, so
 no rank ever materialises full-vocabulary logits.
@@ -32,6 +35,7 @@ from torch import nn
 
 from services.trainer.model.attention import Attention
 from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.model.mla import MLAttention
 from services.trainer.model.mlp import SwiGLUMLP
 from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.parallel.differentiable import (all_reduce_sum, copy_to_group, gather_tokens, group_rank,
@@ -106,6 +110,21 @@ def parallelize_attention(attn: Attention, group: ProcessGroup, sequence_paralle
     for norm in (attn.q_norm, attn.k_norm):
         if norm is not None:
             mark_sequence_parallel(norm.weight, group)
+    _make_region(attn, group, sequence_parallel)
+
+
+def parallelize_mla(attn: MLAttention, group: ProcessGroup, sequence_parallel: bool) -> None:
+    n = group_size(group)
+    if attn.num_heads % n:
+        raise ValueError(f"tp={n} must divide num_heads={attn.num_heads}")
+    # Output rows are per head ([nope | rope] for q, [k_nope | v] for kv_b_proj): contiguous slices are whole heads.
+    for proj in (attn.q_proj if attn.q_proj is not None else attn.q_b_proj, attn.kv_b_proj):
+        _shard_linear(proj, 0, group)
+    _shard_linear(attn.o_proj, 1, group)
+    # Whole on every rank, read by the rank's heads only: each rank's gradient is its heads' share.
+    for module in (attn.q_a_proj, attn.q_a_layernorm, attn.kv_a_proj_with_mqa, attn.kv_a_layernorm):
+        if module is not None:
+            mark_sequence_parallel(module.weight, group)
     _make_region(attn, group, sequence_parallel)
 
 
@@ -226,6 +245,8 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
     for module in list(model.modules()):
         if isinstance(module, Attention):
             parallelize_attention(module, group, sequence_parallel)
+        elif isinstance(module, MLAttention):
+            parallelize_mla(module, group, sequence_parallel)
         elif isinstance(module, SwiGLUMLP):  # dense FFN or a MoE layer's shared expert
             parallelize_swiglu(module, group, sequence_parallel)
         elif isinstance(module, MoELayer) and sequence_parallel:
@@ -233,7 +254,7 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
             mark_sequence_parallel(module.router.weight, group)
             module.router.sp_group = group  # aux/z-loss statistics over the whole micro-batch
         elif (isinstance(module, nn.RMSNorm) and sequence_parallel and module.weight is not None
-              and not getattr(module.weight, "sequence_parallel", False)):  # QK-norms: already hooked by attention
+              and not getattr(module.weight, "sequence_parallel", False)):  # QK/latent norms: hooked by attention
             mark_sequence_parallel(module.weight, group)
     if getattr(model, "embed", None) is not None:
         model.embed = VocabParallelEmbedding(model.embed, group, sequence_parallel)

@@ -1,0 +1,240 @@
+"""Which models each Hugging Face family can express, and its config.json <-> our ModelConfig, both ways.
+
+Used by services/checkpointer/hf.py (the weights); the rule is the same: a config the family would compute differently
+is refused with `HFError`, naming the field and the value it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from services.checkpointer.hf_deepseek import LATENT_NORM_EPS
+from services.common.config import ModelConfig
+
+Family = Literal["mixtral", "qwen3_moe", "deepseek_v3"]
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+_ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}  # transformers' values for a missing (or null) field
+
+
+class HFError(ValueError):
+    """A model or HF checkpoint that cannot be converted; the message says what does not fit."""
+
+
+def check_family(cfg: ModelConfig, family: str) -> None:
+    """Refuse a config whose model the HF family would compute differently."""
+    if family not in FAMILIES:
+        raise HFError(f"unknown HF family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if cfg.capacity_factor > 0:
+        raise HFError(f"{family} is dropless but `model.capacity_factor={cfg.capacity_factor}` drops tokens")
+    if family == "deepseek_v3":
+        _check_deepseek(cfg)
+        return
+    if cfg.attention != "gqa":
+        raise HFError(f"{family} has grouped-query attention but `model.attention={cfg.attention}`; export MLA "
+                      "models as deepseek_v3")
+    if cfg.rope_scaling_factor != 1.0:
+        raise HFError(f"{family} export writes plain RoPE but `model.rope_scaling_factor={cfg.rope_scaling_factor}` "
+                      "(YaRN)")
+    if cfg.shared_expert_ffn_hidden_size:
+        raise HFError(f"{family} has no shared expert but `model.shared_expert_ffn_hidden_size="
+                      f"{cfg.shared_expert_ffn_hidden_size}`")
+    if family == "mixtral" and cfg.first_k_dense:
+        raise HFError(f"mixtral has no dense layers but `model.first_k_dense={cfg.first_k_dense}`")
+    if cfg.qk_norm != (family == "qwen3_moe"):
+        raise HFError(f"{family} {'has' if family == 'qwen3_moe' else 'has no'} per-head q/k RMSNorm: it needs "
+                      f"`model.qk_norm={str(family == 'qwen3_moe').lower()}`, got {str(cfg.qk_norm).lower()}")
+    if cfg.score_func != "softmax":
+        raise HFError(f"{family} routes with softmax scores but `model.score_func={cfg.score_func}`")
+    if cfg.num_groups:
+        raise HFError(f"{family} has no group-limited routing but `model.num_groups={cfg.num_groups}`")
+    if cfg.routed_scaling_factor != 1.0:
+        raise HFError(f"{family} does not scale routed outputs but `model.routed_scaling_factor="
+                      f"{cfg.routed_scaling_factor}`")
+    if family == "mixtral" and not cfg.norm_topk_prob:
+        raise HFError("mixtral always renormalises its top-k probabilities (softmax over the top-k logits): it needs "
+                      "`model.norm_topk_prob=true`")
+
+
+def _check_deepseek(cfg: ModelConfig) -> None:
+    """What DeepseekV3ForCausalLM computes: MLA, sigmoid scores, shared experts in units of one expert's width."""
+    if cfg.attention != "mla":
+        raise HFError(f"deepseek_v3 has Multi-head Latent Attention: it needs `model.attention=mla`, got "
+                      f"{cfg.attention}")
+    if cfg.score_func != "sigmoid":
+        raise HFError(f"deepseek_v3 routes with sigmoid scores but `model.score_func={cfg.score_func}`")
+    shared, f = cfg.shared_expert_ffn_hidden_size, cfg.moe_ffn_hidden_size
+    if shared <= 0 or shared % f:
+        raise HFError(f"deepseek_v3's shared experts are n_shared_experts >= 1 experts' width: it needs "
+                      f"`model.shared_expert_ffn_hidden_size` a positive multiple of `model.moe_ffn_hidden_size={f}`, "
+                      f"got {shared}")
+    if cfg.num_groups and cfg.num_experts // cfg.num_groups < 2:
+        raise HFError(f"deepseek_v3 ranks expert groups by their two best scores: `model.num_groups="
+                      f"{cfg.num_groups}` leaves fewer than 2 of `model.num_experts={cfg.num_experts}` per group")
+    if cfg.norm_eps != LATENT_NORM_EPS:
+        raise HFError(f"deepseek_v3's MLA latent norms (q_a_layernorm, kv_a_layernorm) always use eps "
+                      f"{LATENT_NORM_EPS}, ours use `model.norm_eps={cfg.norm_eps}`: it needs "
+                      f"`model.norm_eps={LATENT_NORM_EPS}`")
+
+
+def hf_config(cfg: ModelConfig, family: Family, dtype: str = "bfloat16", max_positions: int = 4096) -> dict:
+    """config.json for transformers: every field that decides what the HF model computes is written explicitly, so the
+    model does not depend on a transformers version's defaults."""
+    check_family(cfg, family)
+    common = {"architectures": [_ARCH[family]], "model_type": family,
+              "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+              "num_attention_heads": cfg.num_heads, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps,
+              "num_experts_per_tok": cfg.top_k, "tie_word_embeddings": False, "hidden_act": "silu",
+              "max_position_embeddings": max_positions, "torch_dtype": dtype, "dtype": dtype,
+              "initializer_range": cfg.init_std, "attention_dropout": 0.0, "output_router_logits": False,
+              "use_cache": True}
+    if family == "deepseek_v3":
+        return {**common, **_deepseek_hf_config(cfg, max_positions)}
+    common.update({"num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.kv_channels, "sliding_window": None,
+                   # transformers < 5 reads rope_theta, 5 reads rope_parameters (and still accepts rope_theta alone)
+                   "rope_theta": cfg.rope_theta,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                   "router_aux_loss_coef": cfg.aux_loss_coeff if cfg.aux_loss_type != "none" else 0.0})
+    if family == "mixtral":  # always renormalises the top-k probabilities: no norm_topk_prob field
+        return {**common, "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.num_experts,
+                "router_jitter_noise": 0.0}
+    return {**common, "intermediate_size": cfg.ffn_hidden_size, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
+            "num_experts": cfg.num_experts, "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(cfg.first_k_dense)), "attention_bias": False, "use_sliding_window": False}
+
+
+def _deepseek_hf_config(cfg: ModelConfig, max_positions: int) -> dict:
+    """DeepseekV3Config's fields (the published spelling: scoring_func, topk_method, aux_loss_alpha are what
+    DeepSeek's own code reads; transformers computes the same without them)."""
+    rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling_factor != 1.0:
+        rope.update(rope_type="yarn", factor=cfg.rope_scaling_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_position, beta_fast=cfg.rope_beta_fast,
+                    beta_slow=cfg.rope_beta_slow, mscale=cfg.rope_mscale, mscale_all_dim=cfg.rope_mscale_all_dim)
+        # transformers warns unless max_position_embeddings is the extended context, original x factor
+        max_positions = round(cfg.rope_original_max_position * cfg.rope_scaling_factor)
+    groups = cfg.num_groups or 1  # one group holding every expert: the group limit selects them all
+    return {"max_position_embeddings": max_positions, "attention_bias": False, "rope_theta": cfg.rope_theta,
+            # rope rows as interleaved pairs: the published layout, which DeepSeek's own code and vLLM assume
+            "rope_parameters": rope, "rope_interleave": True,
+            "num_key_value_heads": cfg.num_heads, "head_dim": cfg.qk_rope_head_dim,
+            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "v_head_dim": cfg.v_head_dim, "intermediate_size": cfg.ffn_hidden_size,
+            "first_k_dense_replace": cfg.first_k_dense, "moe_layer_freq": 1,
+            "moe_intermediate_size": cfg.moe_ffn_hidden_size, "n_routed_experts": cfg.num_experts,
+            "n_shared_experts": cfg.shared_expert_ffn_hidden_size // cfg.moe_ffn_hidden_size,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": cfg.norm_topk_prob,
+            "n_group": groups, "topk_group": cfg.topk_groups if cfg.num_groups else 1,
+            "routed_scaling_factor": cfg.routed_scaling_factor, "num_nextn_predict_layers": 0,
+            "aux_loss_alpha": cfg.aux_loss_coeff if cfg.aux_loss_type != "none" else 0.0,
+            "seq_aux": cfg.aux_loss_type == "sequence"}
+
+
+def _rope_fields(config: dict, family: str) -> dict:
+    """Our rope_* fields from config.json's rope_parameters (transformers 5) or rope_scaling + rope_theta (4):
+    plain RoPE for every family, YaRN for deepseek_v3 (where our softmax-scale mscale is DeepSeek's)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "full_attention" in rope:  # transformers 5 may nest the parameters by layer type
+        rope = rope["full_attention"]
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFError("partial_rotary_factor != 1: our RoPE rotates the whole head")
+    default_theta = 1e6 if family == "mixtral" else 10000.0  # the families' defaults when config.json gives none
+    fields = {"rope_theta": rope.get("rope_theta", config.get("rope_theta", default_theta))}
+    if rope_type == "default":
+        return fields
+    if rope_type != "yarn" or family != "deepseek_v3":
+        raise HFError(f"RoPE type {rope_type!r}: {family} converts with plain RoPE (rope_type 'default')"
+                      + (" or 'yarn'" if family == "deepseek_v3" else ""))
+    if rope.get("attention_factor") is not None:
+        raise HFError(f"YaRN attention_factor={rope['attention_factor']}: we derive it from factor, mscale and "
+                      "mscale_all_dim, as DeepSeek-V3 does; drop the field")
+    if not rope.get("truncate", True):
+        raise HFError("YaRN truncate=false: our correction range is rounded to whole dims (truncate=true)")
+    # transformers' order: a top-level original_max_position_embeddings wins; a missing factor is the context ratio
+    original = (config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                or config["max_position_embeddings"])
+    return {**fields, "rope_scaling_factor": float(rope.get("factor") or config["max_position_embeddings"] / original),
+            "rope_original_max_position": int(original),
+            **{f"rope_{k}": float(rope.get(k) or v) for k, v in _YARN_DEFAULTS.items()},
+            # a missing mscale is 0 here: "unused", as transformers treats a missing one
+            "rope_mscale": float(rope.get("mscale") or 0.0),
+            "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+
+
+def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
+    """Our ModelConfig from an HF config.json of a supported family (transformers 4 or 5 spelling)."""
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise HFError(f"config.json model_type {family!r} is not supported: only MoE models of the families "
+                      f"{', '.join(FAMILIES)} convert")
+    if config.get("hidden_act", "silu") != "silu":
+        raise HFError(f"hidden_act={config['hidden_act']!r}: our experts are SwiGLU (silu)")
+    if config.get("attention_bias"):
+        raise HFError("attention_bias=true: our attention projections have no biases")
+    rope = _rope_fields(config, family)
+    if family == "deepseek_v3":
+        return _deepseek_config(config, rope), family
+    window = config.get("sliding_window") if config.get("use_sliding_window", family == "mixtral") else None
+    if window is not None:
+        raise HFError(f"sliding_window={window}: our attention is full causal")
+    num_layers = config["num_hidden_layers"]
+    num_experts = config.get("num_local_experts", config.get("num_experts"))
+    if not num_experts:
+        raise HFError(f"num_experts={num_experts}: not an MoE model")
+    step = config.get("decoder_sparse_step", 1) or 1
+    dense = sorted(set(config.get("mlp_only_layers") or []) | {i for i in range(num_layers) if (i + 1) % step})
+    if family == "qwen3_moe" and dense != list(range(len(dense))):
+        raise HFError(f"dense layers {dense} (mlp_only_layers, decoder_sparse_step={step}) must be the leading layers "
+                      "(our model's first_k_dense)")
+    cfg = ModelConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=num_layers,
+                      num_heads=config["num_attention_heads"],
+                      num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                      head_dim=config.get("head_dim") or 0, num_experts=num_experts,
+                      top_k=config["num_experts_per_tok"], norm_eps=config["rms_norm_eps"], **rope,
+                      first_k_dense=len(dense) if family == "qwen3_moe" else 0,
+                      # transformers' defaults: Mixtral always renormalises, Qwen3-MoE only with norm_topk_prob
+                      norm_topk_prob=True if family == "mixtral" else bool(config.get("norm_topk_prob", False)),
+                      qk_norm=family == "qwen3_moe",
+                      aux_loss_coeff=config.get("router_aux_loss_coef", 0.001),
+                      init_std=config.get("initializer_range", ModelConfig.init_std),
+                      moe_ffn_hidden_size=config.get("moe_intermediate_size", config["intermediate_size"]),
+                      ffn_hidden_size=config["intermediate_size"] if family == "qwen3_moe" else ModelConfig.ffn_hidden_size)
+    return cfg, family
+
+
+def _refuse_deepseek_fields(config: dict) -> None:
+    """Fields of DeepSeek's own config.json whose other values transformers ignores or computes differently."""
+    for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if config.get(key, wanted) != wanted:
+            raise HFError(f"{key}={config[key]!r}: deepseek_v3 converts with {key}={wanted!r} only")
+    if (config.get("n_shared_experts") or 0) < 1:
+        raise HFError(f"n_shared_experts={config.get('n_shared_experts')}: deepseek_v3 converts with shared experts")
+    if config["rms_norm_eps"] != LATENT_NORM_EPS:
+        raise HFError(f"rms_norm_eps={config['rms_norm_eps']}: transformers' MLA latent norms (q_a_layernorm, "
+                      f"kv_a_layernorm) keep eps {LATENT_NORM_EPS} while ours use model.norm_eps for every norm; "
+                      f"deepseek_v3 converts with rms_norm_eps={LATENT_NORM_EPS} only")
+
+
+def _deepseek_config(config: dict, rope: dict) -> ModelConfig:
+    """DeepseekV3Config -> ours. num_key_value_heads is not read: every MLA head has its own keys and values."""
+    _refuse_deepseek_fields(config)
+    heads, num_layers, groups = config["num_attention_heads"], config["num_hidden_layers"], config["n_group"] or 1
+    moe = {"num_experts": config.get("n_routed_experts", config.get("num_local_experts")),
+           "top_k": config["num_experts_per_tok"], "moe_ffn_hidden_size": config["moe_intermediate_size"],
+           "shared_expert_ffn_hidden_size": config["n_shared_experts"] * config["moe_intermediate_size"],
+           "score_func": "sigmoid", "norm_topk_prob": bool(config["norm_topk_prob"]),
+           "num_groups": groups if groups > 1 else 0, "topk_groups": config["topk_group"] if groups > 1 else 0,
+           "routed_scaling_factor": float(config["routed_scaling_factor"]),
+           "first_k_dense": min(config["first_k_dense_replace"], num_layers)}
+    if "aux_loss_alpha" in config:  # DeepSeek's sequence-wise balance loss (not part of the function computed)
+        moe.update(aux_loss_coeff=config["aux_loss_alpha"],
+                   aux_loss_type="sequence" if config.get("seq_aux", True) else "micro_batch")
+    mla = {"attention": "mla", "q_lora_rank": config["q_lora_rank"] or 0, "kv_lora_rank": config["kv_lora_rank"],
+           "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
+           "v_head_dim": config["v_head_dim"]}
+    return ModelConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=num_layers,
+                       num_heads=heads, num_kv_heads=heads, ffn_hidden_size=config["intermediate_size"],
+                       norm_eps=config["rms_norm_eps"], init_std=config.get("initializer_range", ModelConfig.init_std),
+                       **mla, **moe, **rope)
