@@ -82,12 +82,13 @@ def bench_generation(cfg, model, device, args) -> dict:
     completions = engine.generate(requests)
     sync(device)
     wall = time.perf_counter() - t0
+    cache_bytes = engine.cache.cache_bytes
     engine.close()
     tokens = sum(len(c.tokens) for c in completions)
     return {"gen_requests": len(requests), "gen_prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
             "gen_tokens": tokens, "gen_wall_s": wall, "gen_tokens_per_s": tokens / wall,
             "gen_prompts_per_s": len(prompts) / wall, "gen_completion_len_mean": tokens / len(requests),
-            "gen_prefill_s": prefill[0], "gen_decode_s": decode[0], "gen_other_s": wall - prefill[0] - decode[0],
+            "gen_prefill_s": prefill[0], "gen_decode_s": decode[0], "gen_kv_cache_bytes": cache_bytes, "gen_other_s": wall - prefill[0] - decode[0],
             "stops_honoured": args.keep_stops}
 
 
@@ -179,6 +180,7 @@ def main() -> None:
         ("generated tokens/s", f"{r['gen_tokens_per_s']:,.1f} ({r['gen_tokens']:,} tokens in {r['gen_wall_s']:.2f}s)"),
         ("prompts/s", f"{r['gen_prompts_per_s']:,.2f} ({r['gen_requests'] / r['gen_wall_s']:,.1f} samples/s)"),
         ("mean completion len", f"{r['gen_completion_len_mean']:.2f} tokens (max {args.max_new_tokens})"),
+        ("KV cache", f"{r['gen_kv_cache_bytes'] / 2**20:,.1f} MiB ({r['max_batch']} slots of {r['max_seq_len']} tokens)"),
         ("prefill / decode / other", f"{r['gen_prefill_s']:.2f}s / {r['gen_decode_s']:.2f}s / {r['gen_other_s']:.2f}s"),
         ("weight sync", f"{r['sync_bytes'] / 1e6:,.1f} MB in {r['sync_dtype']}, chunks {r['sync_chunk_mb']:g} MiB, "
                         f"median of {args.syncs}"),

@@ -191,6 +191,19 @@ def test_fp8_on_cpu_leaves_an_mla_model_on_the_plain_linears(monkeypatch):
     assert_same_step(step(mla_model(fp8="tensorwise")), step(mla_model()), rtol=0, atol=0)
 
 
+def test_attention_to_the_cached_latent_equals_attention_over_the_expanded_keys_and_values():
+    """What the rollout cache decodes with (kv_b_proj absorbed, mla.py `attend_latent`) is the packed core's result:
+    every token of a document, as a query against the latents of the tokens up to it."""
+    attn = randomized(MLAttention(ModelConfig(hidden_size=32, num_heads=4, q_lora_rank=16, **MLA, **YARN)), seed=5)
+    n = LENGTHS[1]
+    x, _, _ = packed_input(32)
+    q, latent, k_rope = attn.query_and_latent(x[:n], torch.arange(n))
+    want = packed_causal_attention(q, *attn.expand(latent, k_rope), torch.tensor([0, n], dtype=torch.int32))
+    visible = torch.arange(n)[None, :] <= torch.arange(n)[:, None]  # query t sees tokens 0..t
+    got = attn.attend_latent(q, latent.expand(n, -1, -1), k_rope.expand(n, -1, -1), visible)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_mla_model_has_hf_deepseek_v3_attention_names_and_no_gqa_projections():
     names = {n for n, _ in mla_model().named_parameters() if n.startswith("layers.0.attn.")}
     assert names == {f"layers.0.attn.{n}.weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj",

@@ -10,6 +10,7 @@ import torch
 
 from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Engine, EngineError, Request
+from services.rl_rollout.kv_cache import CachedDecoder
 from services.rl_rollout.sampling import SamplingParams, sample
 from tests.rl_helpers import full_forward, tiny_model
 
@@ -41,7 +42,7 @@ ATTENTION = {"plain": {}, "qk_norm": {"qk_norm": True}, "mla": MLA,
 @pytest.mark.parametrize("attention", list(ATTENTION))
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_cached_decoding_matches_full_forward_token_by_token(device, attention):
-    """GQA and Multi-head Latent Attention alike: MLA caches per-head keys and values, narrower values than keys."""
+    """GQA and Multi-head Latent Attention alike: MLA caches the latent and decodes with kv_b_proj absorbed."""
     model = _model(device, **ATTENTION[attention])
     engine = Engine(model, TOK, max_batch=3, max_seq_len=64)
     for c in engine.generate(_requests(_greedy())):
@@ -65,6 +66,16 @@ def test_greedy_cached_decoding_matches_full_forward_token_by_token(device, atte
             torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, chosen[:, None]).squeeze(1),
                                        atol=0.1, rtol=0)
         assert c.routing.shape == (len(model.moe_layers()), len(seq) - 1, model.cfg.top_k)
+
+
+def test_mla_cache_holds_the_latent_and_rope_key_not_per_head_keys_and_values():
+    model = _model("cpu", **MLA)
+    cfg = model.cfg
+    decoder = CachedDecoder(model, slots=3, max_len=64)
+    per_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # fp32
+    assert decoder.cache_bytes == 3 * 64 * per_token
+    expanded = cfg.num_layers * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim) * 4
+    assert per_token < expanded  # 24 + 8 against 4 heads x (24 + 8); DeepSeek-V3: 576 against 128 x (192 + 128)
 
 
 def test_continuous_batching_gives_the_same_completions_as_one_big_batch():

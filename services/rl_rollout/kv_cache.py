@@ -1,7 +1,13 @@
 """A cached forward pass over the trainer's `MoETransformer`: prefill a packed batch of prompts, then decode one token per
-sequence per step, reusing the model's own modules and weights (embedding, norms, the attention's `qkv` and o_proj,
-RoPE, MLP/MoE, output layer; GQA or MLA alike). Only the attention core differs: prefill uses the model's packed causal attention, decode attends one
-query per sequence to that sequence's cached keys.
+sequence per step, reusing the model's own modules and weights (embedding, norms, the attention's projections and
+RoPE, MLP/MoE, output layer). Only attention differs: prefill uses the model's packed causal attention and stores
+what later tokens need, decode attends one query per sequence to its sequence's cache.
+
+What is cached depends on the attention (one class each, same methods):
+- GQA (`HeadCache`): keys and values of every key/value head, 2·kv_heads·head_dim values per token and layer.
+- Multi-head Latent Attention (`LatentCache`): the normalised latent and the shared RoPE key, kv_lora_rank +
+  qk_rope_head_dim values per token and layer (DeepSeek-V3: 576, against 40,960 for its 128 heads' keys and values
+  expanded); decode absorbs kv_b_proj into the query and the output instead of expanding (mla.py `attend_latent`).
 
 The cache is slot based: `slots` sequences of at most `max_len` tokens, one slot per running sequence. A slot is reused
 as soon as its sequence finishes, which is what continuous batching needs; nothing is ever compacted.
@@ -15,8 +21,57 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.common.config import ModelConfig
 from services.trainer.model.attention import packed_causal_attention
 from services.trainer.model.transformer import MoETransformer
+
+
+class HeadCache:
+    """Per-head keys and values: [layers, slots, kv heads, max_len, head dim]."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype):
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len)
+        self.k = torch.zeros(*shape, cfg.qk_head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros(*shape, cfg.value_head_dim, device=device, dtype=dtype)
+        self.tensors = (self.k, self.v)
+
+    def prefill(self, li: int, attn, h, positions, slot_of_token, cu, max_len: int) -> torch.Tensor:
+        q, k, v = attn.qkv(h, positions)
+        self.k[li][slot_of_token, :, positions] = k
+        self.v[li][slot_of_token, :, positions] = v
+        return packed_causal_attention(q, k, v, cu, max_len)
+
+    def decode(self, li: int, attn, h, slot, pos, visible) -> torch.Tensor:
+        q, k, v = attn.qkv(h, pos)
+        self.k[li][slot, :, pos] = k
+        self.v[li][slot, :, pos] = v
+        span = visible.shape[-1]
+        keys, values = self.k[li][slot, :, :span], self.v[li][slot, :, :span]  # [B, Hkv, span, d]
+        return F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=visible[:, None, None, :],
+                                              enable_gqa=keys.shape[1] != q.shape[1])[:, :, 0]
+
+
+class LatentCache:
+    """MLA's latent and shared RoPE key: [layers, slots, max_len, kv_lora_rank] and [..., qk_rope_head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, max_len: int, device, dtype):
+        shape = (cfg.num_layers, slots, max_len)
+        self.latent = torch.zeros(*shape, cfg.kv_lora_rank, device=device, dtype=dtype)
+        self.k_rope = torch.zeros(*shape, cfg.qk_rope_head_dim, device=device, dtype=dtype)
+        self.tensors = (self.latent, self.k_rope)
+
+    def prefill(self, li: int, attn, h, positions, slot_of_token, cu, max_len: int) -> torch.Tensor:
+        q, latent, k_rope = attn.query_and_latent(h, positions)
+        self.latent[li][slot_of_token, positions] = latent
+        self.k_rope[li][slot_of_token, positions] = k_rope
+        return packed_causal_attention(q, *attn.expand(latent, k_rope), cu, max_len)  # a prompt at once: expanded
+
+    def decode(self, li: int, attn, h, slot, pos, visible) -> torch.Tensor:
+        q, latent, k_rope = attn.query_and_latent(h, pos)
+        self.latent[li][slot, pos] = latent
+        self.k_rope[li][slot, pos] = k_rope
+        span = visible.shape[-1]
+        return attn.attend_latent(q, self.latent[li][slot, :span], self.k_rope[li][slot, :span], visible)
 
 
 class CachedDecoder:
@@ -29,12 +84,8 @@ class CachedDecoder:
         self.model, self.slots, self.max_len = model, slots, max_len
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        # Multi-head Latent Attention's `qkv` gives keys and values expanded to every head, its values narrower
-        # than its keys (v_head_dim): cached as such, not as the latent.
-        kv_heads = cfg.num_heads if cfg.attention == "mla" else cfg.num_kv_heads
-        shape = (len(model.layers), slots, kv_heads, max_len)
-        self.k = torch.zeros(*shape, cfg.qk_head_dim, device=self.device, dtype=self.dtype)
-        self.v = torch.zeros(*shape, cfg.value_head_dim, device=self.device, dtype=self.dtype)
+        cache = LatentCache if cfg.attention == "mla" else HeadCache
+        self.cache = cache(cfg, slots, max_len, self.device, self.dtype)
         self._routers = [m.router for m in model.moe_layers()]
         self._taps: list[torch.Tensor | None] = [None] * len(self._routers)
         self._hooks = [r.register_forward_hook(self._tap(i)) for i, r in enumerate(self._routers)]
@@ -42,6 +93,10 @@ class CachedDecoder:
     @property
     def num_moe_layers(self) -> int:
         return len(self._routers)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.cache.tensors)
 
     def _tap(self, i: int):
         def hook(module, inputs, routing):
@@ -58,7 +113,8 @@ class CachedDecoder:
             return torch.zeros(0, tokens, 0, dtype=torch.int64)
         return torch.stack(self._taps).cpu()
 
-    def _ffn(self, block, x: torch.Tensor) -> torch.Tensor:
+    def _block(self, block, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        x = x + block.attn.o_proj(attention.reshape(x.shape[0], -1))
         return x + block.mlp(block.mlp_norm(x))
 
     @torch.no_grad()
@@ -78,12 +134,8 @@ class CachedDecoder:
         cu[1:] = torch.tensor(lens, device=dev).cumsum(0)
         x = self.model.embed(tokens)
         for li, block in enumerate(self.model.layers.values()):
-            attn = block.attn
-            q, k, v = attn.qkv(block.attn_norm(x), positions)
-            self.k[li][slot_of_token, :, positions] = k
-            self.v[li][slot_of_token, :, positions] = v
-            out = packed_causal_attention(q, k, v, cu, max(lens))
-            x = self._ffn(block, x + attn.o_proj(out.reshape(x.shape[0], -1)))
+            out = self.cache.prefill(li, block.attn, block.attn_norm(x), positions, slot_of_token, cu, max(lens))
+            x = self._block(block, x, out)
         last = cu[1:].long() - 1
         return self.model.output(self.model.norm(x[last])), self._routing(x.shape[0])
 
@@ -99,16 +151,8 @@ class CachedDecoder:
         tok = torch.tensor(tokens, device=dev)
         slot = torch.tensor(slots, device=dev)
         pos = torch.tensor(positions, device=dev)
-        span = max(positions) + 1
-        visible = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, span]
+        visible = torch.arange(max(positions) + 1, device=dev)[None, :] <= pos[:, None]  # [B, span]
         x = self.model.embed(tok)
         for li, block in enumerate(self.model.layers.values()):
-            attn = block.attn
-            q, k, v = attn.qkv(block.attn_norm(x), pos)
-            self.k[li][slot, :, pos] = k
-            self.v[li][slot, :, pos] = v
-            keys, values = self.k[li][slot, :, :span], self.v[li][slot, :, :span]  # [B, Hkv, span, d]
-            out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=visible,
-                                                 enable_gqa=keys.shape[1] != q.shape[1])  # [B, Hq, 1, d]
-            x = self._ffn(block, x + attn.o_proj(out.reshape(x.shape[0], -1)))
+            x = self._block(block, x, self.cache.decode(li, block.attn, block.attn_norm(x), slot, pos, visible))
         return self.model.output(self.model.norm(x)), self._routing(x.shape[0])

@@ -7,8 +7,9 @@ could not be absorbed into the query at inference). Queries: one q_proj, or (q_l
 q_b_proj, per head [q_nope | q_rope]. A head's score is q_nope·k_nope + q_rope·k_rope, scaled by 1/sqrt(nope + rope).
 
 Training expands the latent to per-head keys and values and runs the cores GQA runs (attention.py: varlen flash attention
-on CUDA, masked SDPA elsewhere; the context-parallel ring; the rollout KV cache): `qkv` gives q, k [T, H, nope + rope]
-and v [T, H, v_head_dim]. Caching the latent instead of K/V (MLA's inference-time saving) is not done here.
+on CUDA, masked SDPA elsewhere; the context-parallel ring; the rollout's prefill): `qkv` gives q, k [T, H, nope + rope]
+and v [T, H, v_head_dim]. The rollout KV cache holds the latent instead (MLA's inference-time saving): `query_and_latent`
+gives what it stores, `attend_latent` decodes from it.
 
 Parameter names are transformers' DeepseekV3Attention's, so checkpoints map one to one (services/checkpointer/hf.py).
 RoPE rotates pairs (i, i + rope/2) as everywhere in this model; DeepSeek's checkpoints rotate interleaved pairs, and the
@@ -78,20 +79,46 @@ class MLAttention(nn.Module):
         rope = fused_head_norm_rope if fused else self.head_rope
         return rope(q_rope, k_rope, None, None, self.norm_eps, position_ids, self.inv_freq)
 
-    def qkv(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> q, k [T, H, nope + rope] (rotated, YaRN-scaled q) and v [T, H, v_head_dim]."""
+    def query_and_latent(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """x: [T, hidden] -> q [T, H, nope + rope] (rotated, YaRN-scaled), the normalised latent [T, kv_lora_rank] and
+        the rotated RoPE key all heads share [T, rope]: what a latent KV cache holds per token."""
         T = x.shape[0]
         x = to_compute_dtype(x)  # once for the projections that read it (precision.py)
         # Head counts are read from the projections so that a tensor-parallel shard (fewer local heads) runs unchanged.
         q_nope, q_rope = self._queries(x).view(T, -1, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(latent_norm(self.kv_a_layernorm, latent)).view(T, -1, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q_rope, k_rope = self._rope(q_rope, k_rope.view(T, 1, self.rope_dim), position_ids)
         q = torch.cat((_scaled(q_nope, self.nope_scale), _scaled(q_rope, self.rope_scale)), dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1)), dim=-1)
-        return q, k, v
+        return q, latent_norm(self.kv_a_layernorm, latent), k_rope[:, 0]
+
+    def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys [T, H, nope + rope] and values [T, H, v_head_dim] from the latent and the shared RoPE key."""
+        kv = self.kv_b_proj(latent).view(latent.shape[0], -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        return torch.cat((k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1)), dim=-1), v
+
+    def qkv(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q, k [T, H, nope + rope] (rotated, YaRN-scaled q) and v [T, H, v_head_dim]."""
+        q, latent, k_rope = self.query_and_latent(x, position_ids)
+        return (q, *self.expand(latent, k_rope))
+
+    def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                      visible: torch.Tensor) -> torch.Tensor:
+        """Attention of queries q [B, H, nope + rope] to cached latents [B, S, r] and RoPE keys [B, S, rope] where
+        `visible` [B, S], without expanding per-head keys and values: kv_b_proj's key half is absorbed into the
+        queries and its value half applied after the weighted sum (DeepSeek-V2 §2.1.2). -> [B, H, v_head_dim].
+
+        The same scores as the packed core (1/sqrt(nope + rope), YaRN already in q), in fp32: a decode step reads the
+        cache once, so its cost is the cache's bytes, not these small GEMMs."""
+        w_k, w_v = self.kv_b_proj.weight.float().view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank).split(
+            [self.nope_dim, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
+        q_nope, q_rope = q.float().split([self.nope_dim, self.rope_dim], dim=-1)
+        latent = latent.float()
+        scores = (torch.einsum("bhn,hnr,bsr->bhs", q_nope, w_k, latent)
+                  + torch.einsum("bhp,bsp->bhs", q_rope, k_rope.float())) * (self.nope_dim + self.rope_dim) ** -0.5
+        weights = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
+        return torch.einsum("bhs,bsr,hvr->bhv", weights, latent, w_v).to(q.dtype)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int | None = None) -> torch.Tensor:
