@@ -41,7 +41,7 @@ def test_a_rank_keeps_only_its_chunks_under_single_device_names_and_finds_them_a
     cfg.num_layers = 6
     for rank, kept in [(0, {"embed", "layers.0", "layers.1", "layers.3", "layers.4"}),
                        (1, {"layers.2", "layers.5", "norm", "output"})]:
-        model = keep_stage(MoETransformer(cfg), 2, rank, [2, 1, 2, 1], virtual=2)
+        model = keep_stage(MoETransformer(cfg), 2, rank, [2, 1, 2, 1], virtual=2, seq_len=32)
         assert {".".join(n.split(".")[:2]) if n.startswith("layers.") else n.split(".")[0]
                 for n, _ in model.named_parameters()} == kept
         assert held_chunks(model) == rank_chunks(6, 2, rank, [2, 1, 2, 1], virtual=2)
@@ -342,7 +342,7 @@ def test_rl_padding_leaves_the_load_only_of_the_layers_a_chunk_ran():
     from services.trainer.rl.folded import PolicyInput, policy_forward
 
     model = _rl_model()
-    keep_stage(model, 2, 0, virtual=2)  # rank 0: layers 0 (dense) and 2 (MoE)
+    keep_stage(model, 2, 0, virtual=2, seq_len=32)  # rank 0: layers 0 (dense) and 2 (MoE)
     k = model.cfg.top_k
     routing = torch.zeros(3, 6, k, dtype=torch.int64)  # [MoE layers of the whole model, tokens, k]
     tokens = torch.arange(6)

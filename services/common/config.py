@@ -156,7 +156,9 @@ class ParallelConfig:
     #                                     its 1/dp of every gradient bucket (false: all-reduce, every rank updates all)
     pp_layers: list[int] = field(default_factory=list)  # layers per stage (pp entries), or with pp_virtual > 1 per
     #                                                     model chunk (pp*pp_virtual entries, in layer order); empty:
-    #                                                     split evenly, earlier ones taking the extra layers
+    #                                                     the split whose costliest chunk has the fewest FLOPs per
+    #                                                     token, the output layer counted on the last
+    #                                                     (parallel/pipeline_split.py)
     pp_virtual: int = 1  # model chunks per pipeline rank (interleaved 1F1B, parallel/pipeline_interleaved.py): the
     #                      layers are cut into pp*pp_virtual chunks and rank s holds chunks s, s+pp, s+2*pp, ...; the
     #                      pipeline bubble shrinks by this factor, for pp_virtual times the stage-to-stage transfers

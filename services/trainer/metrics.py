@@ -26,21 +26,40 @@ def attention_params(cfg: ModelConfig) -> int:
     return q + kv + heads * cfg.v_head_dim * h
 
 
-def active_params(cfg: ModelConfig) -> int:
-    """Parameters a token actually multiplies with: attention, its MLP or top-k experts + shared, router, output layer."""
+def layer_params(cfg: ModelConfig, layer_id: int) -> int:
+    """Parameters a token multiplies with in decoder block `layer_id`: attention, and its MLP or top-k experts +
+    shared expert + router."""
     h = cfg.hidden_size
-    attn = attention_params(cfg)
-    dense = 3 * h * cfg.ffn_hidden_size
-    moe = 3 * h * cfg.moe_ffn_hidden_size * cfg.top_k + 3 * h * cfg.shared_expert_ffn_hidden_size + h * cfg.num_experts
-    n_moe = cfg.num_layers - cfg.first_k_dense
-    return cfg.num_layers * attn + cfg.first_k_dense * dense + n_moe * moe + h * cfg.vocab_size
+    if layer_id < cfg.first_k_dense:
+        mlp = 3 * h * cfg.ffn_hidden_size
+    else:
+        routed, shared = cfg.moe_ffn_hidden_size * cfg.top_k, cfg.shared_expert_ffn_hidden_size
+        mlp = 3 * h * (routed + shared) + h * cfg.num_experts
+    return attention_params(cfg) + mlp
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters a token actually multiplies with: every block's (`layer_params`) and the output layer's."""
+    return sum(layer_params(cfg, i) for i in range(cfg.num_layers)) + cfg.hidden_size * cfg.vocab_size
+
+
+def layer_flops(cfg: ModelConfig, layer_id: int, seq_len: int) -> float:
+    """Forward + backward FLOPs per token of block `layer_id`: 6 per weight, and the attention score (q·k) and value
+    (p·v) GEMMs, 3·heads·(qk head dim + v head dim)·seq (2 FLOPs per multiply-add, x3 for backward, half the keys
+    visible under the causal mask)."""
+    core = 3.0 * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim) * seq_len
+    return 6.0 * layer_params(cfg, layer_id) + core
+
+
+def output_flops(cfg: ModelConfig) -> float:
+    """Forward + backward FLOPs per token of the output layer (the loss's own work is negligible beside it)."""
+    return 6.0 * cfg.hidden_size * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6·N_active + 3·L·heads·(qk head dim + v head dim)·seq: the attention score (q·k) and value (p·v) GEMMs, 2
-    FLOPs per multiply-add, forward + backward (x3), half the keys visible (causal); 6·L·heads·head_dim·seq for GQA."""
-    per_head = cfg.qk_head_dim + cfg.value_head_dim
-    return 6.0 * active_params(cfg) + 3.0 * cfg.num_layers * cfg.num_heads * per_head * seq_len
+    """Every block's `layer_flops` and the output layer's: 6·N_active + 3·L·heads·(qk + v head dim)·seq (for GQA,
+    6·L·heads·head_dim·seq)."""
+    return sum(layer_flops(cfg, i, seq_len) for i in range(cfg.num_layers)) + output_flops(cfg)
 
 
 class StepValues:

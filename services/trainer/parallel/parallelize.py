@@ -31,7 +31,7 @@ from services.trainer.step import count_loss_tokens, host_to_device
 def parallelize(model: nn.Module, cfg: Config, groups: ParallelGroups) -> nn.Module:
     """Apply every parallelism of `cfg.parallel` to `model` (an initialised MoETransformer), in place."""
     p = cfg.parallel
-    apply_pipeline(model, groups.pp.group, p.pp_layers, p.pp_virtual)
+    apply_pipeline(model, groups.pp.group, p.pp_layers, p.pp_virtual, seq_len=cfg.data.seq_len)
     apply_expert_parallel(model, groups, p.dispatcher)
     bind_router_replicas(model, groups)
     apply_tensor_parallel(model, groups.tp.group, p.sequence_parallel)

@@ -26,19 +26,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.common.config import ModelConfig
 from services.trainer.model.moe.experts import fp8_weights_held
 from services.trainer.parallel.context_parallel import bind_micro_batch
 from services.trainer.parallel.differentiable import group_rank, group_size
 from services.trainer.parallel.micro_batch_pairs import pair_forward
 from services.trainer.parallel.pipeline_interleaved import interleaved_forward_backward, interleaved_forward_only
+from services.trainer.parallel.pipeline_split import cost_balanced_counts, even_counts
 from services.trainer.step import to_device
 
 ProcessGroup = dist.ProcessGroup
 
 
-def stage_layers(num_layers: int, pp_size: int, pp_layers: list[int] | None = None, virtual: int = 1) -> list[range]:
+def stage_layers(num_layers: int, pp_size: int, pp_layers: list[int] | None = None, virtual: int = 1,
+                 model_cfg: ModelConfig | None = None, seq_len: int = 0) -> list[range]:
     """Layer ids of each of the pp_size * virtual model chunks, in model order (with `virtual` 1 a chunk is a stage):
-    `pp_layers` counts per chunk, or as even as possible (earlier chunks take the extra)."""
+    `pp_layers` counts per chunk; else, given the model's config, the split that balances the chunks' FLOPs at
+    `seq_len` (pipeline_split.py); else as even as possible (earlier chunks take the extra)."""
     chunks = pp_size * virtual
     if pp_layers:
         if len(pp_layers) != chunks or sum(pp_layers) != num_layers or min(pp_layers) < 1:
@@ -46,30 +50,35 @@ def stage_layers(num_layers: int, pp_size: int, pp_layers: list[int] | None = No
             raise ValueError(f"`parallel.pp_layers={pp_layers}` must have one positive entry per {per} "
                              f"(pp*pp_virtual = {pp_size}*{virtual}) summing to num_layers={num_layers}")
         counts = list(pp_layers)
+    elif chunks > num_layers:
+        raise ValueError(f"`parallel.pp={pp_size}` x `parallel.pp_virtual={virtual}` exceeds "
+                         f"`model.num_layers={num_layers}`")
+    elif model_cfg is not None:
+        if model_cfg.num_layers != num_layers:
+            raise ValueError(f"a model of {model_cfg.num_layers} layers cannot be split as one of {num_layers}")
+        counts = cost_balanced_counts(model_cfg, chunks, seq_len)
     else:
-        if chunks > num_layers:
-            raise ValueError(f"`parallel.pp={pp_size}` x `parallel.pp_virtual={virtual}` exceeds "
-                             f"`model.num_layers={num_layers}`")
-        base, extra = divmod(num_layers, chunks)
-        counts = [base + (c < extra) for c in range(chunks)]
+        counts = even_counts(num_layers, chunks)
     starts = [sum(counts[:c]) for c in range(chunks)]
     return [range(starts[c], starts[c] + counts[c]) for c in range(chunks)]
 
 
 def rank_chunks(num_layers: int, pp_size: int, rank: int, pp_layers: list[int] | None = None,
-                virtual: int = 1) -> list[range]:
+                virtual: int = 1, model_cfg: ModelConfig | None = None, seq_len: int = 0) -> list[range]:
     """The chunks pipeline rank `rank` holds: rank, rank + pp_size, ... (interleaved 1F1B's layout, in which a
     micro-batch visits the ranks in order `virtual` times: rank 0 holds the first chunk, the last rank the last)."""
-    return stage_layers(num_layers, pp_size, pp_layers, virtual)[rank::pp_size]
+    return stage_layers(num_layers, pp_size, pp_layers, virtual, model_cfg, seq_len)[rank::pp_size]
 
 
 def keep_stage(model: nn.Module, size: int, rank: int, pp_layers: list[int] | None = None,
-               virtual: int = 1) -> nn.Module:
-    """Reduce `model` (in place) to pipeline rank `rank`'s stage of `size`: its chunks' layers, the embedding if it
-    holds the first chunk, the final norm and output layer if it holds the last."""
+               virtual: int = 1, *, seq_len: int) -> nn.Module:
+    """Reduce `model` (in place) to pipeline rank `rank`'s stage of `size`: its chunks' layers (`pp_layers`, else
+    balanced by FLOPs at `seq_len`), the embedding if it holds the first chunk, the final norm and output layer if it
+    holds the last."""
     if size == 1:
         return model
-    owned = {i for chunk in rank_chunks(len(model.layers), size, rank, pp_layers, virtual) for i in chunk}
+    chunks = rank_chunks(len(model.layers), size, rank, pp_layers, virtual, model.cfg, seq_len)
+    owned = {i for chunk in chunks for i in chunk}
     for layer_id in list(model.layers.keys()):
         if int(layer_id) not in owned:
             del model.layers[layer_id]
@@ -82,9 +91,9 @@ def keep_stage(model: nn.Module, size: int, rank: int, pp_layers: list[int] | No
 
 
 def apply_pipeline(model: nn.Module, pp_group: ProcessGroup | None, pp_layers: list[int] | None = None,
-                   virtual: int = 1) -> nn.Module:
+                   virtual: int = 1, *, seq_len: int) -> nn.Module:
     """Reduce `model` (in place) to this rank's stage; before tensor parallelism, so only owned modules get sharded."""
-    return keep_stage(model, group_size(pp_group), group_rank(pp_group), pp_layers, virtual)
+    return keep_stage(model, group_size(pp_group), group_rank(pp_group), pp_layers, virtual, seq_len=seq_len)
 
 
 def held_chunks(model_stage: nn.Module) -> list[range]:
