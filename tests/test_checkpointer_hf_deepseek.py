@@ -1,20 +1,20 @@
 """DeepSeek-V3 HF interop, the parts that need no foldmoe model: RoPE row order, FP8 block dequantisation, the
-config.json mapping, refusals, and skipping the multi-token-prediction layers on import.
+config.json mapping, refusals, and the multi-token-prediction layers.
 
 Specification: reordering q/k rope rows from DeepSeek's interleaved pairs to [evens | odds] makes our rotate-half RoPE
 give HF's rotated vectors (in HF's output order) and so the same q.k; re-interleaving undoes it exactly. An FP8 weight
 with one fp32 scale per block (edge blocks cut short) dequantises block by block. A DeepSeek-V3 config.json (published
 spelling: rope_scaling, scoring_func, quantization_config, MTP layers) maps to our ModelConfig and back to a config
 that maps to the same ModelConfig. Configs transformers would compute differently are refused naming the field. An
-FP8 checkpoint with MTP layers imports as its dequantised weights, the MTP tensors skipped with one log line, while any
-other unused tensor is still refused. (Logits against transformers: test_checkpointer_hf_deepseek_transformers.py.)
+FP8 checkpoint with MTP layers imports as its dequantised weights, the MTP layer as our MTP depth (its copies of the
+embedding and output layer must be the main ones), while any other unused tensor is still refused; an MTP model exports
+its depths back to DeepSeek's layout. (Logits against transformers: test_checkpointer_hf_deepseek_transformers.py.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 
 import pytest
@@ -179,6 +179,7 @@ def test_published_config_maps_to_ours_and_back():
     assert (cfg.rope_theta, cfg.rope_scaling_factor, cfg.rope_original_max_position, cfg.rope_beta_fast,
             cfg.rope_beta_slow, cfg.rope_mscale, cfg.rope_mscale_all_dim) == (10000, 4.0, 64, 32.0, 1.0, 1.0, 1.0)
     assert (cfg.norm_eps, cfg.aux_loss_type, cfg.aux_loss_coeff, cfg.qk_norm) == (1e-6, "sequence", 0.001, False)
+    assert cfg.mtp_num_layers == 1
 
     written = hf_config(cfg, "deepseek_v3", "float32")
     assert config_from_hf(written) == (cfg, "deepseek_v3")
@@ -187,7 +188,7 @@ def test_published_config_maps_to_ours_and_back():
                                           "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
     assert (written["max_position_embeddings"], written["n_shared_experts"], written["n_group"],
             written["topk_group"], written["rope_interleave"], written["num_nextn_predict_layers"]) == (
-        256, 1, 4, 2, True, 0)
+        256, 1, 4, 2, True, 1)
     loaded = transformers.DeepseekV3Config.from_dict(written)  # transformers reads it as written
     assert (loaded.q_lora_rank, loaded.n_routed_experts, loaded.rope_parameters["rope_type"]) == (32, 8, "yarn")
 
@@ -280,7 +281,7 @@ def write_fp8_checkpoint(hf_dir, state: dict[str, torch.Tensor], config: dict, m
     save_file({k: stored[k] for k in names[::2]}, str(hf_dir / "model-00001-of-00002.safetensors"))
     save_file({k: stored[k] for k in names[1::2]}, str(hf_dir / "model-00002-of-00002.safetensors"))
     (hf_dir / "config.json").write_text(json.dumps(config))
-    return {k: v for k, v in expected.items() if k not in mtp}
+    return expected
 
 
 def mtp_layer(state: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
@@ -290,24 +291,37 @@ def mtp_layer(state: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Ten
     h = state["model.norm.weight"].shape[0]
     return {**out, f"model.layers.{layer}.eh_proj.weight": torch.randn(h, 2 * h),
             f"model.layers.{layer}.enorm.weight": torch.ones(h), f"model.layers.{layer}.hnorm.weight": torch.ones(h),
-            f"model.layers.{layer}.shared_head.norm.weight": torch.ones(h)}
+            f"model.layers.{layer}.shared_head.norm.weight": torch.ones(h),
+            # the embedding and output layer it shares, stored again as the published checkpoint does
+            f"model.layers.{layer}.embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+            f"model.layers.{layer}.shared_head.head.weight": state["lm_head.weight"].clone()}
 
 
-def test_fp8_checkpoint_with_mtp_layers_imports_as_its_dequantised_weights(tmp_path, caplog):
+def test_fp8_checkpoint_with_mtp_layers_imports_as_its_dequantised_weights(tmp_path):
     config = tiny_hf_config()
     state = transformers_original_format(random_hf_model(config).state_dict())
     hf_dir = tmp_path / "fp8"
     published = {**published_config(), "rope_scaling": None, "rope_parameters": config.rope_parameters}
-    expected = write_fp8_checkpoint(hf_dir, state, published, mtp_layer(state, 3))
+    mtp = mtp_layer(state, 3)
+    expected = write_fp8_checkpoint(hf_dir, state, published, mtp)
 
-    with caplog.at_level(logging.INFO, logger="foldmoe.checkpointer"):
-        got, cfg = import_hf(hf_dir)
-    mtp_lines = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
-    assert len(mtp_lines) == 1 and "are not imported" in mtp_lines[0], mtp_lines
+    got, cfg = import_hf(hf_dir)
+    assert cfg.mtp_num_layers == 1
     want = from_hf(expected, cfg, "deepseek_v3")
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+    # the MTP layer as our depth 0: its decoder layer under mtp.0.block, its own weights beside it
+    assert torch.equal(got["mtp.0.eh_proj.weight"], expected["model.layers.3.eh_proj.weight"])
+    assert torch.equal(got["mtp.0.norm.weight"], expected["model.layers.3.shared_head.norm.weight"])
+    assert torch.equal(got["mtp.0.block.mlp.router.weight"], expected["model.layers.3.mlp.gate.weight"])
+    assert not any(name.startswith("layers.3.") for name in got)
+
+    copied = tmp_path / "copied"  # an MTP layer whose embedding copy is not the main one's is refused
+    write_fp8_checkpoint(copied, state, published,
+                         {**mtp, "model.layers.3.embed_tokens.weight": torch.randn_like(state["model.embed_tokens.weight"])})
+    with pytest.raises(HFError, match=r"model\.layers\.3\.embed_tokens\.weight differs from the main model's"):
+        import_hf(copied)
     bias = got["layers.1.mlp.router.expert_bias"]
     assert bias.dtype == torch.float32 and torch.equal(bias, state["model.layers.1.mlp.gate.e_score_correction_bias"])
 
@@ -359,7 +373,7 @@ def test_fp8_scales_without_a_block_size_or_other_quantisation_are_refused(tmp_p
 
 def test_expert_bias_exports_in_fp32_whatever_the_dtype(tmp_path):
     """The bias decides which experts are picked: rounding it to bf16 would change the exported model's routing."""
-    cfg = config_from_hf(published_config())[0]
+    cfg = dataclasses.replace(config_from_hf(published_config())[0], mtp_num_layers=0)  # transformers saves none
     state = from_hf(transformers_original_format(random_hf_model(tiny_hf_config()).state_dict()), cfg, "deepseek_v3")
     out = export_hf(state, cfg, "deepseek_v3", tmp_path / "bf16", dtype=torch.bfloat16)
     tensors = load_file(str(out / "model.safetensors"))

@@ -8,17 +8,18 @@ over 96 tokens: past YaRN's original 64-token context). Each comparison also sho
 row order matter (dropping either moves the logits far beyond the tolerance). A random foldmoe MLA model exported with
 `export_hf` loads in `from_pretrained` with the same logits, in fp32 and in bf16 (against our model with the same
 bf16-rounded weights; the expert bias stays fp32). Through the command line, a published-style checkpoint (FP8 blocks,
-an MTP layer) imports and exports back to the HF model of its dequantised weights, with the same logits.
+an MTP layer) imports, MTP layer included, and exports back to the HF model of its dequantised weights, with the same
+logits and the same MTP tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from services.checkpointer.convert import main as convert
 from services.checkpointer.hf import export_hf, from_hf, import_hf
@@ -125,7 +126,7 @@ def test_bf16_export_computes_our_models_bf16_weights(tmp_path):
     torch.testing.assert_close(hf_logits(load_hf(out), toks), expected, rtol=0, atol=ATOL)
 
 
-def test_cli_imports_an_fp8_checkpoint_with_mtp_layers_and_exports_it_back(tmp_path, caplog):
+def test_cli_imports_an_fp8_checkpoint_with_mtp_layers_and_exports_it_back(tmp_path):
     config = tiny_hf_config()
     state = transformers_original_format(random_hf_model(config).state_dict())
     published = {**config.to_dict(), "num_nextn_predict_layers": 1,
@@ -137,16 +138,59 @@ def test_cli_imports_an_fp8_checkpoint_with_mtp_layers_and_exports_it_back(tmp_p
     save_file(dequantised, str(reference / "model.safetensors"))
     (reference / "config.json").write_text(json.dumps(config.to_dict()))
 
-    with caplog.at_level(logging.INFO, logger="foldmoe.checkpointer"):
-        assert convert(["import", str(tmp_path / "fp8"), str(tmp_path / "ours")]) == 0
-    assert sum("MTP" in r.getMessage() for r in caplog.records) == 1
-    assert "attention: mla" in (tmp_path / "ours" / "model.yaml").read_text()
+    assert convert(["import", str(tmp_path / "fp8"), str(tmp_path / "ours")]) == 0
+    model_yaml = (tmp_path / "ours" / "model.yaml").read_text()
+    assert "attention: mla" in model_yaml and "mtp_num_layers: 1" in model_yaml
     with load_checkpoint(tmp_path / "ours" / "step_00000000", checksums=True) as c:
-        assert "model/layers.2.attn.kv_b_proj.weight" in set(c.names())
+        assert {"model/layers.2.attn.kv_b_proj.weight", "model/mtp.0.eh_proj.weight"} <= set(c.names())
     assert convert(["export", str(tmp_path / "ours"), str(tmp_path / "back"), "--family", "deepseek_v3",
                     "--dtype", "float32"]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))  # the MTP layer travels both ways
+    for name in ("eh_proj", "shared_head.norm", "self_attn.kv_b_proj", "mlp.experts.0.down_proj", "embed_tokens"):
+        key = f"model.layers.3.{name}.weight"
+        assert torch.equal(back[key], dequantised[key]), key
 
     toks = tokens(seed=3)
     expected = hf_logits(load_hf(reference), toks)
     assert expected.std() > 0.1
     torch.testing.assert_close(hf_logits(load_hf(tmp_path / "back"), toks), expected, rtol=0, atol=ATOL)
+
+
+def test_exported_mtp_depth_predicts_as_transformers_mtp_layer(tmp_path):
+    """Our MTP depth, exported as DeepSeek-V3's `model.layers.3`, computes transformers' `MtpLayer` (enorm of the
+    embedding first, hnorm of the main model's normalised output, eh_proj, the decoder layer, the shared head's
+    norm) at every position: the same next-next-token logits (fp32)."""
+    from transformers.modeling_layers import MtpModel
+
+    cfg = dataclasses.replace(our_config(32), mtp_num_layers=1)
+    ours = random_ours(cfg)
+    out = export_hf(ours.state_dict(), cfg, "deepseek_v3", tmp_path / "hf", dtype=torch.float32)
+    hf = load_hf(out)
+    mtp = MtpModel(hf, 1).eval()
+    layer = {k.removeprefix("model.layers.3."): v for k, v in load_file(str(out / "model.safetensors")).items()
+             if k.startswith("model.layers.3.")}
+    experts = [k for k in layer if k.startswith("mlp.experts.")]  # per expert on disk, fused in transformers 5
+    per = [{n: layer.pop(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up", "down")}
+           for e in range(len(experts) // 3)]
+    layer["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w["gate"], w["up"]]) for w in per])
+    layer["mlp.experts.down_proj"] = torch.stack([w["down"] for w in per])
+    own = {"enorm.weight", "hnorm.weight", "eh_proj.weight"}
+    mapped = {f"layers.0.{k}" if k in own else f"layers.0.post_norm.weight" if k == "shared_head.norm.weight"
+              else f"layers.0.mtp_block.{k}": v for k, v in layer.items()
+              if k not in ("embed_tokens.weight", "shared_head.head.weight")}  # shared with the main model
+    missing, unexpected = mtp.load_state_dict(mapped, strict=False)
+    assert not unexpected and all(k.startswith(("embed_tokens", "shared_head")) for k in missing), missing
+
+    toks = tokens(seed=4)
+    with torch.no_grad():
+        main = hf.model(input_ids=toks[None]).last_hidden_state  # after the final norm
+        hidden = mtp.forward_layer(0, main[:, :-1], torch.arange(1, T)[None], None, input_ids=toks[None, 1:])
+        expected = mtp._project_to_logits(hidden)[0]
+        seen = {}
+        ours.norm.register_forward_hook(lambda _m, _args, h: seen.setdefault("h", h))
+        ours_logits(ours, toks)
+        cu, segments = torch.tensor([0, T - 1], dtype=torch.int32), torch.zeros(T - 1, dtype=torch.long)
+        h1 = ours.mtp[0](ours.embed(toks[1:]), seen["h"][:-1], torch.arange(T - 1), cu, segments, T - 1)
+        got = ours.output(h1)
+    assert expected.std() > 0.1
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)

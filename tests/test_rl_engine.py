@@ -78,6 +78,14 @@ def test_mla_cache_holds_the_latent_and_rope_key_not_per_head_keys_and_values():
     assert per_token < expanded  # 24 + 8 against 4 heads x (24 + 8); DeepSeek-V3: 576 against 128 x (192 + 128)
 
 
+def test_a_model_with_mtp_depths_generates_with_its_main_layers_only():
+    plain, with_mtp = _model("cpu"), _model("cpu", mtp_num_layers=1)  # the same main weights
+    got = Engine(with_mtp, TOK, max_batch=3, max_seq_len=64).generate(_requests(_greedy()))
+    want = Engine(plain, TOK, max_batch=3, max_seq_len=64).generate(_requests(_greedy()))
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert all(torch.equal(a.routing, b.routing) for a, b in zip(got, want))
+
+
 def test_continuous_batching_gives_the_same_completions_as_one_big_batch():
     model = _model("cpu")
     reqs = [Request(r.prompt_tokens, _greedy(max_tokens=4 + 3 * i), tag=i) for i, r in enumerate(_requests(_greedy()))]

@@ -44,6 +44,18 @@ def test_mla_active_params_and_attention_flops_by_hand(q_lora_rank):
     assert flops_per_token(cfg, 128) == pytest.approx(6 * count + 3 * 3 * 4 * (12 + 6) * 128)
 
 
+def test_mtp_depths_add_their_weights_and_attention_to_the_flops():
+    cfg = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, num_experts=8, top_k=2,
+                      moe_ffn_hidden_size=32, ffn_hidden_size=96, mtp_num_layers=2)
+    plain = ModelConfig(**{**cfg.__dict__, "mtp_num_layers": 0})
+    model = MoETransformer(cfg)
+    # every MTP weight (eh_proj, the block, experts by top_k) and the shared output layer, once per depth
+    mtp = sum(p.numel() * (cfg.top_k / cfg.num_experts if ".experts." in n else 1)
+              for n, p in model.named_parameters() if n.startswith("mtp.") and p.ndim >= 2)
+    extra = 6 * (mtp + 2 * 64 * cfg.vocab_size) + 2 * 6 * 4 * 16 * 128
+    assert flops_per_token(cfg, 128) - flops_per_token(plain, 128) == pytest.approx(extra)
+
+
 def test_deepseek_v3_attention_has_its_published_size():
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "deepseek_v3.yaml").model
     # q_a 7168·1536, q_b 1536·128·192, kv_a 7168·(512+64), kv_b 512·128·(128+128), o 128·128·7168: 187.1M a layer

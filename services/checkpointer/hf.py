@@ -17,8 +17,9 @@ group-limited routing whose `mlp.gate.e_score_correction_bias` is our expert bia
 leading dense layers as `first_k_dense_replace`). Export writes the per-expert ("original") layout, which every
 transformers version loads; import also reads the fused layout transformers 5 keeps in memory
 (`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`), FP8 block-quantised weights (the
-published DeepSeek-V3 checkpoints: dequantised on import) and skips DeepSeek-V3's multi-token-prediction layers, which
-our model does not have.
+published DeepSeek-V3 checkpoints: dequantised on import). DeepSeek-V3's multi-token-prediction layers
+(`model.layers.{L..}`, `num_nextn_predict_layers`) are our `mtp.{k}` depths (`mtp.{k}.block.*` the decoder layer,
+`enorm`, `hnorm`, `eh_proj`, `norm` for shared_head.norm), both ways.
 
 Conversion is exact or refused: a config or state the family cannot express (a shared expert, sigmoid or group-limited
 routing, expert capacity, a trained expert bias, QK-norm on Mixtral or its absence on Qwen3, MLA or YaRN outside
@@ -29,6 +30,7 @@ and tests/test_checkpointer_hf_deepseek_transformers.py check that transformers 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -48,6 +50,7 @@ _MOE = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _QK_NORM = ("q_norm", "k_norm")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+_MTP = ("enorm", "hnorm", "eh_proj")  # an MTP depth's own weights beside its decoder block and shared_head.norm
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # a non-persistent buffer some older HF checkpoints still hold
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 log = logs.logger("checkpointer")
@@ -62,17 +65,37 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family) -> d
     out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
            "lm_head.weight": state["output.weight"]}
     for i in range(cfg.num_layers):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        out[hf + "input_layernorm.weight"] = state[ours + "attn_norm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = state[ours + "mlp_norm.weight"]
-        if cfg.attention == "mla":
-            out.update(mla_to_hf(state, cfg, ours, hf))
-        for p in () if cfg.attention == "mla" else _ATTN + (_QK_NORM if cfg.qk_norm else ()):
-            out[f"{hf}self_attn.{p}.weight"] = state[f"{ours}attn.{p}.weight"]
-        if i < cfg.first_k_dense:
-            out.update({f"{hf}mlp.{p}.weight": state[f"{ours}mlp.{p}.weight"] for p in _MLP})
-        else:
-            out.update(_moe_to_hf(state, cfg, family, ours, hf))
+        out.update(_block_to_hf(state, cfg, family, f"layers.{i}.", f"model.layers.{i}.", i))
+    for k in range(cfg.mtp_num_layers):
+        out.update(_mtp_to_hf(state, cfg, k))
+    return out
+
+
+def _block_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, ours: str, hf: str,
+                 layer_id: int) -> dict[str, torch.Tensor]:
+    out = {hf + "input_layernorm.weight": state[ours + "attn_norm.weight"],
+           hf + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"]}
+    if cfg.attention == "mla":
+        out.update(mla_to_hf(state, cfg, ours, hf))
+    for p in () if cfg.attention == "mla" else _ATTN + (_QK_NORM if cfg.qk_norm else ()):
+        out[f"{hf}self_attn.{p}.weight"] = state[f"{ours}attn.{p}.weight"]
+    if layer_id < cfg.first_k_dense:
+        out.update({f"{hf}mlp.{p}.weight": state[f"{ours}mlp.{p}.weight"] for p in _MLP})
+    else:
+        out.update(_moe_to_hf(state, cfg, family, ours, hf))
+    return out
+
+
+def _mtp_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, k: int) -> dict[str, torch.Tensor]:
+    """MTP depth k as DeepSeek-V3 stores it: `model.layers.{L + k}`, a decoder layer with enorm, hnorm, eh_proj,
+    shared_head.norm, and copies of the embedding and output layer it shares (embed_tokens, shared_head.head)."""
+    ours, hf, layer_id = f"mtp.{k}.", f"model.layers.{cfg.num_layers + k}.", cfg.num_layers + k
+    out = _block_to_hf(state, cfg, "deepseek_v3", ours + "block.", hf, layer_id)
+    out.update({f"{hf}{n}.weight": state[f"{ours}{n}.weight"] for n in _MTP})
+    out.update({hf + "shared_head.norm.weight": state[ours + "norm.weight"],
+                # copies, as published (safetensors stores no tensor twice under two names)
+                hf + "shared_head.head.weight": state["output.weight"].clone(),
+                hf + "embed_tokens.weight": state["embed.weight"].clone()})
     return out
 
 
@@ -100,8 +123,9 @@ def _moe_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
 class _Reader:
     """An HF state dict read name by name; what was read is remembered, so import can refuse to drop the rest."""
 
-    def __init__(self, hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family):
+    def __init__(self, hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, rope_interleave: bool = True):
         self.hf, self.cfg, self.family, self.used = hf, cfg, family, set()
+        self.rope_interleave = rope_interleave  # deepseek_v3: whether the rope rows are interleaved pairs
 
     def __call__(self, *names: str) -> torch.Tensor:
         """The first of `names` the checkpoint has (alternative spellings of one tensor)."""
@@ -132,22 +156,43 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
     field of that name (whether its rope rows are interleaved pairs).
     """
     check_family(cfg, family)
-    take = _Reader(hf, cfg, family)
+    take = _Reader(hf, cfg, family, rope_interleave)
     out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight"),
            "output.weight": take("lm_head.weight")}
     for i in range(cfg.num_layers):
-        ours, pre = f"layers.{i}.", f"model.layers.{i}."
-        out[ours + "attn_norm.weight"] = take(pre + "input_layernorm.weight")
-        out[ours + "mlp_norm.weight"] = take(pre + "post_attention_layernorm.weight")
-        if cfg.attention == "mla":
-            out.update(mla_from_hf(take, cfg, ours, pre, rope_interleave))
-        for p in () if cfg.attention == "mla" else _ATTN + (_QK_NORM if cfg.qk_norm else ()):
-            out[f"{ours}attn.{p}.weight"] = take(f"{pre}self_attn.{p}.weight")
-        if i < cfg.first_k_dense:
-            out.update({f"{ours}mlp.{p}.weight": take(f"{pre}mlp.{p}.weight") for p in _MLP})
-        else:
-            out.update(_moe_from_hf(take, cfg, family, ours, pre))
+        out.update(_block_from_hf(take, cfg, family, f"layers.{i}.", f"model.layers.{i}.", i))
+    for k in range(cfg.mtp_num_layers):
+        out.update(_mtp_from_hf(take, cfg, k, out))
     take.refuse_unused()
+    return out
+
+
+def _block_from_hf(take: _Reader, cfg: ModelConfig, family: Family, ours: str, pre: str,
+                   layer_id: int) -> dict[str, torch.Tensor]:
+    out = {ours + "attn_norm.weight": take(pre + "input_layernorm.weight"),
+           ours + "mlp_norm.weight": take(pre + "post_attention_layernorm.weight")}
+    if cfg.attention == "mla":
+        out.update(mla_from_hf(take, cfg, ours, pre, take.rope_interleave))
+    for p in () if cfg.attention == "mla" else _ATTN + (_QK_NORM if cfg.qk_norm else ()):
+        out[f"{ours}attn.{p}.weight"] = take(f"{pre}self_attn.{p}.weight")
+    if layer_id < cfg.first_k_dense:
+        out.update({f"{ours}mlp.{p}.weight": take(f"{pre}mlp.{p}.weight") for p in _MLP})
+    else:
+        out.update(_moe_from_hf(take, cfg, family, ours, pre))
+    return out
+
+
+def _mtp_from_hf(take: _Reader, cfg: ModelConfig, k: int, main: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's `model.layers.{L + k}` -> our MTP depth k. Its copies of the embedding and output layer, where the
+    checkpoint has them, must be the main model's: ours are shared."""
+    ours, pre, layer_id = f"mtp.{k}.", f"model.layers.{cfg.num_layers + k}.", cfg.num_layers + k
+    out = _block_from_hf(take, cfg, "deepseek_v3", ours + "block.", pre, layer_id)
+    out.update({f"{ours}{n}.weight": take(f"{pre}{n}.weight") for n in _MTP})
+    out[ours + "norm.weight"] = take(pre + "shared_head.norm.weight")
+    for copy, shared in (("embed_tokens.weight", "embed.weight"), ("shared_head.head.weight", "output.weight")):
+        if take.has(pre + copy) and not torch.equal(take(pre + copy), main[shared]):
+            raise HFError(f"{pre}{copy} differs from the main model's {shared}: our multi-token prediction shares "
+                          "the embedding and output layer, as DeepSeek-V3 does")
     return out
 
 
@@ -190,7 +235,7 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, 
 
 def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """Read an HF model directory (config.json + one or more *.safetensors) into our state dict and config.
-    FP8 block-quantised weights are dequantised to `dtype`; DeepSeek-V3's MTP layers are skipped (logged)."""
+    FP8 block-quantised weights are dequantised to `dtype`; DeepSeek-V3's MTP layers become our MTP depths."""
     src = Path(src)
     if not (src / "config.json").is_file():
         raise HFError(f"{src / 'config.json'} is missing; point at an HF model directory")
@@ -204,45 +249,42 @@ def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict
         raise HFError(f"{src / 'config.json'} has no {e} field: not a complete HF model config") from None
     except (TypeError, AttributeError) as e:  # a field of the wrong kind
         raise HFError(f"{src / 'config.json'} is not an HF model config ({type(e).__name__}: {e})") from None
-    mtp = _mtp_layer_pattern(config) if family == "deepseek_v3" else None
-    hf = dequantize(_read_safetensors(src, dtype, mtp), block, dtype)
+    hf = dequantize(_read_safetensors(src, dtype), block, dtype)
+    cfg = _mtp_depths_present(cfg, hf, src)
     if "lm_head.weight" not in hf and config.get("tie_word_embeddings") and "model.embed_tokens.weight" in hf:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()  # tied: our output layer gets its own copy
     return from_hf(hf, cfg, family, rope_interleave=bool(config.get("rope_interleave", True))), cfg
 
 
-def _read_safetensors(src: Path, dtype: torch.dtype, skip: re.Pattern | None) -> dict[str, torch.Tensor]:
-    """Every tensor of src/*.safetensors whose name `skip` does not match, in `dtype`; FP8 weights and their scales
-    as stored (`dequantize` converts them), routers' selection biases in fp32 (the dtype our routers keep)."""
+def _mtp_depths_present(cfg: ModelConfig, hf: dict[str, torch.Tensor], src: Path) -> ModelConfig:
+    """`cfg` with as many MTP depths as the checkpoint holds layers for: transformers writes DeepSeek-V3's
+    num_nextn_predict_layers (default 1) into every config.json, also where it saves no MTP weights."""
+    depths = 0
+    while depths < cfg.mtp_num_layers and any(k.startswith(f"model.layers.{cfg.num_layers + depths}.") for k in hf):
+        depths += 1
+    if depths < cfg.mtp_num_layers:
+        log.info("%s: config.json declares %d multi-token-prediction layers, the checkpoint holds %d: imported with "
+                 "model.mtp_num_layers=%d", src, cfg.mtp_num_layers, depths, depths)
+    return dataclasses.replace(cfg, mtp_num_layers=depths)
+
+
+def _read_safetensors(src: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of src/*.safetensors in `dtype`; FP8 weights and their scales as stored (`dequantize` converts
+    them), routers' selection biases in fp32 (the dtype our routers keep)."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise HFError(f"no *.safetensors files in {src}; point at an HF model directory")
     hf: dict[str, torch.Tensor] = {}
-    skipped = 0
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    if skip is not None and skip.match(key):
-                        skipped += 1
-                        continue
                     t = f.get_tensor(key)
                     keep = t.dtype in _FP8 or key.endswith("_scale_inv")
                     hf[key] = t if keep else t.to(torch.float32 if key.endswith("e_score_correction_bias") else dtype)
         except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types (SafetensorError, OSError)
             raise HFError(f"{file} cannot be read as safetensors ({e}); the file is corrupt or truncated") from None
-    if skipped:
-        log.info("%s: %d tensors of DeepSeek-V3's multi-token-prediction (MTP) layers are not imported: our model "
-                 "has no MTP module", src, skipped)
     return hf
-
-
-def _mtp_layer_pattern(config: dict) -> re.Pattern | None:
-    """DeepSeek-V3 keeps its num_nextn_predict_layers MTP modules as `model.layers.{L..L+n-1}.*` after the L decoder
-    layers; transformers does not load them either."""
-    n = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0
-    first = config["num_hidden_layers"]
-    return re.compile(rf"model\.layers\.({'|'.join(str(first + i) for i in range(n))})\.") if n else None
 
 
 def _fp8_block(config: dict) -> tuple[int, int] | None:

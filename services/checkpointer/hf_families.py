@@ -54,6 +54,9 @@ def check_family(cfg: ModelConfig, family: str) -> None:
     if family == "mixtral" and not cfg.norm_topk_prob:
         raise HFError("mixtral always renormalises its top-k probabilities (softmax over the top-k logits): it needs "
                       "`model.norm_topk_prob=true`")
+    if cfg.mtp_num_layers:
+        raise HFError(f"{family} has no multi-token prediction layers but `model.mtp_num_layers={cfg.mtp_num_layers}`; "
+                      "export MTP models as deepseek_v3")
 
 
 def _check_deepseek(cfg: ModelConfig) -> None:
@@ -126,7 +129,7 @@ def _deepseek_hf_config(cfg: ModelConfig, max_positions: int) -> dict:
             "n_shared_experts": cfg.shared_expert_ffn_hidden_size // cfg.moe_ffn_hidden_size,
             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": cfg.norm_topk_prob,
             "n_group": groups, "topk_group": cfg.topk_groups if cfg.num_groups else 1,
-            "routed_scaling_factor": cfg.routed_scaling_factor, "num_nextn_predict_layers": 0,
+            "routed_scaling_factor": cfg.routed_scaling_factor, "num_nextn_predict_layers": cfg.mtp_num_layers,
             "aux_loss_alpha": cfg.aux_loss_coeff if cfg.aux_loss_type != "none" else 0.0,
             "seq_aux": cfg.aux_loss_type == "sequence"}
 
@@ -234,7 +237,9 @@ def _deepseek_config(config: dict, rope: dict) -> ModelConfig:
     mla = {"attention": "mla", "q_lora_rank": config["q_lora_rank"] or 0, "kv_lora_rank": config["kv_lora_rank"],
            "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
            "v_head_dim": config["v_head_dim"]}
+    mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0  # transformers 4 | 5 spelling
     return ModelConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=num_layers,
                        num_heads=heads, num_kv_heads=heads, ffn_hidden_size=config["intermediate_size"],
+                       mtp_num_layers=mtp,
                        norm_eps=config["rms_norm_eps"], init_std=config.get("initializer_range", ModelConfig.init_std),
                        **mla, **moe, **rope)

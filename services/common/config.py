@@ -81,6 +81,11 @@ class ModelConfig:
     rope_mscale: float = 1.0  # YaRN: mscale of the rotated q/k's scale (numerator)
     rope_mscale_all_dim: float = 0.0  # YaRN: mscale of that scale's denominator and of the softmax scale; 0: unused
     norm_eps: float = 1e-6  # added to the mean square in every RMSNorm
+    # Multi-token prediction (DeepSeek-V3, services/trainer/model/mtp.py): decoder blocks after the main model, depth k
+    # predicting the token k + 1 after the next, sharing the embedding and output layer; 0: off (DeepSeek-V3: 1).
+    # Training only (RL and the rollout decode without it); not with parallel.pp > 1 or context parallelism
+    mtp_num_layers: int = 0
+    mtp_loss_coeff: float = 0.3  # λ: the depths' mean cross-entropy joins the loss's gradient with this weight
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
     init_std: float = 0.02  # std of the normal init of weight matrices; residual-branch outputs: / sqrt(2 * num_layers)
     # torch.compile the decoder's memory-bound glue into fused kernels, forward and backward: QK-norm + RoPE of the
@@ -485,6 +490,24 @@ def _check_balancing(m: ModelConfig, p: ParallelConfig) -> None:
                                "pad_to_capacity")
 
 
+def _check_mtp(cfg: Config) -> None:
+    """Multi-token prediction (services/trainer/model/mtp.py) and what it does not run with."""
+    m, p = cfg.model, cfg.parallel
+    _check(m.mtp_num_layers >= 0, f"`model.mtp_num_layers={m.mtp_num_layers}` must be >= 0 (0: off)")
+    _check(m.mtp_loss_coeff >= 0, f"`model.mtp_loss_coeff={m.mtp_loss_coeff}` must be >= 0")
+    if not m.mtp_num_layers:
+        return
+    off = "or set model.mtp_num_layers=0"
+    _check(p.pp == 1, f"`model.mtp_num_layers={m.mtp_num_layers}` needs the embedding next to the output layer, on "
+                      f"one pipeline stage; `parallel.pp={p.pp}` splits them: set parallel.pp=1 {off}")
+    _check(p.cp == 1 and len(set(p.cp_sizes) | {1}) == 1,
+           f"`model.mtp_num_layers={m.mtp_num_layers}` shifts each document's labels by one more token per depth, "
+           f"across the context-parallel shards of `parallel.cp={p.cp}`/`cp_sizes={p.cp_sizes}`, which is not "
+           f"implemented: set parallel.cp=1 and drop cp_sizes {off}")
+    _check(not cfg.rl.enabled, f"`model.mtp_num_layers={m.mtp_num_layers}` trains extra prediction depths that RL "
+                               f"neither samples from nor scores: set model.mtp_num_layers=0 for `rl.enabled`")
+
+
 def _check_sampling(rl: RLConfig) -> None:
     """The rollout workers' sampling parameters (services/rl_rollout/sampling.py), refused here rather than when a
     worker starts: `foldmoe train` then fails before any process does."""
@@ -515,6 +538,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                f"`model.topk_groups={m.topk_groups}` groups of {per_group} experts cannot hold `model.top_k={m.top_k}`")
     _check(m.capacity_factor >= 0, f"`model.capacity_factor` must be >= 0, got {m.capacity_factor}")
     _check_balancing(m, p)
+    _check_mtp(cfg)
     for name in ("norm_eps", "rope_theta"):
         _check(getattr(m, name) > 0, f"`model.{name}={getattr(m, name)}` must be positive")
     _check_choices("model.moe_kernels", m.moe_kernels,

@@ -13,7 +13,8 @@ The cache is slot based: `slots` sequences of at most `max_len` tokens, one slot
 as soon as its sequence finishes, which is what continuous batching needs; nothing is ever compacted.
 
 Every forward also records the experts each MoE layer chose for each token (a forward hook on the routers), in
-`model.moe_layers()` order, so the trainer can replay the rollout's routing.
+layer order, so the trainer can replay the rollout's routing. A model's multi-token prediction depths (training only)
+are not run.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ class CachedDecoder:
         self.device, self.dtype = param.device, param.dtype
         cache = LatentCache if cfg.attention == "mla" else HeadCache
         self.cache = cache(cfg, slots, max_len, self.device, self.dtype)
-        self._routers = [m.router for m in model.moe_layers()]
+        # The main model's MoE layers, in order (`model.moe_layers()` without multi-token prediction's, which
+        # decoding does not run)
+        self._routers = [block.mlp.router for block in model.layers.values() if block.is_moe]
         self._taps: list[torch.Tensor | None] = [None] * len(self._routers)
         self._hooks = [r.register_forward_hook(self._tap(i)) for i, r in enumerate(self._routers)]
 

@@ -56,10 +56,18 @@ def output_flops(cfg: ModelConfig) -> float:
     return 6.0 * cfg.hidden_size * cfg.vocab_size
 
 
+def mtp_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token of the multi-token prediction depths (mtp.py): each one's eh_proj, block
+    and the shared output layer."""
+    depths = range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers)
+    return sum(6.0 * 2 * cfg.hidden_size ** 2 + layer_flops(cfg, i, seq_len) + output_flops(cfg) for i in depths)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Every block's `layer_flops` and the output layer's: 6·N_active + 3·L·heads·(qk + v head dim)·seq (for GQA,
-    6·L·heads·head_dim·seq)."""
-    return sum(layer_flops(cfg, i, seq_len) for i in range(cfg.num_layers)) + output_flops(cfg)
+    """Every block's `layer_flops`, the output layer's and the MTP depths': 6·N_active + 3·L·heads·(qk + v head
+    dim)·seq (for GQA, 6·L·heads·head_dim·seq) without MTP."""
+    blocks = sum(layer_flops(cfg, i, seq_len) for i in range(cfg.num_layers))
+    return blocks + output_flops(cfg) + mtp_flops(cfg, seq_len)
 
 
 class StepValues:

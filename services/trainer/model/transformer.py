@@ -1,4 +1,5 @@
-"""The decoder: embedding -> [RMSNorm -> attention -> RMSNorm -> MLP or MoE] x L -> RMSNorm -> output layer.
+"""The decoder: embedding -> [RMSNorm -> attention -> RMSNorm -> MLP or MoE] x L -> RMSNorm -> output layer, and in
+training optionally multi-token prediction depths after it (mtp.py).
 
 Attention is GQA (attention.py) or Multi-head Latent Attention (mla.py), by `model.attention`.
 
@@ -23,9 +24,10 @@ from services.common.config import ModelConfig
 from kernels.cross_entropy import linear_cross_entropy_sum
 from services.trainer.model.attention import Attention, document_ids
 from services.trainer.model.mla import MLAttention
-from services.trainer.model.loss import cross_entropy_sum
+from services.trainer.model.loss import IGNORE_INDEX, cross_entropy_sum
 from services.trainer.model.mlp import SwiGLUMLP
 from services.trainer.model.moe.moe_layer import MoELayer
+from services.trainer.model.mtp import MTPLayer, shift_in_document
 from services.trainer.model.stages import Stages, run_to_end
 
 
@@ -109,6 +111,9 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # untied from the embedding
+        # Multi-token prediction depths (mtp.py), each a block past the main model's layers; training only.
+        self.mtp = nn.ModuleList([MTPLayer(cfg, Block(cfg, cfg.num_layers + k))
+                                  for k in range(cfg.mtp_num_layers)]) if cfg.mtp_num_layers else None
         # Σ token losses from (logits, labels); tensor parallelism swaps in the vocab-parallel version.
         self.loss_fn = cross_entropy_sum
         # Output layer and loss as one chunked op that never holds [T, vocab] logits (`model.moe_kernels:
@@ -168,6 +173,24 @@ class MoETransformer(nn.Module):
         _, x = residual_norm(self.norm, x, branch, self.cfg.compile)
         if labels is None:
             return self.output(x)
+        loss = self._loss(x, labels)
+        if self.mtp is not None:
+            loss = loss + self._mtp_loss(x, labels, position_ids, cu_seqlens, segment_ids, max_seqlen)
+        return loss
+
+    def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.fused_loss:
             return linear_cross_entropy_sum(x, self.output.weight, labels)
         return self.loss_fn(self.output(x), labels)
+
+    def _mtp_loss(self, h, labels, position_ids, cu_seqlens, segment_ids, max_seqlen) -> torch.Tensor:
+        """λ/D · (Σ of the depths' cross-entropy sums, minus the same detached): exactly 0 as a value, so the model's
+        loss stays the main one, while backward gives the depths their share of the gradient (mtp.py). `h`: the main
+        model's normalised output."""
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for k, layer in enumerate(self.mtp):
+            inputs = shift_in_document(labels, segment_ids, k)  # t_{i+k+1}, 0-based depth k
+            targets = shift_in_document(labels, segment_ids, k + 1).masked_fill(inputs == IGNORE_INDEX, IGNORE_INDEX)
+            h = layer(self.embed(inputs.clamp(min=0)), h, position_ids, cu_seqlens, segment_ids, max_seqlen)
+            total = total + self._loss(h, targets)
+        return self.cfg.mtp_loss_coeff / len(self.mtp) * (total - total.detach())

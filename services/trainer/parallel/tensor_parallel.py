@@ -37,6 +37,7 @@ from services.trainer.model.attention import Attention
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.mla import MLAttention
 from services.trainer.model.mlp import SwiGLUMLP
+from services.trainer.model.mtp import MTPLayer
 from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.parallel.differentiable import (all_reduce_sum, copy_to_group, gather_tokens, group_rank,
                                                       group_size, local_token_shard, reduce_from_group,
@@ -247,6 +248,9 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
             parallelize_attention(module, group, sequence_parallel)
         elif isinstance(module, MLAttention):
             parallelize_mla(module, group, sequence_parallel)
+        elif isinstance(module, MTPLayer) and sequence_parallel:
+            # Whole on every rank, applied to the rank's token shard: gradients partial over TP, as the norms'.
+            mark_sequence_parallel(module.eh_proj.weight, group)
         elif isinstance(module, SwiGLUMLP):  # dense FFN or a MoE layer's shared expert
             parallelize_swiglu(module, group, sequence_parallel)
         elif isinstance(module, MoELayer) and sequence_parallel:

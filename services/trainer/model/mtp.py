@@ -1,0 +1,54 @@
+"""Multi-token prediction (DeepSeek-V3 §2.2; `model.mtp_num_layers` = D > 0): D more decoder blocks in sequence after
+the main model, depth k predicting the token k + 1 positions after the next.
+
+Depth k (1-based) at position i combines the previous depth's output h_i^{k-1} with the embedding of token t_{i+k}:
+h'_i = eh_proj([enorm(Emb(t_{i+k})); hnorm(h_i^{k-1})]), runs a decoder block (attention and MoE, causal inside each
+packed document as the main blocks) over h', and its own final norm gives h_i^k, from which the model's output layer
+predicts t_{i+k+1}. h^0 is the main model's output after its final norm: what its output layer reads (as transformers'
+`MtpModel` and vLLM take it). Embedding and output layer are the main model's (shared, as in DeepSeek-V3). The loss the
+model returns stays the main one; the depths' cross-entropies join its backward scaled by `mtp_loss_coeff / D`
+(λ / D), so the reported loss is comparable with and without MTP.
+
+In a packed micro-batch t_{i+k} is labels[i + k - 1] (labels[i] = t_{i+1}), taken only inside i's own document:
+positions whose target falls past their document's end predict nothing (`shift_in_document`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.common.config import ModelConfig
+from services.trainer.model.loss import IGNORE_INDEX
+
+
+def shift_in_document(labels: torch.Tensor, segment_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """labels[i + k] where position i + k is in i's document, else IGNORE_INDEX; [T] -> [T]."""
+    if k == 0:
+        return labels
+    out = torch.full_like(labels, IGNORE_INDEX)
+    same = segment_ids[k:] == segment_ids[:-k]
+    out[:-k] = torch.where(same, labels[k:], IGNORE_INDEX)
+    return out
+
+
+class MTPLayer(nn.Module):
+    """One depth: names as DeepSeek-V3's `model.layers.{L + k - 1}` (enorm, hnorm, eh_proj, the block, and
+    `norm` for its shared_head.norm)."""
+
+    def __init__(self, cfg: ModelConfig, block: nn.Module):
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm = nn.RMSNorm(h, eps=cfg.norm_eps)
+        self.hnorm = nn.RMSNorm(h, eps=cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = block  # a decoder block (transformer.Block), its layer id past the main model's
+        self.norm = nn.RMSNorm(h, eps=cfg.norm_eps)
+
+    def forward(self, embedded: torch.Tensor, previous: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor, segment_ids: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
+        """Embeddings of t_{i+k} and the previous depth's output [T, h] -> this depth's output [T, h] (normalised:
+        the output layer's input and the next depth's `previous`)."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+        x, branch = self.block(x, position_ids, cu_seqlens, segment_ids, max_seqlen)
+        return self.norm(x + branch)

@@ -1,0 +1,109 @@
+"""Multi-token prediction (`model.mtp_num_layers`, services/trainer/model/mtp.py), as DeepSeek-V3 §2.2 specifies it.
+
+- Depth k at position i reads token t_{i+k} and predicts t_{i+k+1}, both inside i's own packed document; positions
+  whose target lies past their document's end predict nothing.
+- The model's returned loss is the main loss, bit for bit; backward adds λ/D times the depths' cross-entropy sums:
+  every gradient equals that of a hand-built sum over documents, fp32 1e-5.
+- With λ = 0 (and no router losses, which the MTP block's MoE has as every MoE layer) the main model trains exactly
+  as without MTP and the MTP weights get zero gradients.
+- The config refuses what MTP does not run with (pipeline stages, context parallelism, RL), naming the keys.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from services.common.config import ConfigError, load_config
+from services.trainer.model.loss import IGNORE_INDEX
+from services.trainer.model.mtp import shift_in_document
+from services.trainer.model.transformer import MoETransformer
+from tests.parallel_harness import make_batches, tiny_config
+
+
+def test_shift_in_document_takes_labels_from_the_same_document_only():
+    labels = torch.tensor([10, 11, 12, 20, 21, IGNORE_INDEX, IGNORE_INDEX])
+    segments = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    assert shift_in_document(labels, segments, 0).tolist() == labels.tolist()
+    assert shift_in_document(labels, segments, 1).tolist() == [11, 12, -100, 21, -100, -100, -100]
+    assert shift_in_document(labels, segments, 2).tolist() == [12, -100, -100, -100, -100, -100, -100]
+
+
+def mtp_model(depths: int, coeff: float = 0.3) -> MoETransformer:
+    cfg = tiny_config().model
+    cfg.mtp_num_layers, cfg.mtp_loss_coeff, cfg.z_loss_coeff = depths, coeff, 1e-2
+    model = MoETransformer(cfg)
+    model.init_weights(0)
+    return model
+
+
+def hand_built_loss(model: MoETransformer, batch: dict) -> torch.Tensor:
+    """Main loss + λ/D Σ_k CE_k, the depths' targets picked document by document (the model's modules reused)."""
+    tokens, labels, cu = batch["tokens"], batch["labels"], batch["cu_seqlens"]
+    seen = {}
+    model.norm.register_forward_hook(lambda _m, _args, out: seen.setdefault("h", out))  # the main model's output
+    depths, model.mtp = model.mtp, None  # the main model alone
+    main = model(tokens, batch["position_ids"], cu, labels=labels)
+    model.mtp = depths
+    h, depth_losses = seen["h"], []
+    segments = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+    for k, layer in enumerate(model.mtp, start=1):
+        # t_{i+1} = labels[i]: at document position j, read t_{j+k} and predict t_{j+k+1} where both lie inside it
+        inputs, targets = torch.zeros_like(tokens), torch.full_like(labels, IGNORE_INDEX)
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            doc_labels = labels[s:e].tolist()
+            for j in range(e - s):
+                if j + k - 1 < len(doc_labels) and doc_labels[j + k - 1] != IGNORE_INDEX:
+                    inputs[s + j] = doc_labels[j + k - 1]
+                    if j + k < len(doc_labels):
+                        targets[s + j] = doc_labels[j + k]
+        x = layer.eh_proj(torch.cat([layer.enorm(model.embed(inputs)), layer.hnorm(h)], dim=-1))
+        x, branch = layer.block(x, batch["position_ids"], cu, segments)
+        h = layer.norm(x + branch)
+        logits = model.output(h).float()
+        depth_losses.append(torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX,
+                                                              reduction="sum"))
+    return main + model.cfg.mtp_loss_coeff / len(model.mtp) * sum(depth_losses)
+
+
+@pytest.mark.parametrize("depths", [1, 2])
+def test_mtp_keeps_the_loss_value_and_adds_lambda_over_d_times_the_depths_gradients(depths):
+    model = mtp_model(depths)
+    reference = copy.deepcopy(model)
+    batch = make_batches(model.cfg, steps=1, micro=1, tokens=40, seed=3)[0][0]
+    loss = model(batch["tokens"], batch["position_ids"], batch["cu_seqlens"], labels=batch["labels"])
+    plain = mtp_model(0)  # the same main weights: MTP's are initialised after them
+    assert torch.equal(loss, plain(batch["tokens"], batch["position_ids"], batch["cu_seqlens"],
+                                   labels=batch["labels"]))
+    loss.backward()
+    hand_built_loss(reference, batch).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
+    assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n.startswith("mtp.") and p.ndim > 1
+               and ".experts." not in n)
+
+
+def test_mtp_with_zero_coefficient_trains_the_main_model_as_without_it():
+    model, plain = mtp_model(1, coeff=0.0), mtp_model(0)
+    for m in (model, plain):  # the MTP block's own router losses would still reach the shared embedding
+        for moe in m.moe_layers():
+            moe.router.cfg.aux_loss_coeff = moe.router.cfg.z_loss_coeff = 0.0
+    batch = make_batches(model.cfg, steps=1, micro=1, tokens=40, seed=4)[0][0]
+    for m in (model, plain):
+        m(batch["tokens"], batch["position_ids"], batch["cu_seqlens"], labels=batch["labels"]).backward()
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            assert torch.equal(p.grad, grads[name].grad), name
+
+
+@pytest.mark.parametrize("override, key", [("parallel.pp=2", "parallel.pp"), ("parallel.cp=2", "parallel.cp"),
+                                           ("rl.enabled=true", "rl.enabled"),
+                                           ("model.mtp_loss_coeff=-1", "mtp_loss_coeff")])
+def test_config_refuses_mtp_where_it_does_not_run_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/tiny.yaml", ["model.mtp_num_layers=1", override])
