@@ -3,7 +3,8 @@
 - Depth k at position i reads token t_{i+k} and predicts t_{i+k+1}, both inside i's own packed document; positions
   whose target lies past their document's end predict nothing.
 - The model's returned loss is the main loss, bit for bit; backward adds λ/D times the depths' cross-entropy sums:
-  every gradient equals that of a hand-built sum over documents, fp32 1e-5.
+  every gradient equals that of a hand-built sum over documents, fp32 1e-5; the depths' mean cross-entropy per target
+  token is kept for the step record (`mtp_loss`).
 - With λ = 0 (and no router losses, which the MTP block's MoE has as every MoE layer) the main model trains exactly
   as without MTP and the MTP weights get zero gradients.
 - The config refuses what MTP does not run with (pipeline stages, context parallelism, RL), naming the keys.
@@ -47,7 +48,7 @@ def hand_built_loss(model: MoETransformer, batch: dict) -> torch.Tensor:
     depths, model.mtp = model.mtp, None  # the main model alone
     main = model(tokens, batch["position_ids"], cu, labels=labels)
     model.mtp = depths
-    h, depth_losses = seen["h"], []
+    h, depth_losses, means = seen["h"], [], []
     segments = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
     for k, layer in enumerate(model.mtp, start=1):
         # t_{i+1} = labels[i]: at document position j, read t_{j+k} and predict t_{j+k+1} where both lie inside it
@@ -65,6 +66,8 @@ def hand_built_loss(model: MoETransformer, batch: dict) -> torch.Tensor:
         logits = model.output(h).float()
         depth_losses.append(torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX,
                                                               reduction="sum"))
+        means.append(depth_losses[-1].detach() / (targets != IGNORE_INDEX).sum())
+    model.hand_built_mtp_loss = sum(means) / len(means)
     return main + model.cfg.mtp_loss_coeff / len(model.mtp) * sum(depth_losses)
 
 
@@ -79,6 +82,7 @@ def test_mtp_keeps_the_loss_value_and_adds_lambda_over_d_times_the_depths_gradie
                                    labels=batch["labels"]))
     loss.backward()
     hand_built_loss(reference, batch).backward()
+    torch.testing.assert_close(model.last_mtp_loss, reference.hand_built_mtp_loss)  # the step record's mtp_loss
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
     assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n.startswith("mtp.") and p.ndim > 1

@@ -24,3 +24,12 @@ def test_mtp_matches_single_process(tmp_path, parallel):
     cfg = mtp_config(**parallel)
     batches = make_batches(cfg.model, steps=3, micro=2, tokens=32, seed=5)
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
+
+
+def test_mtp_with_ep2_micro_batch_pairs_matches_single_process(tmp_path):
+    """`parallel.ep_overlap`: the MTP depth's MoE block runs inside a pair's staged forward, its all-to-alls issued
+    while the other micro-batch's may be in flight; every EP rank issues them in the same order."""
+    cfg = mtp_config(ep=2, ep_overlap=True)
+    cfg.data.grad_accum = 2
+    batches = make_batches(cfg.model, steps=3, micro=8, tokens=32, seed=6)  # DP2: two pairs per rank
+    assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))

@@ -125,9 +125,10 @@ def train_step(model: MoETransformer, optimizer, micro_batches: list, lr: float,
         optimizer.zero_grad(set_to_none=True)
         loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
         grad_norm = clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
+    mtp = {"mtp_loss": model.last_mtp_loss} if cfg.model.mtp_num_layers else {}
     return StepValues(loss_sum=loss_sum, step_tokens=torch.as_tensor(step_tokens), grad_norm=torch.as_tensor(grad_norm),
                       aux_loss=sum((m.last_aux_loss for m in model.moe_layers()), torch.zeros(())),
-                      loads=advance_router_bias(model, cfg))
+                      loads=advance_router_bias(model, cfg), **mtp)
 
 
 class StepReporter:
@@ -165,6 +166,8 @@ class StepReporter:
             "expert_load": load["per_expert"], "max_load_ratio": load["max_ratio"],
             "dropped_frac": load["dropped_frac"],
         }
+        if "mtp_loss" in v:  # this rank's last micro-batch, as aux_loss
+            record["mtp_loss"] = float(v["mtp_loss"])
         if self.rt.device.type == "cuda":
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.rt.device) / 2**30
         self.log.write(record)

@@ -114,6 +114,7 @@ class MoETransformer(nn.Module):
         # Multi-token prediction depths (mtp.py), each a block past the main model's layers; training only.
         self.mtp = nn.ModuleList([MTPLayer(cfg, Block(cfg, cfg.num_layers + k))
                                   for k in range(cfg.mtp_num_layers)]) if cfg.mtp_num_layers else None
+        self.last_mtp_loss = torch.zeros(())  # the last micro-batch's MTP cross-entropy (metrics)
         # Σ token losses from (logits, labels); tensor parallelism swaps in the vocab-parallel version.
         self.loss_fn = cross_entropy_sum
         # Output layer and loss as one chunked op that never holds [T, vocab] logits (`model.moe_kernels:
@@ -187,10 +188,13 @@ class MoETransformer(nn.Module):
         """λ/D · (Σ of the depths' cross-entropy sums, minus the same detached): exactly 0 as a value, so the model's
         loss stays the main one, while backward gives the depths their share of the gradient (mtp.py). `h`: the main
         model's normalised output."""
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        total = mean = torch.zeros((), dtype=torch.float32, device=h.device)
         for k, layer in enumerate(self.mtp):
             inputs = shift_in_document(labels, segment_ids, k)  # t_{i+k+1}, 0-based depth k
             targets = shift_in_document(labels, segment_ids, k + 1).masked_fill(inputs == IGNORE_INDEX, IGNORE_INDEX)
             h = layer(self.embed(inputs.clamp(min=0)), h, position_ids, cu_seqlens, segment_ids, max_seqlen)
-            total = total + self._loss(h, targets)
+            depth = self._loss(h, targets)
+            total = total + depth
+            mean = mean + depth.detach() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+        self.last_mtp_loss = mean / len(self.mtp)  # per target token, the depths' mean: the step record's mtp_loss
         return self.cfg.mtp_loss_coeff / len(self.mtp) * (total - total.detach())
