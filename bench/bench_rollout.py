@@ -180,7 +180,8 @@ def main() -> None:
         ("generated tokens/s", f"{r['gen_tokens_per_s']:,.1f} ({r['gen_tokens']:,} tokens in {r['gen_wall_s']:.2f}s)"),
         ("prompts/s", f"{r['gen_prompts_per_s']:,.2f} ({r['gen_requests'] / r['gen_wall_s']:,.1f} samples/s)"),
         ("mean completion len", f"{r['gen_completion_len_mean']:.2f} tokens (max {args.max_new_tokens})"),
-        ("KV cache", f"{r['gen_kv_cache_bytes'] / 2**20:,.1f} MiB ({r['max_batch']} slots of {r['max_seq_len']} tokens)"),
+        ("KV cache", f"{r['gen_kv_cache_bytes'] / 2**20:,.1f} MiB ({r['max_batch']} slots of "
+                     f"{r['max_seq_len']} tokens)"),
         ("prefill / decode / other", f"{r['gen_prefill_s']:.2f}s / {r['gen_decode_s']:.2f}s / {r['gen_other_s']:.2f}s"),
         ("weight sync", f"{r['sync_bytes'] / 1e6:,.1f} MB in {r['sync_dtype']}, chunks {r['sync_chunk_mb']:g} MiB, "
                         f"median of {args.syncs}"),

@@ -6,8 +6,8 @@
     python -m services.checkpointer.convert upcycle DENSE_CKPT OUT [--config FILE] [--seed N] [--force]
                                                         [section.key=value ...]
 
-HF_DIR may hold a published FP8 checkpoint (DeepSeek-V3's block-quantised weights are dequantised; its MTP layers,
-which our model lacks, are skipped with a log line).
+HF_DIR may hold a published FP8 checkpoint (DeepSeek-V3's block-quantised weights are dequantised; its MTP layers
+become the model's multi-token prediction depths, model.mtp_num_layers).
 CKPT is a committed checkpoint (a step_NNNNNNNN directory) or a `checkpoint.dir` (its newest one that verifies); its
 model config is the one the checkpoint records, unless `--config`/overrides give one (which must fit its weights).
 `import` and `upcycle` write OUT as a `checkpoint.dir` holding one checkpoint (step 0, model weights only) for `checkpoint.init_from=OUT`, and OUT/model.yaml:
@@ -238,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logs.configure("convert")  # hf.py logs what it skips on import (DeepSeek-V3's MTP layers)
+    logs.configure("convert")  # hf.py logs what it reads differently from config.json (MTP layers it lacks)
     parser = _parser()
     # Overrides may follow options (`--force a.b=c`), which one nargs="*" positional cannot take: collect the rest.
     args, rest = parser.parse_known_args(argv)
