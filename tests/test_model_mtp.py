@@ -7,7 +7,7 @@
   token is kept for the step record (`mtp_loss`).
 - With λ = 0 (and no router losses, which the MTP block's MoE has as every MoE layer) the main model trains exactly
   as without MTP and the MTP weights get zero gradients.
-- The config refuses what MTP does not run with (pipeline stages, context parallelism, RL), naming the keys.
+- The config refuses what MTP does not run with (context parallelism, RL), naming the keys.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_mtp_with_zero_coefficient_trains_the_main_model_as_without_it():
             assert torch.equal(p.grad, grads[name].grad), name
 
 
-@pytest.mark.parametrize("override, key", [("parallel.pp=2", "parallel.pp"), ("parallel.cp=2", "parallel.cp"),
+@pytest.mark.parametrize("override, key", [("parallel.cp=2", "parallel.cp"), ("parallel.cp_sizes=[1,2]", "cp_sizes"),
                                            ("rl.enabled=true", "rl.enabled"),
                                            ("model.mtp_loss_coeff=-1", "mtp_loss_coeff")])
 def test_config_refuses_mtp_where_it_does_not_run_naming_the_key(override, key):

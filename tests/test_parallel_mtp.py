@@ -1,8 +1,10 @@
-"""Multi-token prediction under data, tensor (with sequence parallelism) and expert parallelism reproduces the single
-process: every step's loss, every gradient at full shape and the parameters after three AdamW steps within 1e-5
-relative L2 (fp32; `parallel_harness`). Under TP the MTP depth's eh_proj and norms are whole on every rank and read
-its token shard, so their gradients must be all-reduced over TP; the shifted labels are the micro-batch's, whole on
-every TP rank; the depth's MoE block is sharded over EP like the main model's."""
+"""Multi-token prediction under data, tensor (with sequence parallelism), expert and pipeline parallelism reproduces
+the single process: every step's loss, every gradient at full shape and the parameters after three AdamW steps within
+1e-5 relative L2 (fp32; `parallel_harness`). Under TP the MTP depth's eh_proj and norms are whole on every rank and
+read its token shard, so their gradients must be all-reduced over TP; the shifted labels are the micro-batch's, whole
+on every TP rank; the depth's MoE block is sharded over EP like the main model's. Under PP the depths sit on the last
+stage and their input embeddings, taken on the first, travel with the hidden states (plain and interleaved 1F1B): the
+embedding's gradient comes back the same way."""
 
 from __future__ import annotations
 
@@ -33,3 +35,12 @@ def test_mtp_with_ep2_micro_batch_pairs_matches_single_process(tmp_path):
     cfg.data.grad_accum = 2
     batches = make_batches(cfg.model, steps=3, micro=8, tokens=32, seed=6)  # DP2: two pairs per rank
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("parallel, world", [(dict(pp=2), 2), (dict(pp=2, pp_virtual=2), 2), (dict(pp=2, tp=2), 4)],
+                         ids=["pp2", "pp2_interleaved", "pp2_tp2_sp"])
+def test_mtp_on_the_last_pipeline_stage_matches_single_process(tmp_path, parallel, world):
+    cfg = mtp_config(**parallel)
+    cfg.model.num_layers = 4  # pp2 x 2 virtual chunks of one layer each
+    batches = make_batches(cfg.model, steps=3, micro=4, tokens=32, seed=7)
+    assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=world, out_dir=str(tmp_path)))

@@ -83,7 +83,7 @@ class ModelConfig:
     norm_eps: float = 1e-6  # added to the mean square in every RMSNorm
     # Multi-token prediction (DeepSeek-V3, services/trainer/model/mtp.py): decoder blocks after the main model, depth k
     # predicting the token k + 1 after the next, sharing the embedding and output layer; 0: off (DeepSeek-V3: 1).
-    # Training only (RL and the rollout decode without it); not with parallel.pp > 1 or context parallelism
+    # Training only (RL and the rollout decode without it); not with context parallelism
     mtp_num_layers: int = 0
     mtp_loss_coeff: float = 0.3  # λ: the depths' mean cross-entropy joins the loss's gradient with this weight
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
@@ -498,8 +498,6 @@ def _check_mtp(cfg: Config) -> None:
     if not m.mtp_num_layers:
         return
     off = "or set model.mtp_num_layers=0"
-    _check(p.pp == 1, f"`model.mtp_num_layers={m.mtp_num_layers}` needs the embedding next to the output layer, on "
-                      f"one pipeline stage; `parallel.pp={p.pp}` splits them: set parallel.pp=1 {off}")
     _check(p.cp == 1 and len(set(p.cp_sizes) | {1}) == 1,
            f"`model.mtp_num_layers={m.mtp_num_layers}` shifts each document's labels by one more token per depth, "
            f"across the context-parallel shards of `parallel.cp={p.cp}`/`cp_sizes={p.cp_sizes}`, which is not "

@@ -31,7 +31,7 @@ from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
 from services.trainer.parallel.expert_parallel import sync_expert_load
-from services.trainer.parallel.groups import ParallelGroups, init_groups
+from services.trainer.parallel.groups import ParallelGroups, init_groups, sum_over
 from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
 from services.trainer.profiling import StepProfiler
 from services.trainer.progress import StepPrinter
@@ -125,10 +125,17 @@ def train_step(model: MoETransformer, optimizer, micro_batches: list, lr: float,
         optimizer.zero_grad(set_to_none=True)
         loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
         grad_norm = clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
-    mtp = {"mtp_loss": model.last_mtp_loss} if cfg.model.mtp_num_layers else {}
+    mtp = {"mtp_loss": mtp_loss_of_step(model, groups, rt.device)} if cfg.model.mtp_num_layers else {}
     return StepValues(loss_sum=loss_sum, step_tokens=torch.as_tensor(step_tokens), grad_norm=torch.as_tensor(grad_norm),
                       aux_loss=sum((m.last_aux_loss for m in model.moe_layers()), torch.zeros(())),
                       loads=advance_router_bias(model, cfg), **mtp)
+
+
+def mtp_loss_of_step(model: MoETransformer, groups: ParallelGroups, device: torch.device) -> torch.Tensor:
+    """The MTP depths' last cross-entropy on this rank, from the last pipeline stage (which holds them; the others
+    keep zero) to every stage, queued on the device."""
+    value = model.last_mtp_loss.to(device).reshape(1).clone()
+    return sum_over(value, groups.pp)[0]
 
 
 class StepReporter:

@@ -159,6 +159,16 @@ class MoETransformer(nn.Module):
                 layers: range | None) -> Stages[torch.Tensor]:
         segment_ids = document_ids(cu_seqlens, tokens.shape[0])
         x, branch = (self.embed(tokens) if hidden is None else hidden), None
+        # Under pipeline parallelism the embedding (first stage) and the MTP depths (last) live apart: the depths'
+        # input embeddings are taken on the first stage and travel with the stream, [T, (1 + D) h] (mtp.py).
+        carry = self.cfg.mtp_num_layers > 0 and (self.embed is None or self.mtp is None)
+        mtp_embedded = None
+        if carry and hidden is None:  # (without labels, a forward that computes no loss: zeros hold their place)
+            mtp_embedded = [torch.zeros_like(x) if labels is None else
+                            self.embed(shift_in_document(labels, segment_ids, k).clamp(min=0))
+                            for k in range(self.cfg.mtp_num_layers)]
+        elif carry:
+            x, *mtp_embedded = hidden.split(self.cfg.hidden_size, dim=-1)
         blocks = self.layers.values() if layers is None else [self.layers[str(i)] for i in layers]
         for block in blocks:
             if branch is not None and _forward_replaced(block):
@@ -170,13 +180,14 @@ class MoETransformer(nn.Module):
             else:  # called plainly: a memory policy may have wrapped the block's forward
                 x, branch = block(x, position_ids, cu_seqlens, segment_ids, max_seqlen, branch=branch)
         if self.output is None or (layers is not None and layers.stop < self.cfg.num_layers):
-            return x if branch is None else x + branch  # a pipeline chunk sends the whole stream
+            x = x if branch is None else x + branch  # a pipeline chunk sends the whole stream
+            return x if mtp_embedded is None else torch.cat([x, *(e.to(x.dtype) for e in mtp_embedded)], dim=-1)
         _, x = residual_norm(self.norm, x, branch, self.cfg.compile)
         if labels is None:
             return self.output(x)
         loss = self._loss(x, labels)
         if self.mtp is not None:
-            loss = loss + self._mtp_loss(x, labels, position_ids, cu_seqlens, segment_ids, max_seqlen)
+            loss = loss + self._mtp_loss(x, labels, position_ids, cu_seqlens, segment_ids, max_seqlen, mtp_embedded)
         return loss
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -184,15 +195,17 @@ class MoETransformer(nn.Module):
             return linear_cross_entropy_sum(x, self.output.weight, labels)
         return self.loss_fn(self.output(x), labels)
 
-    def _mtp_loss(self, h, labels, position_ids, cu_seqlens, segment_ids, max_seqlen) -> torch.Tensor:
+    def _mtp_loss(self, h, labels, position_ids, cu_seqlens, segment_ids, max_seqlen,
+                  embedded: list[torch.Tensor] | None = None) -> torch.Tensor:
         """λ/D · (Σ of the depths' cross-entropy sums, minus the same detached): exactly 0 as a value, so the model's
         loss stays the main one, while backward gives the depths their share of the gradient (mtp.py). `h`: the main
-        model's normalised output."""
+        model's normalised output; `embedded`: the depths' input embeddings where they came down the pipeline."""
         total = mean = torch.zeros((), dtype=torch.float32, device=h.device)
         for k, layer in enumerate(self.mtp):
             inputs = shift_in_document(labels, segment_ids, k)  # t_{i+k+1}, 0-based depth k
             targets = shift_in_document(labels, segment_ids, k + 1).masked_fill(inputs == IGNORE_INDEX, IGNORE_INDEX)
-            h = layer(self.embed(inputs.clamp(min=0)), h, position_ids, cu_seqlens, segment_ids, max_seqlen)
+            e = embedded[k] if embedded is not None else self.embed(inputs.clamp(min=0))
+            h = layer(e, h, position_ids, cu_seqlens, segment_ids, max_seqlen)
             depth = self._loss(h, targets)
             total = total + depth
             mean = mean + depth.detach() / (targets != IGNORE_INDEX).sum().clamp(min=1)

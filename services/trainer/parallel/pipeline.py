@@ -1,9 +1,10 @@
 """Pipeline parallelism: layers split into stages, and the 1F1B schedule that runs a step's micro-batches through them.
 
 A stage is the model itself with the modules it does not own removed (the embedding lives on the first stage; the final
-norm, output layer and loss on the last), so parameter names stay the single-device ones and checkpoints need no
-renaming. Between stages travel hidden states [T_local, h] (T_local / tp with sequence parallelism) forward and their
-gradients backward; both sides know the shape from the micro-batch's token count, so no shapes are exchanged.
+norm, output layer, loss and multi-token prediction depths on the last), so parameter names stay the single-device ones
+and checkpoints need no renaming. Between stages travel hidden states [T_local, h] (T_local / tp with sequence
+parallelism; [T_local, (1 + D) h] with D MTP depths, whose input embeddings ride along) forward and their gradients
+backward; both sides know the shape from the micro-batch's token count, so no shapes are exchanged.
 With virtual stages (`parallel.pp_virtual` = V) the layers are cut into pp·V chunks and a rank's stage holds V of them
 (`rank_chunks`: rank r holds chunks r, r+pp, ...), which it runs one at a time (the model's forward takes the chunk's
 layer ids); the schedules then take their interleaved form (pipeline_interleaved.py).
@@ -87,6 +88,7 @@ def keep_stage(model: nn.Module, size: int, rank: int, pp_layers: list[int] | No
     if rank != size - 1:
         model.norm = None
         model.output = None
+        model.mtp = None  # multi-token prediction runs after the last layer; its inputs come down the pipeline
     return model
 
 
@@ -143,6 +145,8 @@ class StageLink:
     def of(cls, model_stage: nn.Module, tokens: list[int], device: torch.device, pp_group: ProcessGroup | None,
            sequence_parallel_size: int = 1) -> "StageLink":
         hidden_size = next(b for b in model_stage.layers.values()).attn_norm.weight.shape[0]
+        if group_size(pp_group) > 1:  # the MTP depths' input embeddings travel with the stream (transformer.py)
+            hidden_size *= 1 + model_stage.cfg.mtp_num_layers
         dtype = next(model_stage.parameters()).dtype
         return cls(pp_group, group_rank(pp_group), group_size(pp_group), list(tokens), sequence_parallel_size,
                    hidden_size, dtype, device, held_chunks(model_stage))
@@ -349,7 +353,8 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
     def stage_forward(i: int, hidden: torch.Tensor | None, chunk: int, staged: bool = False):
         mb = mbs[i]
         bind_micro_batch(model_stage, mb)
-        labels = mb["labels"] if link.holds_loss(chunk) else None
+        # every chunk gets the labels: the first one embeds the MTP depths' inputs from them (model.mtp_num_layers)
+        labels = mb["labels"]
         return model_stage(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden,
                            labels=labels, staged=staged, layers=link.chunks[chunk])
 

@@ -11,7 +11,7 @@ is not counted. The price: earlier stages hold more blocks, hence more parameter
 from __future__ import annotations
 
 from services.common.config import ModelConfig
-from services.trainer.metrics import layer_flops, output_flops
+from services.trainer.metrics import layer_flops, mtp_flops, output_flops
 
 
 def even_counts(num_layers: int, chunks: int) -> list[int]:
@@ -52,6 +52,6 @@ def balanced_counts(layer_costs: list[float], chunks: int, tail: float = 0.0) ->
 
 
 def cost_balanced_counts(cfg: ModelConfig, chunks: int, seq_len: int) -> list[int]:
-    """`balanced_counts` of `cfg`'s blocks, the output layer on the last chunk."""
+    """`balanced_counts` of `cfg`'s blocks, the output layer and the MTP depths on the last chunk."""
     costs = [layer_flops(cfg, i, seq_len) for i in range(cfg.num_layers)]
-    return balanced_counts(costs, chunks, tail=output_flops(cfg))
+    return balanced_counts(costs, chunks, tail=output_flops(cfg) + mtp_flops(cfg, seq_len))
