@@ -71,6 +71,14 @@ def test_default_split_counts_the_output_layer_on_the_last_stage():
     assert stage_layers(48, 2, [24, 24], model_cfg=cfg, seq_len=4096) == [range(0, 24), range(24, 48)]  # pp_layers
 
 
+def test_default_split_counts_the_mtp_depths_on_the_last_stage_too():
+    cfg = load_config("configs/deepseek_v3.yaml").model  # 61 layers, one MTP depth
+    with_mtp = stage_layers(61, 4, model_cfg=cfg, seq_len=4096)
+    cfg.mtp_num_layers = 0
+    without = stage_layers(61, 4, model_cfg=cfg, seq_len=4096)
+    assert len(with_mtp[-1]) < len(without[-1])
+
+
 def test_keep_stage_holds_the_cost_balanced_layers():
     cfg = load_config("configs/tiny.yaml", ["model.num_layers=4", "model.vocab_size=65536"]).model
     first, last = (keep_stage(MoETransformer(cfg), 2, rank, seq_len=64) for rank in (0, 1))
