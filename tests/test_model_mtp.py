@@ -21,7 +21,7 @@ from services.common.config import ConfigError, load_config
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.mtp import shift_in_document
 from services.trainer.model.transformer import MoETransformer
-from tests.parallel_harness import make_batches, tiny_config
+from parallel_harness import make_batches, tiny_config
 
 
 def test_shift_in_document_takes_labels_from_the_same_document_only():
