@@ -98,7 +98,19 @@ def compiled_head_norm_rope():
     return torch.compile(head_norm_rope)
 
 
-class Attention(nn.Module):
+class PackedAttention(nn.Module):
+    """What GQA and MLA share: `qkv` (each its own) projects the packed tokens to q, k, v; `core` attends inside each
+    document (context parallelism swaps in a core of the same signature); `o_proj` projects the heads back."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int | None = None) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x, position_ids)
+        out = self.core(q, k, v, cu_seqlens, max_seqlen)
+        return self.o_proj(out.reshape(T, -1))
+
+
+class Attention(PackedAttention):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.kv_channels
@@ -136,9 +148,3 @@ class Attention(nn.Module):
             q = q * self.q_scale
         return q, k, v
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int | None = None) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv(x, position_ids)
-        out = self.core(q, k, v, cu_seqlens, max_seqlen)
-        return self.o_proj(out.reshape(T, -1))

@@ -26,7 +26,7 @@ from kernels._triton import use_triton
 from kernels.head_norm_rope import head_norm_rope as fused_head_norm_rope, supports_head_dim
 from kernels.head_norm_rope import head_norm_rope_reference as head_norm_rope
 from services.common.config import ModelConfig
-from services.trainer.model.attention import compiled_head_norm_rope, packed_causal_attention
+from services.trainer.model.attention import PackedAttention, compiled_head_norm_rope, packed_causal_attention
 from services.trainer.model.fp8_linear import FP8Linear
 from services.trainer.model.precision import to_compute_dtype
 from services.trainer.model.rope import query_scales, rotary
@@ -42,7 +42,7 @@ def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else x * scale
 
 
-class MLAttention(nn.Module):
+class MLAttention(PackedAttention):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.kv_lora_rank = cfg.num_heads, cfg.kv_lora_rank
@@ -119,10 +119,3 @@ class MLAttention(nn.Module):
                   + torch.einsum("bhp,bsp->bhs", q_rope, k_rope.float())) * (self.nope_dim + self.rope_dim) ** -0.5
         weights = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
         return torch.einsum("bhs,bsr,hvr->bhv", weights, latent, w_v).to(q.dtype)
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int | None = None) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv(x, position_ids)
-        out = self.core(q, k, v, cu_seqlens, max_seqlen)
-        return self.o_proj(out.reshape(T, -1))

@@ -201,13 +201,15 @@ class MoETransformer(nn.Module):
         loss stays the main one, while backward gives the depths their share of the gradient (mtp.py). `h`: the main
         model's normalised output; `embedded`: the depths' input embeddings where they came down the pipeline."""
         total = mean = torch.zeros((), dtype=torch.float32, device=h.device)
+        inputs = labels  # t_{i+k+1} at 0-based depth k: labels shifted by k inside each document
         for k, layer in enumerate(self.mtp):
-            inputs = shift_in_document(labels, segment_ids, k)  # t_{i+k+1}, 0-based depth k
-            targets = shift_in_document(labels, segment_ids, k + 1).masked_fill(inputs == IGNORE_INDEX, IGNORE_INDEX)
+            following = shift_in_document(labels, segment_ids, k + 1)
+            targets = following.masked_fill(inputs == IGNORE_INDEX, IGNORE_INDEX)
             e = embedded[k] if embedded is not None else self.embed(inputs.clamp(min=0))
             h = layer(e, h, position_ids, cu_seqlens, segment_ids, max_seqlen)
             depth = self._loss(h, targets)
             total = total + depth
             mean = mean + depth.detach() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+            inputs = following
         self.last_mtp_loss = mean / len(self.mtp)  # per target token, the depths' mean: the step record's mtp_loss
         return self.cfg.mtp_loss_coeff / len(self.mtp) * (total - total.detach())

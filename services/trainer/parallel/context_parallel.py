@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.dataloader.cp_sizing import attention_cost, segment_lengths
-from services.trainer.model.attention import Attention, document_ids, packed_causal_attention
-from services.trainer.model.mla import MLAttention
+from services.trainer.model.attention import PackedAttention, document_ids, packed_causal_attention
 from services.trainer.model.moe.router import Router
 from services.trainer.parallel.differentiable import gather_tokens
 from services.trainer.parallel.groups import ParallelGroups
@@ -312,7 +311,7 @@ class ContextParallelAttention(nn.Module):
 def apply_context_parallel(model: nn.Module) -> nn.Module:
     """Swap every attention core for the context-parallel one, in place (groups come per micro-batch, in the layout)."""
     for module in model.modules():
-        if isinstance(module, (Attention, MLAttention)):
+        if isinstance(module, PackedAttention):
             module.core = ContextParallelAttention()
     return model
 
