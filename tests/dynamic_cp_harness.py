@@ -21,6 +21,7 @@ from services.trainer.model.transformer import MoETransformer
 def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int) -> None:
     from services.trainer.parallel.groups import init_groups
     from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
+    from services.trainer.train import mtp_loss_of_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
@@ -32,17 +33,18 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
         parallelize(model, cfg, groups)
         opt = build_optimizer(model, cfg, groups)
         named = dict(model.named_parameters())
-        losses, grads, norms = [], [], []
+        losses, mtp_losses, grads, norms = [], [], [], []
         for mbs in batches:
             opt.zero_grad()
             loss, tokens = forward_backward_parallel(model, mbs, groups, cfg, torch.device("cpu"), None, opt)
             opt.finish_grad_sync()
             losses.append(float(loss) / int(tokens))
+            mtp_losses.append(float(mtp_loss_of_step(model, groups, torch.device("cpu"))) if cfg.model.mtp_num_layers else None)
             grads.append({n: _gather_full(n, g, named[n], groups) for n, g in opt.full_grads().items()})
             norms.append(float(opt.step(cfg.optimizer.lr)))
         opt.wait_params()  # the last step's parameter all-gathers would overlap a next forward; there is none
         params = {n: _gather_full(n, p.detach(), p, groups) for n, p in named.items()}
-        torch.save({"losses": losses, "grads": grads, "params": params, "norms": norms},
+        torch.save({"losses": losses, "mtp_losses": mtp_losses, "grads": grads, "params": params, "norms": norms},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

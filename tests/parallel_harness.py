@@ -8,8 +8,8 @@
 
 Both sides start from `init_weights(seed)` of the full model (the parallel side slices it), see the same micro-batches
 (rank with data-parallel index d takes the d-th contiguous block of each step's list; TP and CP peers share it), use
-AdamW with the same settings and clipping, and record every step's mean token loss, every parameter's gradient
-reassembled to full shape (before clipping) and, at the end, every parameter. Optional probes record the router's kept
+AdamW with the same settings and clipping, and record every step's mean token loss (and, with MTP, the step record's
+`mtp_loss`), every parameter's gradient reassembled to full shape (before clipping) and, at the end, every parameter. Optional probes record the router's kept
 masks and the MoE layers' outputs per (micro-batch, layer), and whether gradient reductions began before backward ended.
 Where the replicas share statistics pass by pass (the global aux loss), the reference runs `replicas_together(batches,
 dp)`: each of its micro-batches is the replicas' j-th micro-batches concatenated.
@@ -31,8 +31,9 @@ from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.model.moe.router import Router
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import MasterWeightAdamW, build_adamw, clip_and_step, set_lr
+from services.trainer.parallel.groups import single_process
 from services.trainer.step import count_loss_tokens, forward_backward
-from services.trainer.train import advance_router_bias
+from services.trainer.train import advance_router_bias, mtp_loss_of_step
 
 RTOL = 1e-5  # relative L2 error allowed for every gradient, parameter and step loss (fp32)
 LR = 1e-2
@@ -165,7 +166,7 @@ def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict
     probe = _Probe(model)
     for m in model.moe_layers():
         m.aux_loss_scale = 1.0 / len(batches[0])
-    losses, grads, loads, norms = [], [], [], []
+    losses, mtp_losses, grads, loads, norms = [], [], [], [], []
     for step, mbs in enumerate(batches):
         opt.zero_grad(set_to_none=True)
         set_lr(opt, cfg.optimizer.lr)
@@ -175,13 +176,14 @@ def run_reference(cfg: Config, batches: list[list[dict]], seed: int = 7) -> dict
             probe.key = (step, i)
             loss += forward_backward(model, [mb], tokens, torch.device("cpu"), autocast_of(cfg))
         losses.append(float(loss) / tokens)
+        mtp_losses.append(float(mtp_loss_of_step(model, single_process(), torch.device("cpu"))) if model.mtp else None)
         grad_of = opt.grad if isinstance(opt, MasterWeightAdamW) else (lambda p: p.grad)  # fp32 sums with bf16 params
         grads.append({n: grad_of(p).clone() for n, p in model.named_parameters() if grad_of(p) is not None})
         norms.append(float(clip_and_step(opt, model.parameters(), cfg.optimizer.clip_grad)))
         loads.append(list(advance_router_bias(model, cfg)))  # once per optimizer step, as the training loop
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
-            "loads": loads, "norms": norms}
+    return {"losses": losses, "mtp_losses": mtp_losses, "grads": grads, "params": params, "kept": probe.kept,
+            "moe_out": probe.moe_out, "loads": loads, "norms": norms}
 
 
 # ---------------------------------------------------------------- the parallel run
@@ -235,7 +237,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
         pending: list[list[int]] = []
         first_block.register_forward_pre_hook(lambda *a: pending[-1].append(len(opt._gathers)))
         named = dict(model.named_parameters())
-        losses, grads, loads, norms = [], [], [], []
+        losses, mtp_losses, grads, loads, norms = [], [], [], [], []
         for step, mbs in enumerate(batches):
             per_rank = len(mbs) // groups.dp.size
             first = groups.dp.rank * per_rank
@@ -250,13 +252,15 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
             handle.remove()
             opt.finish_grad_sync()
             losses.append(float(loss) / int(tokens))
+            mtp_losses.append(float(mtp_loss_of_step(model, groups, torch.device("cpu"))) if cfg.model.mtp_num_layers
+                              else None)
             grads.append({n: _gather_full(n, g, named[n], groups) for n, g in opt.full_grads().items()})
             sync_expert_load(model, groups)
             loads.append(list(advance_router_bias(model, cfg)))
             norms.append(float(opt.step(cfg.optimizer.lr)))
         opt.wait_params()  # the last step's parameter all-gathers overlap the next forward; there is none
         params = {n: _gather_full(n, p.detach(), p, groups) for n, p in named.items()}
-        torch.save({"losses": losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
+        torch.save({"losses": losses, "mtp_losses": mtp_losses, "grads": grads, "params": params, "kept": probe.kept, "moe_out": probe.moe_out,
                     "overlap": overlap[-1:], "pending": pending, "loads": loads, "norms": norms, "last_stage": groups.is_last_stage},
                    os.path.join(out_dir, f"rank{rank}.pt"))
         # No rank tears its connections down while a peer may still be finishing its last transfers: a gloo peer that
@@ -292,7 +296,8 @@ def run_parallel(cfg: Config, batches: list[list[dict]], world: int, out_dir: st
     under bf16 autocast with fp32 parameters too (see `autocast_of`)."""
     os.makedirs(out_dir, exist_ok=True)
     results = spawn_ranks(_worker, (world, cfg, batches, out_dir, seed, as_on_gpu), world, out_dir, timeout_of(cfg))
-    merged = {"losses": next(r["losses"] for r in results if r["last_stage"]), "grads": [], "params": {},
+    merged = {"losses": next(r["losses"] for r in results if r["last_stage"]), "mtp_losses": results[0]["mtp_losses"],
+              "grads": [], "params": {},
               "kept": {}, "moe_out": {}, "overlap": [r["overlap"] for r in results], "pending": [r["pending"] for r in results],
               "loads": results[0]["loads"],
               "norms": results[0]["norms"], "ranks": results}
@@ -316,9 +321,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_parity(ref: dict, par: dict, rtol: float = RTOL, params: bool = True) -> None:
-    """Every step's loss, every parameter's gradient each step and (optionally) every final parameter agree."""
+    """Every step's loss (and MTP loss), every parameter's gradient each step and (optionally) every final parameter
+    agree."""
     for step, (lr, lp) in enumerate(zip(ref["losses"], par["losses"], strict=True)):
         assert abs(lp - lr) <= rtol * abs(lr), f"step {step}: loss {lp} != reference {lr}"
+    both = "mtp_losses" in ref and "mtp_losses" in par
+    for step, (lr, lp) in enumerate(zip(ref["mtp_losses"], par["mtp_losses"], strict=True) if both else ()):
+        assert (lp is None) == (lr is None) and (lr is None or abs(lp - lr) <= rtol * abs(lr)), \
+            f"step {step}: MTP loss {lp} != reference {lr}"
     for step, (gr, gp) in enumerate(zip(ref["grads"], par["grads"], strict=True)):
         assert gp.keys() == gr.keys(), f"step {step}: gradients of {sorted(gp.keys() ^ gr.keys())} on one side only"
         for name in gr:

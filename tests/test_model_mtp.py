@@ -7,7 +7,9 @@
   token is kept for the step record (`mtp_loss`).
 - With λ = 0 (and no router losses, which the MTP block's MoE has as every MoE layer) the main model trains exactly
   as without MTP and the MTP weights get zero gradients.
-- The config refuses what MTP does not run with (context parallelism, RL), naming the keys.
+- The depths' shifted labels come from the whole micro-batch: a context-parallel shard's rows are the whole
+  micro-batch's at its tokens, though its zigzag chunks' following tokens sit on another rank.
+- The config refuses what MTP does not run with (RL), naming the key.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import torch
 
 from services.common.config import ConfigError, load_config
 from services.trainer.model.loss import IGNORE_INDEX
-from services.trainer.model.mtp import shift_in_document
+from services.trainer.model.attention import document_ids
+from services.trainer.model.mtp import future_labels, mean_per_target, shift_in_document
 from services.trainer.model.transformer import MoETransformer
+from services.trainer.parallel.context_parallel import shard_micro_batch, zigzag_index
+from services.trainer.parallel.groups import Axis, ParallelGroups, single_process
 from parallel_harness import make_batches, tiny_config
 
 
@@ -30,6 +35,8 @@ def test_shift_in_document_takes_labels_from_the_same_document_only():
     assert shift_in_document(labels, segments, 0).tolist() == labels.tolist()
     assert shift_in_document(labels, segments, 1).tolist() == [11, 12, -100, 21, -100, -100, -100]
     assert shift_in_document(labels, segments, 2).tolist() == [12, -100, -100, -100, -100, -100, -100]
+    assert future_labels(labels, segments, 2).tolist() == [shift_in_document(labels, segments, k).tolist()
+                                                           for k in (1, 2)]
 
 
 def mtp_model(depths: int, coeff: float = 0.3) -> MoETransformer:
@@ -82,7 +89,8 @@ def test_mtp_keeps_the_loss_value_and_adds_lambda_over_d_times_the_depths_gradie
                                    labels=batch["labels"]))
     loss.backward()
     hand_built_loss(reference, batch).backward()
-    torch.testing.assert_close(model.last_mtp_loss, reference.hand_built_mtp_loss)  # the step record's mtp_loss
+    mtp_loss = mean_per_target(model.mtp_loss_sums.take(torch.device("cpu")))  # the step record's mtp_loss
+    torch.testing.assert_close(mtp_loss, reference.hand_built_mtp_loss)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
     assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if n.startswith("mtp.") and p.ndim > 1
@@ -105,9 +113,32 @@ def test_mtp_with_zero_coefficient_trains_the_main_model_as_without_it():
             assert torch.equal(p.grad, grads[name].grad), name
 
 
-@pytest.mark.parametrize("override, key", [("parallel.cp=2", "parallel.cp"), ("parallel.cp_sizes=[1,2]", "cp_sizes"),
-                                           ("rl.enabled=true", "rl.enabled"),
+@pytest.mark.parametrize("override, key", [("rl.enabled=true", "rl.enabled"),
                                            ("model.mtp_loss_coeff=-1", "mtp_loss_coeff")])
 def test_config_refuses_mtp_where_it_does_not_run_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("configs/tiny.yaml", ["model.mtp_num_layers=1", override])
+
+
+def test_config_takes_mtp_with_context_parallelism():
+    cfg = load_config("configs/tiny.yaml", ["model.mtp_num_layers=1", "parallel.cp=2", "run.nproc=2"])
+    assert cfg.model.mtp_num_layers == 1 and cfg.parallel.cp == 2
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_shard_holds_the_whole_micro_batchs_shifted_labels_at_its_tokens(monkeypatch, cp):
+    """The chunks' ends: a rank's following tokens are on another rank, so shifting its shard locally would be wrong."""
+    batch = make_batches(tiny_config().model, steps=1, micro=1, tokens=48, seed=9)[0][0]
+    whole = future_labels(batch["labels"], document_ids(batch["cu_seqlens"], 48), 3)
+    locally_shifted_right = []
+    for rank in range(cp):
+        groups = single_process()
+        monkeypatch.setattr(ParallelGroups, "cp_of", lambda self, size, rank=rank: Axis("cp", None, tuple(range(size)), rank))
+        local = shard_micro_batch({**batch, "cp_size": torch.tensor(cp)}, groups, mtp_depths=3)
+        index = zigzag_index(48, cp, rank)
+        assert torch.equal(local["mtp_labels"], whole[:, index])
+        assert torch.equal(local["labels"], batch["labels"][index])
+        local_shift = future_labels(local["labels"], document_ids(local["cu_seqlens"], len(index)), 3)
+        locally_shifted_right.append(torch.equal(local_shift, local["mtp_labels"]))
+    # shifting a shard's own labels by its own segments loses the targets past its chunks' ends
+    assert not all(locally_shifted_right)

@@ -492,15 +492,11 @@ def _check_balancing(m: ModelConfig, p: ParallelConfig) -> None:
 
 def _check_mtp(cfg: Config) -> None:
     """Multi-token prediction (services/trainer/model/mtp.py) and what it does not run with."""
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     _check(m.mtp_num_layers >= 0, f"`model.mtp_num_layers={m.mtp_num_layers}` must be >= 0 (0: off)")
     _check(m.mtp_loss_coeff >= 0, f"`model.mtp_loss_coeff={m.mtp_loss_coeff}` must be >= 0")
     if not m.mtp_num_layers:
         return
-    _check(p.cp == 1 and len(set(p.cp_sizes) | {1}) == 1,
-           f"`model.mtp_num_layers={m.mtp_num_layers}` shifts each document's labels by one more token per depth, "
-           f"across the context-parallel shards of `parallel.cp={p.cp}`/`cp_sizes={p.cp_sizes}`, which is not "
-           "implemented: set parallel.cp=1 and drop cp_sizes or set model.mtp_num_layers=0")
     _check(not cfg.rl.enabled, f"`model.mtp_num_layers={m.mtp_num_layers}` trains extra prediction depths that RL "
                                f"neither samples from nor scores: set model.mtp_num_layers=0 for `rl.enabled`")
 

@@ -48,7 +48,7 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
             mb = to_device(mb, device)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 loss_sum = model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"),
-                                 labels=mb["labels"])
+                                 labels=mb["labels"], mtp_labels=mb.get("mtp_labels"))
             (loss_sum / step_tokens).backward()
             total += loss_sum.detach()
     return total

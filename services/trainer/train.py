@@ -27,6 +27,7 @@ from services.dataloader.errors import DataError
 from services.trainer import checkpointing
 from services.trainer.metrics import (MetricsLog, StepEnd, StepValues, datasheet_peak, flops_per_token,
                                       measure_peak_tflops)
+from services.trainer.model.mtp import mean_per_target
 from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
@@ -132,10 +133,9 @@ def train_step(model: MoETransformer, optimizer, micro_batches: list, lr: float,
 
 
 def mtp_loss_of_step(model: MoETransformer, groups: ParallelGroups, device: torch.device) -> torch.Tensor:
-    """The MTP depths' last cross-entropy on this rank, from the last pipeline stage (which holds them; the others
-    keep zero) to every stage, queued on the device."""
-    value = model.last_mtp_loss.to(device).reshape(1).clone()
-    return sum_over(value, groups.pp)[0]
+    """The MTP depths' mean cross-entropy per target token over the step's micro-batches on every DP x CP rank, from
+    the last pipeline stage (which holds the depths; the others add zeros), queued on the device (mtp.py)."""
+    return mean_per_target(sum_over(model.mtp_loss_sums.take(device), groups.dp_cp, groups.pp))
 
 
 class StepReporter:
@@ -173,7 +173,7 @@ class StepReporter:
             "expert_load": load["per_expert"], "max_load_ratio": load["max_ratio"],
             "dropped_frac": load["dropped_frac"],
         }
-        if "mtp_loss" in v:  # this rank's last micro-batch, as aux_loss
+        if "mtp_loss" in v:  # the whole step's, as loss
             record["mtp_loss"] = float(v["mtp_loss"])
         if self.rt.device.type == "cuda":
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.rt.device) / 2**30

@@ -10,7 +10,13 @@ model returns stays the main one; the depths' cross-entropies join its backward 
 (λ / D), so the reported loss is comparable with and without MTP.
 
 In a packed micro-batch t_{i+k} is labels[i + k - 1] (labels[i] = t_{i+1}), taken only inside i's own document:
-positions whose target falls past their document's end predict nothing (`shift_in_document`).
+positions whose target falls past their document's end predict nothing (`shift_in_document`). These shifted labels
+(`future_labels`, one row per depth) come from the whole micro-batch: under context parallelism a rank's tokens are two
+zigzag chunks whose following tokens another rank holds, so the sharding takes the rows before it cuts
+(`context_parallel.shard_micro_batch`) and the model is handed them.
+
+The step record's `mtp_loss` is the depths' mean cross-entropy per target token over the whole step: every micro-batch's
+per-depth sums and counts (`MTPLossSums`) are summed over micro-batches and ranks before dividing.
 """
 
 from __future__ import annotations
@@ -30,6 +36,37 @@ def shift_in_document(labels: torch.Tensor, segment_ids: torch.Tensor, k: int) -
     same = segment_ids[k:] == segment_ids[:-k]
     out[:-k] = torch.where(same, labels[k:], IGNORE_INDEX)
     return out
+
+
+def future_labels(labels: torch.Tensor, segment_ids: torch.Tensor, depths: int) -> torch.Tensor:
+    """[T] -> [depths, T]: row k holds labels shifted by k + 1 inside each document (depth k's targets; depth k + 1's
+    input tokens)."""
+    return torch.stack([shift_in_document(labels, segment_ids, k + 1) for k in range(depths)])
+
+
+class MTPLossSums:
+    """The depths' cross-entropy sums and target counts, [depths, 2] fp32 on the device, accumulated over a step's
+    micro-batches (`add`, queued) until `take` hands them over and starts the next step from zero."""
+
+    def __init__(self, depths: int):
+        self.depths, self.sums = depths, None
+
+    def add(self, depth: int, loss_sum: torch.Tensor, targets: int | torch.Tensor) -> None:
+        if self.sums is None:
+            self.sums = torch.zeros(self.depths, 2, dtype=torch.float32, device=loss_sum.device)
+        self.sums[depth] += torch.stack([loss_sum.detach().float(), torch.as_tensor(targets).to(self.sums)])
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """This rank's sums since the last `take` (zeros where it ran no depth, e.g. a pipeline stage before the
+        last)."""
+        sums = self.sums if self.sums is not None else torch.zeros(self.depths, 2, dtype=torch.float32)
+        self.sums = None
+        return sums.to(device)
+
+
+def mean_per_target(sums: torch.Tensor) -> torch.Tensor:
+    """[depths, 2] sums and counts (already summed over the step's ranks) -> the depths' mean of per-target losses."""
+    return (sums[:, 0] / sums[:, 1].clamp(min=1)).mean()
 
 
 class MTPLayer(nn.Module):

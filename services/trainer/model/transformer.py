@@ -27,7 +27,7 @@ from services.trainer.model.mla import MLAttention
 from services.trainer.model.loss import IGNORE_INDEX, cross_entropy_sum
 from services.trainer.model.mlp import SwiGLUMLP
 from services.trainer.model.moe.moe_layer import MoELayer
-from services.trainer.model.mtp import MTPLayer, shift_in_document
+from services.trainer.model.mtp import MTPLayer, MTPLossSums, future_labels
 from services.trainer.model.stages import Stages, run_to_end
 
 
@@ -114,7 +114,7 @@ class MoETransformer(nn.Module):
         # Multi-token prediction depths (mtp.py), each a block past the main model's layers; training only.
         self.mtp = nn.ModuleList([MTPLayer(cfg, Block(cfg, cfg.num_layers + k))
                                   for k in range(cfg.mtp_num_layers)]) if cfg.mtp_num_layers else None
-        self.last_mtp_loss = torch.zeros(())  # the last micro-batch's MTP cross-entropy (metrics)
+        self.mtp_loss_sums = MTPLossSums(cfg.mtp_num_layers)  # the step record's mtp_loss (metrics)
         # Σ token losses from (logits, labels); tensor parallelism swaps in the vocab-parallel version.
         self.loss_fn = cross_entropy_sum
         # Output layer and loss as one chunked op that never holds [T, vocab] logits (`model.moe_kernels:
@@ -142,8 +142,11 @@ class MoETransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int | None = None, hidden: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, staged: bool = False, layers: range | None = None):
+                labels: torch.Tensor | None = None, staged: bool = False, layers: range | None = None,
+                mtp_labels: torch.Tensor | None = None):
         """Packed micro-batch [T] -> logits [T, vocab]; with `labels` [T], the summed token loss (fp32 scalar) instead.
+        `mtp_labels` [D, T]: the MTP depths' shifted labels (`mtp.future_labels`), where the micro-batch was sharded
+        (context parallelism); else they are shifted from `labels` here.
 
         A pipeline stage holds only some of the modules and runs them a chunk at a time: `layers` (ids; None: every
         layer it holds) starts from `hidden` (the previous chunk's output) when given, else from the embedding, and
@@ -152,21 +155,23 @@ class MoETransformer(nn.Module):
         With `staged`, a generator that pauses while MoE all-to-alls are in flight and returns that output
         (services/trainer/model/stages.py; used to interleave two micro-batches, `parallel.ep_overlap`).
         """
-        stages = self._stages(tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels, staged, layers)
+        stages = self._stages(tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels, staged, layers, mtp_labels)
         return stages if staged else run_to_end(stages)
 
     def _stages(self, tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels, staged: bool,
-                layers: range | None) -> Stages[torch.Tensor]:
+                layers: range | None, mtp_labels: torch.Tensor | None) -> Stages[torch.Tensor]:
         segment_ids = document_ids(cu_seqlens, tokens.shape[0])
         x, branch = (self.embed(tokens) if hidden is None else hidden), None
+        depths = self.cfg.mtp_num_layers
         # Under pipeline parallelism the embedding (first stage) and the MTP depths (last) live apart: the depths'
         # input embeddings are taken on the first stage and travel with the stream, [T, (1 + D) h] (mtp.py).
-        carry = self.cfg.mtp_num_layers > 0 and (self.embed is None or self.mtp is None)
+        carry = depths > 0 and (self.embed is None or self.mtp is None)
+        if labels is not None and mtp_labels is None and (self.mtp is not None or (carry and hidden is None)):
+            mtp_labels = future_labels(labels, segment_ids, depths)
         mtp_embedded = None
         if carry and hidden is None:  # (without labels, a forward that computes no loss: zeros hold their place)
-            mtp_embedded = [torch.zeros_like(x) if labels is None else
-                            self.embed(shift_in_document(labels, segment_ids, k).clamp(min=0))
-                            for k in range(self.cfg.mtp_num_layers)]
+            mtp_embedded = [torch.zeros_like(x) if labels is None else self.embed(inputs.clamp(min=0))
+                            for inputs in (labels, *mtp_labels[:-1])]
         elif carry:
             x, *mtp_embedded = hidden.split(self.cfg.hidden_size, dim=-1)
         blocks = self.layers.values() if layers is None else [self.layers[str(i)] for i in layers]
@@ -187,7 +192,8 @@ class MoETransformer(nn.Module):
             return self.output(x)
         loss = self._loss(x, labels)
         if self.mtp is not None:
-            loss = loss + self._mtp_loss(x, labels, position_ids, cu_seqlens, segment_ids, max_seqlen, mtp_embedded)
+            loss = loss + self._mtp_loss(x, labels, mtp_labels, position_ids, cu_seqlens, segment_ids, max_seqlen,
+                                         mtp_embedded)
         return loss
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -195,21 +201,20 @@ class MoETransformer(nn.Module):
             return linear_cross_entropy_sum(x, self.output.weight, labels)
         return self.loss_fn(self.output(x), labels)
 
-    def _mtp_loss(self, h, labels, position_ids, cu_seqlens, segment_ids, max_seqlen,
+    def _mtp_loss(self, h, labels, future, position_ids, cu_seqlens, segment_ids, max_seqlen,
                   embedded: list[torch.Tensor] | None = None) -> torch.Tensor:
         """λ/D · (Σ of the depths' cross-entropy sums, minus the same detached): exactly 0 as a value, so the model's
         loss stays the main one, while backward gives the depths their share of the gradient (mtp.py). `h`: the main
-        model's normalised output; `embedded`: the depths' input embeddings where they came down the pipeline."""
-        total = mean = torch.zeros((), dtype=torch.float32, device=h.device)
+        model's normalised output; `future`: [D, T] shifted labels (`future_labels`); `embedded`: the depths' input
+        embeddings where they came down the pipeline."""
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
         inputs = labels  # t_{i+k+1} at 0-based depth k: labels shifted by k inside each document
-        for k, layer in enumerate(self.mtp):
-            following = shift_in_document(labels, segment_ids, k + 1)
+        for k, (layer, following) in enumerate(zip(self.mtp, future, strict=True)):
             targets = following.masked_fill(inputs == IGNORE_INDEX, IGNORE_INDEX)
             e = embedded[k] if embedded is not None else self.embed(inputs.clamp(min=0))
             h = layer(e, h, position_ids, cu_seqlens, segment_ids, max_seqlen)
             depth = self._loss(h, targets)
             total = total + depth
-            mean = mean + depth.detach() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+            self.mtp_loss_sums.add(k, depth, (targets != IGNORE_INDEX).sum())
             inputs = following
-        self.last_mtp_loss = mean / len(self.mtp)  # per target token, the depths' mean: the step record's mtp_loss
         return self.cfg.mtp_loss_coeff / len(self.mtp) * (total - total.detach())

@@ -30,6 +30,7 @@ from torch import nn
 from services.dataloader.cp_sizing import attention_cost, segment_lengths
 from services.trainer.model.attention import PackedAttention, document_ids, packed_causal_attention
 from services.trainer.model.moe.router import Router
+from services.trainer.model.mtp import future_labels
 from services.trainer.parallel.differentiable import gather_tokens
 from services.trainer.parallel.groups import ParallelGroups
 
@@ -116,12 +117,14 @@ def _snake(k: int, blocks: int) -> int:
     return pos if lap % 2 == 0 else blocks - 1 - pos
 
 
-def shard_micro_batch(mb: dict, groups: ParallelGroups, comm: CPComm = "ring") -> dict:
+def shard_micro_batch(mb: dict, groups: ParallelGroups, comm: CPComm = "ring", mtp_depths: int = 0) -> dict:
     """This rank's zigzag share of a packed micro-batch, over the CP group of the size the micro-batch was sized for.
 
     `mb["cp_size"]` (set by the dataloader's dynamic CP sizing; default `parallel.cp`) picks the pre-built group; size
     1 returns the micro-batch unchanged. The result holds local tokens/labels/position_ids, local cu_seqlens
-    (segments of the local tokens, for per-document statistics) and `cp_layout` for the attention cores.
+    (segments of the local tokens, for per-document statistics) and `cp_layout` for the attention cores; with
+    `mtp_depths` (model.mtp_num_layers), also `mtp_labels` [depths, local tokens]: the labels shifted inside each
+    document before the cut, since a chunk's following tokens sit on another rank (mtp.py).
     """
     axis = groups.cp_of(int(mb["cp_size"])) if "cp_size" in mb else groups.cp
     if axis.size == 1:
@@ -133,6 +136,8 @@ def shard_micro_batch(mb: dict, groups: ParallelGroups, comm: CPComm = "ring") -
     local.update(tokens=mb["tokens"][index], labels=mb["labels"][index], position_ids=mb["position_ids"][index],
                  cu_seqlens=local_cu_seqlens(doc_ids, index),
                  cp_layout=CPLayout(axis.group, axis.rank, axis.size, doc_ids, comm))
+    if mtp_depths:
+        local["mtp_labels"] = future_labels(mb["labels"], doc_ids, mtp_depths)[:, index]
     return local
 
 

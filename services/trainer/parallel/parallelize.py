@@ -70,7 +70,7 @@ def forward_backward_parallel(model: nn.Module, micro_batches: list[dict[str, to
     """
     p = cfg.parallel
     micro_batches = cp_share(micro_batches, groups.cp.size, groups.cp.rank)
-    local = [shard_micro_batch(mb, groups, p.cp_comm) for mb in micro_batches]
+    local = [shard_micro_batch(mb, groups, p.cp_comm, cfg.model.mtp_num_layers) for mb in micro_batches]
     # A micro-batch sized for c CP ranks is held by c ranks: each contributes 1/c of it to the micro-batch count.
     share = sum(1.0 / int(mb.get("cp_size", groups.cp.size)) for mb in micro_batches)
     totals = host_to_device(torch.tensor([float(count_loss_tokens(local)), share], dtype=torch.float64), device)

@@ -354,9 +354,9 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
         mb = mbs[i]
         bind_micro_batch(model_stage, mb)
         # every chunk gets the labels: the first one embeds the MTP depths' inputs from them (model.mtp_num_layers)
-        labels = mb["labels"]
         return model_stage(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden,
-                           labels=labels, staged=staged, layers=link.chunks[chunk])
+                           labels=mb["labels"], staged=staged, layers=link.chunks[chunk],
+                           mtp_labels=mb.get("mtp_labels"))
 
     def autocast():
         return torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
