@@ -204,6 +204,23 @@ def test_attention_to_the_cached_latent_equals_attention_over_the_expanded_keys_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("weights", [torch.bfloat16, torch.float32], ids=["bf16_model", "fp32_model"])
+def test_attention_to_a_bf16_latent_cache_keeps_bf16_accuracy(weights):
+    """A bf16 cache is read as it is (products accumulated in fp32, fp32 softmax), with bf16 or fp32 weights: the result
+    is the fp32 computation's to bf16 accuracy."""
+    attn = randomized(MLAttention(ModelConfig(hidden_size=32, num_heads=4, q_lora_rank=16, **MLA, **YARN)), seed=6)
+    n = LENGTHS[1]
+    x, _, _ = packed_input(32)
+    q, latent, k_rope = attn.query_and_latent(x[:n], torch.arange(n))
+    visible = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+    cached = (latent.expand(n, -1, -1), k_rope.expand(n, -1, -1))
+    want = attn.attend_latent(q, *cached, visible)
+    low = copy.deepcopy(attn).to(weights)
+    got = low.attend_latent(q.to(weights), *(t.bfloat16() for t in cached), visible)
+    assert got.dtype == weights
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_mla_model_has_hf_deepseek_v3_attention_names_and_no_gqa_projections():
     names = {n for n, _ in mla_model().named_parameters() if n.startswith("layers.0.attn.")}
     assert names == {f"layers.0.attn.{n}.weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj",

@@ -109,13 +109,26 @@ class MLAttention(PackedAttention):
         `visible` [B, S], without expanding per-head keys and values: kv_b_proj's key half is absorbed into the
         queries and its value half applied after the weighted sum (DeepSeek-V2 §2.1.2). -> [B, H, v_head_dim].
 
-        The same scores as the packed core (1/sqrt(nope + rope), YaRN already in q), in fp32: a decode step reads the
-        cache once, so its cost is the cache's bytes, not these small GEMMs."""
-        w_k, w_v = self.kv_b_proj.weight.float().view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank).split(
+        The same scores as the packed core (1/sqrt(nope + rope), YaRN already in q) and its precision: products of
+        operands in the cache's dtype accumulated in fp32, scores and softmax in fp32, the probabilities rounded to the
+        cache's dtype before they weight the latents (as FlashAttention rounds P before P·V). A decode step's cost is
+        reading the cache once; an fp32 copy of it (or of kv_b_proj) at every step would multiply that."""
+        w_k, w_v = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank).split(
             [self.nope_dim, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
-        q_nope, q_rope = q.float().split([self.nope_dim, self.rope_dim], dim=-1)
-        latent = latent.float()
-        scores = (torch.einsum("bhn,hnr,bsr->bhs", q_nope, w_k, latent)
-                  + torch.einsum("bhp,bsp->bhs", q_rope, k_rope.float())) * (self.nope_dim + self.rope_dim) ** -0.5
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        dtype = latent.dtype
+        q_latent = _bmm_fp32(q_nope.transpose(0, 1).to(w_k.dtype), w_k).transpose(0, 1)  # [B, H, r]
+        scores = (_bmm_fp32(q_latent.to(dtype), latent.transpose(1, 2))
+                  + _bmm_fp32(q_rope.to(k_rope.dtype), k_rope.transpose(1, 2))) * (self.nope_dim + self.rope_dim) ** -0.5
         weights = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
-        return torch.einsum("bhs,bsr,hvr->bhv", weights, latent, w_v).to(q.dtype)
+        out_latent = _bmm_fp32(weights.to(dtype), latent)  # [B, H, r]
+        out = _bmm_fp32(out_latent.transpose(0, 1).to(w_v.dtype), w_v.transpose(1, 2))  # [H, B, v]
+        return out.transpose(0, 1).to(q.dtype)
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b accumulated and returned in fp32: on CUDA straight from bf16/fp16 operands (`bmm`'s out_dtype),
+    elsewhere through fp32 copies (the CPU kernel has no such variant)."""
+    if a.dtype != torch.float32 and a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
