@@ -190,7 +190,7 @@ def test_exported_mtp_depth_predicts_as_transformers_mtp_layer(tmp_path):
         ours.norm.register_forward_hook(lambda _m, _args, h: seen.setdefault("h", h))
         ours_logits(ours, toks)
         cu, segments = torch.tensor([0, T - 1], dtype=torch.int32), torch.zeros(T - 1, dtype=torch.long)
-        h1 = ours.mtp[0](ours.embed(toks[1:]), seen["h"][:-1], torch.arange(T - 1), cu, segments, T - 1)
-        got = ours.output(h1)
+        x, branch = ours.mtp[0](ours.embed(toks[1:]), seen["h"][:-1], torch.arange(T - 1), cu, segments, T - 1)
+        got = ours.output(ours.mtp[0].norm(x + branch))
     assert expected.std() > 0.1
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)

@@ -142,3 +142,26 @@ def test_context_parallel_shard_holds_the_whole_micro_batchs_shifted_labels_at_i
         locally_shifted_right.append(torch.equal(local_shift, local["mtp_labels"]))
     # shifting a shard's own labels by its own segments loses the targets past its chunks' ends
     assert not all(locally_shifted_right)
+
+
+def test_the_depths_residual_stream_has_the_main_streams_dtype_under_bf16_autocast():
+    """eh_proj runs in bf16 under autocast; the depth's block still gets the stream in the embedding's dtype (fp32), as
+    every main block does, not autocast's bf16."""
+    model = mtp_model(1)
+    seen = {}
+    for name, block in (("main", model.layers["0"]), ("mtp", model.mtp[0].block)):
+        block.register_forward_pre_hook(lambda _m, args, name=name: seen.update({name: args[0].dtype}))
+    batch = make_batches(model.cfg, steps=1, micro=1, tokens=40, seed=3)[0][0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(batch["tokens"], batch["position_ids"], batch["cu_seqlens"], labels=batch["labels"]).backward()
+    assert seen == {"main": torch.float32, "mtp": torch.float32}
+
+
+def test_the_tokens_and_every_depths_inputs_are_embedded_in_one_lookup():
+    """One embedding call per micro-batch: its dense [vocab, h] gradient is made once, not once per depth and summed."""
+    model = mtp_model(2)
+    calls = []
+    model.embed.register_forward_hook(lambda _m, args, _out: calls.append(tuple(args[0].shape)))
+    batch = make_batches(model.cfg, steps=1, micro=1, tokens=40, seed=3)[0][0]
+    model(batch["tokens"], batch["position_ids"], batch["cu_seqlens"], labels=batch["labels"]).backward()
+    assert calls == [(40, 3)]

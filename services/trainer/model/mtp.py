@@ -83,9 +83,13 @@ class MTPLayer(nn.Module):
         self.norm = nn.RMSNorm(h, eps=cfg.norm_eps)
 
     def forward(self, embedded: torch.Tensor, previous: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor, segment_ids: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
-        """Embeddings of t_{i+k} and the previous depth's output [T, h] -> this depth's output [T, h] (normalised:
-        the output layer's input and the next depth's `previous`)."""
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
-        x, branch = self.block(x, position_ids, cu_seqlens, segment_ids, max_seqlen)
-        return self.norm(x + branch)
+                cu_seqlens: torch.Tensor, segment_ids: torch.Tensor,
+                max_seqlen: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings of t_{i+k} and the previous depth's output [T, h] -> the block's residual stream and last branch;
+        `norm` of their sum is this depth's output (the output layer's input and the next depth's `previous`), taken
+        by the caller with the add, as every block's (`transformer.residual_norm`: fused under model.compile).
+
+        The depth's residual stream starts in the dtype the main one does, the embedding's (fp32 under bf16 autocast,
+        also with bf16 parameters: optim.stays_fp32), not in eh_proj's autocast output dtype."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1)).to(embedded.dtype)
+        return self.block(x, position_ids, cu_seqlens, segment_ids, max_seqlen)

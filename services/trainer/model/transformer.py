@@ -161,19 +161,25 @@ class MoETransformer(nn.Module):
     def _stages(self, tokens, position_ids, cu_seqlens, max_seqlen, hidden, labels, staged: bool,
                 layers: range | None, mtp_labels: torch.Tensor | None) -> Stages[torch.Tensor]:
         segment_ids = document_ids(cu_seqlens, tokens.shape[0])
-        x, branch = (self.embed(tokens) if hidden is None else hidden), None
-        depths = self.cfg.mtp_num_layers
+        depths, branch = self.cfg.mtp_num_layers, None
         # Under pipeline parallelism the embedding (first stage) and the MTP depths (last) live apart: the depths'
         # input embeddings are taken on the first stage and travel with the stream, [T, (1 + D) h] (mtp.py).
         carry = depths > 0 and (self.embed is None or self.mtp is None)
         if labels is not None and mtp_labels is None and (self.mtp is not None or (carry and hidden is None)):
             mtp_labels = future_labels(labels, segment_ids, depths)
-        mtp_embedded = None
-        if carry and hidden is None:  # (without labels, a forward that computes no loss: zeros hold their place)
-            mtp_embedded = [torch.zeros_like(x) if labels is None else self.embed(inputs.clamp(min=0))
-                            for inputs in (labels, *mtp_labels[:-1])]
-        elif carry:
-            x, *mtp_embedded = hidden.split(self.cfg.hidden_size, dim=-1)
+        if hidden is not None:
+            x, *mtp_embedded = hidden.split(self.cfg.hidden_size, dim=-1) if carry else (hidden,)
+        elif depths and labels is not None:
+            # The tokens and the depths' input tokens t_{i+k} in one lookup, [T, 1 + D] ids: one dense embedding
+            # gradient instead of 1 + D summed (the vocabulary-sized add is the cost), and under sequence parallelism one
+            # reduce-scatter along the tokens.
+            ids = torch.stack([tokens, *(inputs.clamp(min=0) for inputs in (labels, *mtp_labels[:-1]))], dim=1)
+            x, *mtp_embedded = self.embed(ids).unbind(1)
+            x = x.contiguous()  # the stream as the blocks (and their compiled kernels) always see it
+        else:  # (without labels, a forward that computes no loss, the carried depths' inputs are zeros)
+            x = self.embed(tokens)
+            mtp_embedded = [torch.zeros_like(x)] * depths if carry else []
+        mtp_embedded = mtp_embedded or None
         blocks = self.layers.values() if layers is None else [self.layers[str(i)] for i in layers]
         for block in blocks:
             if branch is not None and _forward_replaced(block):
@@ -212,7 +218,8 @@ class MoETransformer(nn.Module):
         for k, (layer, following) in enumerate(zip(self.mtp, future, strict=True)):
             targets = following.masked_fill(inputs == IGNORE_INDEX, IGNORE_INDEX)
             e = embedded[k] if embedded is not None else self.embed(inputs.clamp(min=0))
-            h = layer(e, h, position_ids, cu_seqlens, segment_ids, max_seqlen)
+            x, branch = layer(e, h, position_ids, cu_seqlens, segment_ids, max_seqlen)
+            _, h = residual_norm(layer.norm, x, branch, self.cfg.compile)
             depth = self._loss(h, targets)
             total = total + depth
             self.mtp_loss_sums.add(k, depth, (targets != IGNORE_INDEX).sum())

@@ -156,9 +156,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = group_rank(group) * self.weight.shape[0]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """ids [T, ...] -> [T, ..., h] (under sequence parallelism this rank's share of the T tokens)."""
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0.0)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
         return reduce_scatter_tokens(out, self.group) if self.sequence_parallel else reduce_from_group(out, self.group)
 
 
