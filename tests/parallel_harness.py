@@ -29,6 +29,7 @@ from services.common.config import Config, ModelConfig
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.moe.moe_layer import MoELayer
 from services.trainer.model.moe.router import Router
+from services.checkpointer.store import CheckpointStore
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import MasterWeightAdamW, build_adamw, clip_and_step, set_lr
 from services.trainer.parallel.groups import single_process
@@ -382,3 +383,34 @@ def assert_same_rank_replicas(par: dict, key: str = "params") -> None:
                 assert torch.equal(seen[n], t), f"replicas of {n} differ between ranks"
             seen.setdefault(n, t)
 
+
+# ---------------------------------------------------------------- checkpoints written by a parallel layout
+
+
+def save_step_one(root: str, rank: int, world: int, shards: dict) -> None:
+    """This rank's written shards as one part of step 1 of a checkpoint in `root`; rank 0 commits once all ranks have."""
+    store = CheckpointStore(root, keep_last=0)
+    written = {n: s for n, s in shards.items() if s.written}
+    part = store.write_part(1, rank, 0, {n: s.tensor.contiguous() for n, s in written.items()},
+                            {n: (list(s.global_shape), list(s.offsets)) for n, s in written.items()})
+    store.write_rank_record(1, rank, [part], {"rank": rank})
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        store.commit("test", 1, world)
+
+
+def trained_one_step(cfg, groups, seed: int):
+    """A model of `cfg`'s layout after one AdamW step (moments not zero), and its optimizer."""
+    from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
+
+    model = MoETransformer(cfg.model)
+    model.init_weights(seed)
+    parallelize(model, cfg, groups)
+    opt = build_optimizer(model, cfg, groups)
+    opt.zero_grad()
+    forward_backward_parallel(model, make_batches(cfg.model, 1, 2, seed=seed)[0], groups, cfg, torch.device("cpu"),
+                              None, opt)
+    opt.finish_grad_sync()
+    opt.step(cfg.optimizer.lr)
+    return model, opt

@@ -13,6 +13,7 @@ asked to (`checkpoint.resume=false`) or because none of them verifies.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -320,3 +321,18 @@ def test_when_no_checkpoint_verifies_the_run_stops_naming_each_problem_instead_o
                              rf"{victim.name}.*sha256"):
         checkpointing.restore(cfg, model, opt, FakeData(0), rank=0)
     assert sorted(str(p) for p in tmp_path.rglob("*") if p.is_file()) == sorted(files)  # nothing deleted
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (2, 1, 3, 2)])
+def test_a_flat_range_is_cut_into_at_most_2ndim_minus_1_boxes_covering_it_in_order(shape):
+    """ZeRO-1 owns flat ranges of a bucket; a checkpoint stores boxes: every range of every small tensor, brute force."""
+    from services.trainer.parallel.checkpoint_shards import flat_range_boxes
+
+    numel = math.prod(shape)
+    index = torch.arange(numel).reshape(shape)
+    for lo in range(numel + 1):
+        for hi in range(lo, numel + 1):
+            boxes = flat_range_boxes(shape, lo, hi)
+            assert len(boxes) <= 2 * len(shape) - 1
+            got = [index[tuple(slice(o, o + n) for o, n in zip(at, size))].reshape(-1) for at, size in boxes]
+            assert torch.cat(got or [torch.zeros(0, dtype=torch.long)]).tolist() == list(range(lo, hi)), (lo, hi)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.checkpointer.shard import tensor_name
 from services.common.config import Config, ModelConfig
 from kernels.adamw import join_master, split_master
 from services.trainer import checkpointing
@@ -158,6 +159,21 @@ class ShardCheckpoint:
     def __init__(self, shards):
         self.tensors = {n: s.tensor.clone() for n, s in shards.items()}
 
+    @classmethod
+    def assembled(cls, ranks: list[dict]) -> ShardCheckpoint:
+        """From every rank's written pieces, {key: (piece, global_shape, offsets)}: each element exactly once."""
+        tensors, covered = {}, {}
+        for pieces in ranks:
+            for key, (t, shape, offsets) in pieces.items():
+                name = tensor_name(key)
+                full = tensors.setdefault(name, torch.zeros(shape, dtype=t.dtype))
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+                covered[name] = covered.get(name, 0) + t.numel()
+        assert all(covered[n] == t.numel() for n, t in tensors.items()), "pieces overlap or leave gaps"
+        checkpoint = cls({})
+        checkpoint.tensors = tensors
+        return checkpoint
+
     def names(self):
         return list(self.tensors)
 
@@ -298,29 +314,36 @@ def _sharded_save_worker(rank: int, world: int, out_dir: str) -> None:
         shards = checkpointing.state_shards(model, opt, rank=rank, groups=groups)
         owned = [(b.lo, b.hi, join_master(b.params[b.lo:b.hi], b.remainder) if b.remainder is not None else
                   b.master.clone()) for b in opt.buckets]
+        mine = {n: (s.tensor.clone(), s.global_shape, s.offsets) for n, s in shards.items() if s.written}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)  # what the checkpointer would receive from every rank
         fresh = tiny_model(seed=2)
         fresh_opt = DistributedOptimizer(fresh, groups, cfg.optimizer, bucket_mb=0.01)
-        checkpoint_shards.load_shards(ShardCheckpoint(shards), fresh, fresh_opt, groups)
+        checkpoint_shards.load_shards(ShardCheckpoint.assembled(everyone), fresh, fresh_opt, groups)
         same = all((getattr(b, k) is None and getattr(c, k) is None) or torch.equal(getattr(b, k), getattr(c, k))
                    for b, c in zip(opt.buckets, fresh_opt.buckets, strict=True)
                    for k in ("remainder", "master", "exp_avg", "exp_avg_sq", "params"))
         slots = [[(s.name, s.start, s.numel) for s in b.slots] for b in opt.buckets]
-        torch.save({"shards": {n: s.tensor.clone() for n, s in shards.items() if s.written}, "owned": owned,
-                    "slots": slots, "restored": same}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"pieces": mine, "owned": owned, "slots": slots, "restored": same},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_a_sharded_save_gathers_every_owners_master_remainders_and_restores_them(tmp_path):
-    """Two data-parallel ranks, each owning half of every bucket's remainders: the checkpoint's bf16 values joined with
-    its remainders are, for every parameter, the masters of whichever rank owned each element; each rank restores its
-    own half from them exactly."""
+def test_a_sharded_save_hands_each_owners_range_and_the_pieces_restore_every_master(tmp_path):
+    """Two data-parallel ranks, each owning half of every bucket: each hands the checkpointer only its half (of the
+    parameters, remainders and moments: nothing gathered), as boxes that together cover every tensor exactly once; the
+    bf16 values joined with the remainders are, for every parameter, the masters of whichever rank owned each element;
+    each rank restores its own half from them exactly."""
     from tests.parallel_harness import spawn_ranks
 
     ranks = spawn_ranks(_sharded_save_worker, (2, str(tmp_path)), 2, str(tmp_path), timeout_s=120)
     assert all(r["restored"] for r in ranks)
-    saved = ranks[0]["shards"]
+    saved = ShardCheckpoint.assembled([r["pieces"] for r in ranks]).tensors
+    state = [sum(t.numel() * t.element_size() for n, (t, _, _) in r["pieces"].items()
+                 if n.startswith("optim/") and not n.endswith("/step")) for r in ranks]
+    assert state[0] > 0 and abs(state[0] - state[1]) <= 0.02 * state[0], state  # each rank writes its half
     for b, slots in enumerate(ranks[0]["slots"]):
         flat = torch.cat([r["owned"][b][2] for r in ranks])  # the owners' ranges, in order, cover the bucket
         assert [r["owned"][b][:2] for r in ranks] == [(0, flat.numel() // 2), (flat.numel() // 2, flat.numel())]

@@ -23,12 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_harness import (assert_parity, make_batches, run_parallel, run_reference, spawn_ranks, tiny_config,
-                              _gather_full)
+from parallel_harness import (assert_parity, make_batches, run_parallel, run_reference, save_step_one, spawn_ranks,
+                              tiny_config, trained_one_step, _gather_full)
 from services.checkpointer.load import load_checkpoint
-from services.checkpointer.store import CheckpointStore
 from services.trainer.model.transformer import MoETransformer
-from services.trainer.parallel.checkpoint_shards import load_shards, model_shards, optimizer_shards
+from services.trainer.parallel.checkpoint_shards import load_shards, optimizer_shards, training_shards
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.groups import single_process
 
@@ -81,35 +80,6 @@ def test_mla_tp2_sp_folded_with_ep2_matches_single_process(tmp_path):
 # ---------------------------------------------------------------- checkpoint resharding between TP1 and TP2
 
 
-def save(root: str, rank: int, world: int, shards: dict) -> None:
-    """This rank's written shards as one part of step 1 of a checkpoint in `root`; rank 0 commits once all ranks have."""
-    store = CheckpointStore(root, keep_last=0)
-    written = {n: s for n, s in shards.items() if s.written}
-    part = store.write_part(1, rank, 0, {n: s.tensor.contiguous() for n, s in written.items()},
-                            {n: (list(s.global_shape), list(s.offsets)) for n, s in written.items()})
-    store.write_rank_record(1, rank, [part], {"rank": rank})
-    if world > 1:
-        dist.barrier()
-    if rank == 0:
-        store.commit("mla", 1, world)
-
-
-def trained_one_step(cfg, groups, seed: int):
-    """An MLA model of `cfg`'s layout after one AdamW step (moments not zero), and its optimizer."""
-    from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
-
-    model = MoETransformer(cfg.model)
-    model.init_weights(seed)
-    parallelize(model, cfg, groups)
-    opt = build_optimizer(model, cfg, groups)
-    opt.zero_grad()
-    forward_backward_parallel(model, make_batches(cfg.model, 1, 2, seed=seed)[0], groups, cfg, torch.device("cpu"),
-                              None, opt)
-    opt.finish_grad_sync()
-    opt.step(cfg.optimizer.lr)
-    return model, opt
-
-
 def _reshard_worker(rank: int, world: int, out_dir: str) -> None:
     from services.trainer.parallel.groups import init_groups
 
@@ -126,7 +96,7 @@ def _reshard_worker(rank: int, world: int, out_dir: str) -> None:
         loaded = {n: _gather_full(n, p.detach(), p, groups) for n, p in fresh.named_parameters()}
         # Save this layout's own state for the one process to read.
         model, opt = trained_one_step(cfg, groups, seed=5)
-        save(os.path.join(out_dir, "tp2"), rank, world, {**model_shards(model, groups), **optimizer_shards(opt, groups)})
+        save_step_one(os.path.join(out_dir, "tp2"), rank, world, training_shards(model, opt, groups))
         full = {n: _gather_full(n, p.detach(), p, groups) for n, p in model.named_parameters()}
         split = {n: getattr(p, "tensor_parallel_dim", None) for n, p in model.named_parameters()}
         torch.save({"loaded": loaded, "full": full, "split": split}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -139,7 +109,7 @@ def test_mla_checkpoints_reshard_between_tp1_and_tp2(tmp_path):
     cfg = mla_config()
     one = single_process(cfg)
     model, opt = trained_one_step(cfg, one, seed=3)
-    save(str(tmp_path / "tp1"), 0, 1, {**model_shards(model, one), **optimizer_shards(opt, one)})
+    save_step_one(str(tmp_path / "tp1"), 0, 1, training_shards(model, opt, one))
 
     ranks = spawn_ranks(_reshard_worker, (2, str(tmp_path)), 2, str(tmp_path), timeout_s=180)
     attn = {n.split("attn.", 1)[1]: d for n, d in ranks[0]["split"].items() if ".attn." in n and n.startswith("layers.0")}

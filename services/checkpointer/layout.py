@@ -108,10 +108,12 @@ def sha256_file(path: Path) -> str:
 
 @dataclass
 class Box:
-    """One saved piece of a global tensor."""
+    """One saved piece of a global tensor; `key`: its name inside `file` (the tensor's name, or a piece key when its
+    rank saved several pieces of the tensor: shard.piece_key)."""
     file: str
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
+    key: str = ""
 
 
 @dataclass
@@ -199,7 +201,8 @@ class Manifest:
         return {"format": FORMAT, "version": FORMAT_VERSION, "run": self.run, "step": self.step,
                 "world_size": self.world_size, "created": self.created, "files": self.files,
                 "tensors": {n: {"dtype": e.dtype, "global_shape": list(e.global_shape),
-                                "shards": [{"file": b.file, "offsets": list(b.offsets), "shape": list(b.shape)}
+                                "shards": [{"file": b.file, "offsets": list(b.offsets), "shape": list(b.shape),
+                                            **({"key": b.key} if b.key not in ("", n) else {})}
                                            for b in e.boxes]} for n, e in self.tensors.items()},
                 "extras": self.extras}
 
@@ -209,7 +212,8 @@ class Manifest:
             raise ValueError(f"format {obj.get('format')!r} version {obj.get('version')!r} is not "
                              f"{FORMAT!r} version {FORMAT_VERSION}")
         tensors = {n: TensorEntry(e["dtype"], tuple(e["global_shape"]),
-                                  [Box(s["file"], tuple(s["offsets"]), tuple(s["shape"])) for s in e["shards"]])
+                                  [Box(s["file"], tuple(s["offsets"]), tuple(s["shape"]), s.get("key", n))
+                                   for s in e["shards"]])
                    for n, e in obj["tensors"].items()}
         return cls(obj["run"], int(obj["step"]), int(obj["world_size"]), dict(obj["files"]), tensors,
                    list(obj["extras"]), float(obj.get("created", 0.0)))

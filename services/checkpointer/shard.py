@@ -2,7 +2,9 @@
 
 The checkpointer knows nothing about models or parallel layouts: every saved thing is a global tensor cut into boxes.
 A rank describes its box by `offsets` (first element's global index) and the piece's own shape; any later layout can
-read any box back (see `load.Checkpoint.read`).
+read any box back (see `load.Checkpoint.read`). A rank that holds several boxes of one tensor (a ZeRO-1 flat range of a
+parameter cuts it into up to 2·ndim - 1 boxes) hands them under piece keys, `piece_key(name, i)`; the manifest lists
+them under the tensor's name (`tensor_name`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,19 @@ class Shard:
         if not self.replicated and not self.writer:
             raise ValueError(f"shard {name!r} is held by this rank only (replicated=False) so it must be written "
                              "(writer=True)")
+
+
+PIECE = "#"  # never in a parameter's name
+
+
+def piece_key(name: str, index: int) -> str:
+    """The key of a rank's `index`-th box of tensor `name`, when it hands several."""
+    return f"{name}{PIECE}{index}"
+
+
+def tensor_name(key: str) -> str:
+    """The tensor a shard key names: the key itself, or the name a `piece_key` was made from."""
+    return key.split(PIECE, 1)[0]
 
 
 def as_shard(value: torch.Tensor | Shard) -> Shard:

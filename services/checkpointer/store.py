@@ -23,6 +23,7 @@ from services.checkpointer.layout import (KEEP, LATEST, MANIFEST, TMP_SUFFIX, TR
                                           Manifest, TensorEntry, check_tiling, checkpoint_dirs, fsync_dir, parse_step,
                                           rank_record_name, read_manifest, shard_file_name, step_dir_name, verify,
                                           write_durable, write_shard_file)
+from services.checkpointer.shard import tensor_name
 from services.common import logs
 
 log = logs.logger("checkpointer")
@@ -101,13 +102,14 @@ class CheckpointStore:
             extras.append(record["extra"])
             for part in record["parts"]:
                 files[part["file"]] = {"sha256": part["sha256"], "bytes": part["bytes"], "rank": rank}
-                for name, t in part["tensors"].items():
+                for key, t in part["tensors"].items():
+                    name = tensor_name(key)
                     entry = tensors.setdefault(name, TensorEntry(t["dtype"], tuple(t["global_shape"])))
                     if entry.dtype != t["dtype"] or entry.global_shape != tuple(t["global_shape"]):
                         raise CheckpointError(
                             f"tensor {name!r}: rank {rank} saved {t['dtype']} {t['global_shape']} but another rank "
                             f"saved {entry.dtype} {list(entry.global_shape)}")
-                    entry.boxes.append(Box(part["file"], tuple(t["offsets"]), tuple(t["shape"])))
+                    entry.boxes.append(Box(part["file"], tuple(t["offsets"]), tuple(t["shape"]), key))
         if not tensors:  # no trainer saves nothing; a stray client's well-formed but empty save must not become "latest"
             raise CheckpointError(f"step {step}: none of the {world_size} rank(s) saved a tensor: nothing to commit")
         for name, entry in tensors.items():

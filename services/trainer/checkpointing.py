@@ -113,7 +113,7 @@ def state_shards(model: nn.Module, optimizer: Any, rank: int, groups: Any = None
     """Every tensor this rank contributes to a checkpoint, by global name, with its box in the global tensor.
 
     `groups`: the run's ParallelGroups for a folded layout (services/trainer/parallel/checkpoint_shards.py names each
-    parameter's box and gathers the ZeRO-1 moments into boxes); None for one rank or plain data parallel.
+    parameter's box, cut to the flat range this rank owns under ZeRO-1); None for one rank or plain data parallel.
     `predict`: fill optimizer state that does not exist yet (before the first step) with meta tensors of the shapes
     it will have (see `attach`).
     """
@@ -123,10 +123,11 @@ def state_shards(model: nn.Module, optimizer: Any, rank: int, groups: Any = None
 
         if isinstance(optimizer, DistributedOptimizer):
             optimizer.wait_params()  # the last step's all-gathers write the parameters being snapshotted
-        shards = parallel.model_shards(model, groups)
         if isinstance(optimizer, DistributedOptimizer):
-            shards.update(parallel.optimizer_shards(optimizer, groups))
+            shards = parallel.training_shards(model, optimizer, groups)
             optimizer = None
+        else:
+            shards = parallel.model_shards(model, groups)
     else:
         shards = {f"model/{n}": _param_shard(n, t, rank) for n, t in model.state_dict(keep_vars=True).items()}
     if isinstance(optimizer, torch.optim.Optimizer):

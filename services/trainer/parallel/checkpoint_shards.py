@@ -6,19 +6,24 @@ A parameter's box: TP-sharded parameters cover their slice along `tensor_paralle
 experts (and, with ETP, their FFN slice — w13 is then saved in its [E, h, 2, f] view, the gate and up halves being
 two column blocks; layouts with etp=1, including one process, save [E, h, 2f]; reading handles both). Copies on several ranks are marked replicated; exactly one rank writes each.
 
-The ZeRO-1 moments (and remainders) exist on each rank only for its flat range of a bucket; at save time each bucket's
-are all-gathered over the reducing group (a temporary full copy of this rank's parameters' moments) so they form boxes too.
+Under ZeRO-1 a bucket's moments (and remainders) live on each rank of its reducing group for one flat range only; a
+save hands exactly that range, of the moments and of the parameters themselves (which every rank of the group holds
+whole): a flat range of a tensor is up to 2·ndim - 1 boxes (`flat_range_boxes`), handed as pieces of the one tensor
+(shard.piece_key). So every rank of a data-parallel group copies and writes its 1/n of the state, nothing is gathered,
+and the save's stall is each rank's own device-to-host copy; any layout still reads any box back.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from kernels.adamw import split_master
-from services.checkpointer.shard import Shard
+from services.checkpointer.shard import Shard, piece_key
 from services.trainer.checkpointing import saved_value
-from services.trainer.parallel.distributed_optimizer import DistributedOptimizer, _all_gather_single
+from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.groups import ParallelGroups
 
 
@@ -59,29 +64,81 @@ def model_shards(model: nn.Module, groups: ParallelGroups) -> dict[str, Shard]:
     return out
 
 
-def _full_moment(opt: DistributedOptimizer, bucket, which: str) -> torch.Tensor:
-    local = getattr(bucket, which)
-    if not opt.shard or bucket.axis.size == 1:
-        return local
-    full = torch.empty(bucket.size, dtype=local.dtype, device=local.device)
-    # NCCL and gloo have no int16 type: the remainders travel as the bf16 of the same bits (a gather only moves them)
-    wire = torch.bfloat16 if local.dtype == torch.int16 else local.dtype
-    _all_gather_single(full.view(wire), local.contiguous().view(wire), group=bucket.axis.group)
-    return full
+def flat_range_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, shape) boxes covering elements [lo, hi) of a C-ordered tensor of `shape`, in element order, each one
+    contiguous in that order: a partial first row, whole rows, a partial last row (recursively), at most 2·ndim - 1."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    row = math.prod(shape[1:])
+    first, last = lo // row, (hi - 1) // row
+    if first == last:  # inside one row: the row's own sub-boxes
+        return [((first, *o), (1, *n)) for o, n in flat_range_boxes(shape[1:], lo - first * row, hi - first * row)]
+    boxes = []
+    if lo % row:
+        boxes += [((first, *o), (1, *n)) for o, n in flat_range_boxes(shape[1:], lo % row, row)]
+        first += 1
+    whole_end = hi // row
+    if whole_end > first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (whole_end - first, *shape[1:])))
+    if hi % row:
+        boxes += [((whole_end, *o), (1, *n)) for o, n in flat_range_boxes(shape[1:], 0, hi % row)]
+    return boxes
+
+
+def _owned_pieces(name: str, flat: torch.Tensor, local_shape: tuple[int, ...], lo: int, hi: int,
+                  box: tuple[tuple[int, ...], tuple[int, ...], bool, bool]) -> dict[str, Shard]:
+    """Elements [lo, hi) of a local piece laid out as `local_shape` at `box` (global shape, offsets, replicated,
+    writer); `flat` holds exactly those elements, in order."""
+    shape, offsets, replicated, writer = box
+    boxes = flat_range_boxes(local_shape, lo, hi)
+    out, start = {}, 0
+    for i, (at, size) in enumerate(boxes):
+        n = math.prod(size)
+        key = name if len(boxes) == 1 else piece_key(name, i)
+        out[key] = Shard(flat[start:start + n].view(size), shape, tuple(o + a for o, a in zip(offsets, at)),
+                         replicated, writer)
+        start += n
+    return out
+
+
+def _owner_box(p: nn.Parameter, groups: ParallelGroups, sharded: bool):
+    """`_box` of `p` for the flat range this rank owns: under ZeRO-1 the reducing group's ranks own disjoint ranges,
+    so copies remain only on the TP ranks of a parameter tensor parallelism does not split."""
+    shape, offsets, replicated, writer = _box(p, groups)
+    if not sharded:
+        return shape, offsets, replicated, writer
+    split = hasattr(p, "expert_box") or getattr(p, "tensor_parallel_dim", None) is not None
+    return shape, offsets, (not split and groups.tp.size > 1), (split or groups.tp.rank == 0)
+
+
+def training_shards(model: nn.Module, opt: DistributedOptimizer, groups: ParallelGroups) -> dict[str, Shard]:
+    """Everything this rank of a folded layout saves of the model and optimizer: the buffers (and any parameter no
+    bucket holds) as `model_shards` names them, the bucketed parameters and their state as `optimizer_shards` does."""
+    bucketed = {f"model/{s.name}" for b in opt.buckets for s in b.slots}
+    whole = {name: shard for name, shard in model_shards(model, groups).items() if name not in bucketed}
+    return whole | optimizer_shards(opt, groups)
 
 
 def optimizer_shards(opt: DistributedOptimizer, groups: ParallelGroups) -> dict[str, Shard]:
-    """The moments and step; for bf16 parameters also the remainders of their fp32 master weights (beside the bf16
-    values `model_shards` names, they make a checkpoint hold the parameters' true values whatever the layout)."""
+    """Every bucketed parameter with its moments and step, and for bf16 parameters the remainders of their fp32 master
+    weights (with the bf16 values they make a checkpoint hold the parameters' true values whatever the layout), each in
+    the flat range this rank owns (all of it without ZeRO-1)."""
     out = {}
     for b in opt.buckets:
+        sharded = opt.shard and b.axis.size > 1
         keys = ("exp_avg", "exp_avg_sq") + (() if b.remainder is None else ("remainder",))
-        moments = {k: _full_moment(opt, b, k) for k in keys}
         for s in b.slots:
-            shape, offsets, replicated, writer = _box(s.param, groups)
-            for key, flat in moments.items():
-                piece = _view(flat[s.start:s.start + s.numel].view_as(s.param), shape).clone()
-                out[f"optim/{s.name}/{key}"] = Shard(piece, shape, offsets, replicated, writer)
+            lo, hi = max(s.start, b.lo), min(s.start + s.numel, b.hi)  # bucket coordinates
+            box = _owner_box(s.param, groups, sharded)
+            local_shape = tuple(_view(s.param, box[0]).shape)
+            if lo < hi:
+                flats = {f"model/{s.name}": s.param.detach().reshape(-1)[lo - s.start:hi - s.start]}
+                flats.update({f"optim/{s.name}/{k}": getattr(b, k)[lo - b.lo:hi - b.lo] for k in keys})
+                for name, flat in flats.items():
+                    out.update(_owned_pieces(name, flat, local_shape, lo - s.start, hi - s.start, box))
+            _, _, replicated, writer = _box(s.param, groups)
             out[f"optim/{s.name}/step"] = Shard(torch.tensor([float(opt.step_count)]), replicated=True,
                                                 writer=writer)
     return out
