@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from proto import rollout_pb2 as proto_dot_rollout__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,75 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class RolloutControlStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Status = channel.unary_unary(
+                '/foldmoe.v1.RolloutControl/Status',
+                request_serializer=proto_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
+                response_deserializer=proto_dot_rollout__pb2.RolloutStatus.FromString,
+                _registered_method=True)
+
+
+class RolloutControlServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RolloutControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=proto_dot_rollout__pb2.RolloutStatusRequest.FromString,
+                    response_serializer=proto_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'foldmoe.v1.RolloutControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('foldmoe.v1.RolloutControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RolloutControl:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/foldmoe.v1.RolloutControl/Status',
+            proto_dot_rollout__pb2.RolloutStatusRequest.SerializeToString,
+            proto_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

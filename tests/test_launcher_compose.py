@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.common import grpc_server
 from services.common.config import load_config
-from services.common.grpc_server import serve
 from services.common.registry import Registry
 from services.launcher import child_specs
 
@@ -113,7 +113,8 @@ def test_rl_trainer_waits_for_healthy_services_and_rollout_workers():
     assert all(dep["condition"] == "service_healthy" for dep in depends.values())
     check = compose["rollout"]["healthcheck"]
     assert check["test"][:4] == ["CMD", "python", "-m", "services.common.grpc_server"]
-    assert check["test"][-2:] == ["--registered", "rollout"] and "configs/rl_tiny.yaml" in check["test"]
+    assert check["test"][-1] == "rollout" and "--registered" not in check["test"] and \
+        "configs/rl_tiny.yaml" in check["test"]
     assert {k: check[k] for k in ("interval", "timeout", "retries")} == \
         {k: compose["dataloader"]["healthcheck"][k] for k in ("interval", "timeout", "retries")}
 
@@ -126,20 +127,26 @@ def rollout_probe(run: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
-def test_rollout_health_check_passes_while_a_worker_is_registered():
+def test_rollout_health_check_passes_while_every_registered_worker_answers_grpc_health():
     run = f"probe-{uuid.uuid4().hex[:8]}"
     assert rollout_probe(run).returncode == 1
     registry = Registry("redis://127.0.0.1:6379", run)
     other = registry.register("dataloader", {"grpc": "127.0.0.1:1"})
+    server, port = grpc_server.serve()  # a worker's health service
     heartbeat = None
     try:
         assert rollout_probe(run).returncode == 1  # another service's record is not a worker
-        heartbeat = registry.register("rollout", {"stream": "s", "worker": "worker0"}, instance="worker0")
+        heartbeat = registry.register("rollout", {"stream": "s", "worker": "worker0", "grpc": f"127.0.0.1:{port}"},
+                                      instance="worker0")
         res = rollout_probe(run)
         assert res.returncode == 0, res.stderr
+        grpc_server.stop(server, grace=0)  # registered but not answering (hung, or dead within its heartbeat's TTL)
+        res = rollout_probe(run)
+        assert res.returncode == 1 and "not SERVING" in res.stderr
         heartbeat.stop()  # a stopped (or, after its TTL, a dead) worker's record is gone
         assert rollout_probe(run).returncode == 1
     finally:
+        grpc_server.stop(server, grace=0)
         if heartbeat is not None:
             heartbeat.stop()
         other.stop()
@@ -169,7 +176,7 @@ def test_health_probe_passes_for_a_registered_serving_service_and_fails_otherwis
     res = probe("dataloader", run)
     assert res.returncode == 1
     assert f"no 'dataloader' registered in run '{run}'" in res.stderr
-    server, port = serve()
+    server, port = grpc_server.serve()
     heartbeat = Registry("redis://127.0.0.1:6379", run).register("dataloader", {"grpc": f"127.0.0.1:{port}"})
     try:
         res = probe("dataloader", run)

@@ -1,8 +1,11 @@
-"""The rollout worker's operational contract: reproducible prompts and Prometheus metrics.
+"""The rollout worker's operational contract: reproducible prompts, Prometheus metrics, gRPC health and status.
 
 - The prompts a worker asks are a function of `run.seed` and its worker id only (`--worker-id`).
 - The worker serves `foldmoe_rollout_*` metrics (services/common/metrics.py) and names the endpoint in its registry
   record, as the trainer and the checkpointer do; after a batch they hold its tokens, samples, reward and weights version.
+- The worker serves the standard gRPC health service and RolloutControl.Status at its record's "grpc" address (what the
+  launcher, compose and `foldmoe status` probe): SERVING from registration, its weights version and output after a
+  batch; a worker that fails to start leaves no registration behind.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import sys
 import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 
-from proto import rollout_pb2
+from proto import rollout_pb2, rollout_pb2_grpc
+from services.common import grpc_server
 from services.common import rollout_stream
 from services.common.config import load_config
 from services.common.registry import Registry
@@ -117,3 +122,47 @@ def test_workers_without_an_id_claim_stable_slots_and_a_restart_takes_the_freed_
             again.close()
     finally:
         second.close()
+
+
+def test_worker_serves_grpc_health_and_its_status(run):
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY])
+    registry = Registry(REDIS_URL, run)
+    model = MoETransformer(cfg.model)
+    model.init_weights(0)
+    publisher = WeightPublisher.from_config(cfg.rl).start()
+    publisher.publish(3, model.state_dict())
+    beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
+    worker = RolloutWorker(cfg, registry, worker_id="rollout0")
+    try:
+        (record,) = registry.lookup("rollout")
+        assert grpc_server.check(record["grpc"]) and grpc_server.check(record["grpc"], "foldmoe.v1.RolloutControl")
+        assert grpc_server.probe_registered(REDIS_URL, run, "rollout") == ""
+        with grpc.insecure_channel(record["grpc"]) as channel:
+            status = rollout_pb2_grpc.RolloutControlStub(channel)
+            before = status.Status(rollout_pb2.RolloutStatusRequest(), timeout=5)
+            assert (before.worker, before.weights_version, before.groups_published) == ("rollout0", -1, 0)
+            assert worker.policy.refresh(timeout_s=10)
+            worker.run_batch()
+            after = status.Status(rollout_pb2.RolloutStatusRequest(), timeout=5)
+        assert (after.weights_version, after.newest_version_seen) == (3, 3)
+        assert after.groups_published == cfg.rl.prompts_per_batch
+        assert after.tokens_generated == worker.tokens_generated > 0
+    finally:
+        worker.stream.client.delete(rollout_stream.read_position_key(worker.stream.key))
+        worker.close()
+        beat.stop()
+        publisher.stop()
+    assert not grpc_server.check(record["grpc"], timeout=0.5)  # closed with the worker
+
+
+def test_a_worker_that_fails_to_start_leaves_no_registration(run, monkeypatch):
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY])
+    registry = Registry(REDIS_URL, run)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine could not start")
+
+    monkeypatch.setattr("services.rl_rollout.worker.Engine", broken)
+    with pytest.raises(RuntimeError, match="engine could not start"):
+        RolloutWorker(cfg, registry, worker_id="rollout0")
+    assert registry.lookup("rollout") == []

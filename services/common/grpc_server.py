@@ -79,10 +79,8 @@ def wait_healthy(address: str, timeout: float = 30.0, service: str = "") -> None
         time.sleep(0.1)
 
 
-def probe_registered(url: str, run: str, service: str, timeout: float = 2.0, grpc_health: bool = True) -> str:
-    """Health of every registered instance of `service`; returns "" when all are SERVING, else what is wrong.
-    `grpc_health=False`, for services that serve no gRPC (rollout workers): healthy while one is registered (a dead
-    one's record expires with its heartbeat)."""
+def probe_registered(url: str, run: str, service: str, timeout: float = 2.0) -> str:
+    """Health of every registered instance of `service`; returns "" when all are SERVING, else what is wrong."""
     from services.common.registry import Registry, RegistryError
 
     try:
@@ -91,16 +89,13 @@ def probe_registered(url: str, run: str, service: str, timeout: float = 2.0, grp
         return str(e)
     if not records:
         return f"no {service!r} registered in run {run!r} at {url}"
-    if not grpc_health:
-        return ""
     sick = [r.get("grpc") or "(no grpc address)" for r in records
             if not r.get("grpc") or not check(r["grpc"], "", timeout)]
     return f"{service} at {', '.join(sick)} is not SERVING" if sick else ""
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Container health check: `python -m services.common.grpc_server --config FILE [--registered] SERVICE
-    [section.key=value ...]`."""
+    """Container health check: `python -m services.common.grpc_server --config FILE SERVICE [section.key=value ...]`."""
     import argparse
     import sys
 
@@ -109,15 +104,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m services.common.grpc_server", description=main.__doc__)
     parser.add_argument("--config", default=None)
-    parser.add_argument("--registered", action="store_true",
-                        help="healthy once registered, for a service without gRPC (rollout workers)")
     parser.add_argument("service")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        problem = probe_registered(cfg.run.redis_url or redis_url(), cfg.run.name, args.service,
-                                   grpc_health=not args.registered)
+        problem = probe_registered(cfg.run.redis_url or redis_url(), cfg.run.name, args.service)
     except (ConfigError, RegistryError) as e:
         problem = str(e)
     if problem:

@@ -2,8 +2,10 @@
 
     python -m services.rl_rollout.worker --config FILE [--worker-id ID] [section.key=value ...]
 
-Registers itself at once as service "rollout" with {"stream": <Redis stream key>, "worker": <id>, "metrics": <Prometheus
-endpoint>} (services/common/metrics.py: tokens/s, reward, weights version, staleness). Its id is `--worker-id`, or
+Registers itself at once as service "rollout" with {"stream": <Redis stream key>, "worker": <id>, "grpc": <address of its
+RolloutControl service (Status) and the standard gRPC health service, what the launcher, compose and `foldmoe status`
+probe>, "metrics": <Prometheus endpoint>} (services/common/metrics.py: tokens/s, reward, weights version, staleness).
+Its id is `--worker-id`, or
 else "worker<i>" for the lowest of the `rl.workers` slots no live worker holds (claimed atomically in Redis), so the
 launcher's and compose's workers get stable ids, and with them reproducible prompts and samples (the launcher waits
 for that before it starts the trainer, and the trainer learns the stream from it), then loops until SIGTERM/SIGINT:
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common import logs, procs
+from proto import rollout_pb2, rollout_pb2_grpc
+from services.common import grpc_server, logs, net, procs
 from services.common.config import Config, ConfigError, load_config
 from services.common.metrics import RolloutMetrics
 from services.common.registry import Registry, RegistryError, redis_url
@@ -53,6 +56,21 @@ def rollout_device(cfg: Config) -> torch.device:
     return torch.device("cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
+class RolloutControl(rollout_pb2_grpc.RolloutControlServicer):
+    """The worker's gRPC control service: what it generates with and how much it has published."""
+
+    def __init__(self, worker: RolloutWorker):
+        self.worker = worker
+
+    def Status(self, request, context):
+        w = self.worker
+        policy = getattr(w, "policy", None)  # None while the worker is still being built
+        return rollout_pb2.RolloutStatus(worker=getattr(w, "worker_id", "") or "",
+                                         weights_version=policy.version if policy else -1,
+                                         newest_version_seen=policy.latest_seen if policy else -1,
+                                         groups_published=w.groups_published, tokens_generated=w.tokens_generated)
+
+
 class RolloutWorker:
     def __init__(self, cfg: Config, registry: Registry, worker_id: str | None = None,
                  stop: threading.Event | None = None):
@@ -63,9 +81,26 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but `model.vocab_size={cfg.model.vocab_size}`")
+        self.groups_published = self.tokens_generated = 0
         self.stream = TrajectoryStream(registry.url, registry.run)
         self.metrics = RolloutMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
-        info = {"stream": self.stream.key, "metrics": self.metrics.endpoint}
+        self._grpc, port = grpc_server.serve(
+            [lambda s: rollout_pb2_grpc.add_RolloutControlServicer_to_server(RolloutControl(self), s)],
+            ["foldmoe.v1.RolloutControl"], host=cfg.run.bind_host, max_workers=2, token=net.auth_token())
+        try:
+            self._build(registry, worker_id, port)
+        except BaseException:  # nothing half-built outlives a failed start (a registration would look alive)
+            if hasattr(self, "_heartbeat"):
+                self._heartbeat.stop()
+            grpc_server.stop(self._grpc, grace=0)
+            self.metrics.close()
+            self.stream.close()
+            raise
+
+    def _build(self, registry: Registry, worker_id: str | None, port: int) -> None:
+        cfg, rl = self.cfg, self.cfg.rl
+        info = {"stream": self.stream.key, "metrics": self.metrics.endpoint,
+                "grpc": f"{net.advertised(cfg.run.bind_host, cfg.run.advertise_host)}:{port}"}
         if worker_id is None:  # the lowest free of `rl.workers` slots: "worker0", "worker1", ... (launcher and compose)
             index, self._heartbeat = registry.claim("rollout", rl.workers, info)
             worker_id = f"worker{index}"
@@ -85,7 +120,6 @@ class RolloutWorker:
         self.params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
-        self.groups_published = 0
 
     def _publisher(self) -> str | None:
         """The newest trainer's weight endpoint (a dead trainer's record outlives it by at most the heartbeat TTL)."""
@@ -123,6 +157,7 @@ class RolloutWorker:
 
         completions = self.engine.generate(requests, on_complete=complete)
         tokens, seconds = sum(len(c.tokens) for c in completions), time.perf_counter() - t0
+        self.tokens_generated += tokens
         self.metrics.batch(tokens, seconds, rewards, len(pending), version, self.policy.behind())
         log.info("version %d: %d groups, %d tokens in %.2fs, mean reward %.3f", version, len(pending), tokens,
                  seconds, sum(rewards) / max(1, len(rewards)))
@@ -142,6 +177,7 @@ class RolloutWorker:
 
     def close(self) -> None:
         self._heartbeat.stop()
+        grpc_server.stop(self._grpc, grace=0.5)
         self.metrics.close()
         self.engine.close()
         self.policy.close()
