@@ -336,3 +336,17 @@ def test_a_flat_range_is_cut_into_at_most_2ndim_minus_1_boxes_covering_it_in_ord
             assert len(boxes) <= 2 * len(shape) - 1
             got = [index[tuple(slice(o, o + n) for o, n in zip(at, size))].reshape(-1) for at, size in boxes]
             assert torch.cat(got or [torch.zeros(0, dtype=torch.long)]).tolist() == list(range(lo, hi)), (lo, hi)
+
+
+def test_a_resume_under_another_learning_rate_schedule_says_which_settings_changed(tmp_path, capsys):
+    """The schedule is recomputed from the step under the resuming run's settings (optim.lr_at); a change is named."""
+    cfg, _ = saved_once(tmp_path)
+    model, opt = tiny()
+    assert checkpointing.restore(cfg, model, opt, FakeData(0), rank=0) == 1
+    assert "schedule" not in capsys.readouterr().err  # the same settings: nothing to say
+    cfg.optimizer.lr, cfg.run.steps = cfg.optimizer.lr / 2, cfg.run.steps + 100
+    assert checkpointing.restore(cfg, model, opt, FakeData(0), rank=0) == 1
+    err = capsys.readouterr().err
+    assert f"optimizer.lr={cfg.optimizer.lr * 2!r} there, {cfg.optimizer.lr!r} here" in err
+    assert f"run.steps={cfg.run.steps - 100} there, {cfg.run.steps} here" in err and "warmup" not in err
+    assert checkpointing.schedule_changes(None, cfg) == []  # a checkpoint that recorded no config

@@ -289,7 +289,21 @@ def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, dat
     step = int(ckpt.extra["step"])
     if rank == 0:
         print(f"trainer: resumed from {path} at step {step}", file=sys.stderr)
+        if changed := schedule_changes(ckpt.extra.get("config"), cfg):
+            print(f"trainer: the learning-rate schedule is not the checkpoint's run's ({', '.join(changed)}): from "
+                  f"step {step} it follows this run's settings", file=sys.stderr)
     return step
+
+
+SCHEDULE_KEYS = (("optimizer", "lr"), ("optimizer", "min_lr"), ("optimizer", "warmup_steps"), ("run", "steps"))
+
+
+def schedule_changes(recorded: dict[str, Any] | None, cfg: Config) -> list[str]:
+    """`section.key=<there> there, <here> here` for each setting of the learning-rate schedule (optim.lr_at: a function
+    of the step and these) the run that wrote a checkpoint had otherwise; [] when it recorded none."""
+    mine = cfg.to_dict()
+    return [f"{s}.{k}={recorded[s][k]!r} there, {mine[s][k]!r} here" for s, k in SCHEDULE_KEYS
+            if recorded and k in recorded.get(s, {}) and recorded[s][k] != mine[s][k]]
 
 
 # ---------------------------------------------------------------- initialising from another run's weights
