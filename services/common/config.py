@@ -83,7 +83,8 @@ class ModelConfig:
     norm_eps: float = 1e-6  # added to the mean square in every RMSNorm
     # Multi-token prediction (DeepSeek-V3, services/trainer/model/mtp.py): decoder blocks after the main model, depth k
     # predicting the token k + 1 after the next, sharing the embedding and output layer; 0: off (DeepSeek-V3: 1).
-    # Training only (RL and the rollout decode without it); not with context parallelism
+    # Training only (RL and the rollout decode without it); under context parallelism the labels are shifted before
+    # the micro-batch is sharded
     mtp_num_layers: int = 0
     mtp_loss_coeff: float = 0.3  # λ: the depths' mean cross-entropy joins the loss's gradient with this weight
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps

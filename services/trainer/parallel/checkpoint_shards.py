@@ -103,14 +103,15 @@ def _owned_pieces(name: str, flat: torch.Tensor, local_shape: tuple[int, ...], l
     return out
 
 
-def _owner_box(p: nn.Parameter, groups: ParallelGroups, sharded: bool):
-    """`_box` of `p` for the flat range this rank owns: under ZeRO-1 the reducing group's ranks own disjoint ranges,
-    so copies remain only on the TP ranks of a parameter tensor parallelism does not split."""
+def _owner_box(p: nn.Parameter, groups: ParallelGroups, bucket) -> tuple:
+    """`_box` of `p` for the flat range this rank owns. Under ZeRO-1 the ranks of the bucket's reducing group own
+    disjoint ranges: an expert bucket's group (EDP) holds every copy of its parameters; a dense bucket's (DP x CP)
+    leaves copies on the TP ranks of a parameter tensor parallelism does not split, of which TP rank 0 writes."""
     shape, offsets, replicated, writer = _box(p, groups)
-    if not sharded:
+    if not bucket.sharded:
         return shape, offsets, replicated, writer
-    split = hasattr(p, "expert_box") or getattr(p, "tensor_parallel_dim", None) is not None
-    return shape, offsets, (not split and groups.tp.size > 1), (split or groups.tp.rank == 0)
+    copies = bucket.domain == "dense" and getattr(p, "tensor_parallel_dim", None) is None and groups.tp.size > 1
+    return shape, offsets, copies, not copies or groups.tp.rank == 0
 
 
 def training_shards(model: nn.Module, opt: DistributedOptimizer, groups: ParallelGroups) -> dict[str, Shard]:
@@ -127,11 +128,10 @@ def optimizer_shards(opt: DistributedOptimizer, groups: ParallelGroups) -> dict[
     the flat range this rank owns (all of it without ZeRO-1)."""
     out = {}
     for b in opt.buckets:
-        sharded = opt.shard and b.axis.size > 1
         keys = ("exp_avg", "exp_avg_sq") + (() if b.remainder is None else ("remainder",))
         for s in b.slots:
             lo, hi = max(s.start, b.lo), min(s.start + s.numel, b.hi)  # bucket coordinates
-            box = _owner_box(s.param, groups, sharded)
+            box = _owner_box(s.param, groups, b)
             local_shape = tuple(_view(s.param, box[0]).shape)
             if lo < hi:
                 flats = {f"model/{s.name}": s.param.detach().reshape(-1)[lo - s.start:hi - s.start]}

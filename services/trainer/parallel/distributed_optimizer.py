@@ -81,6 +81,11 @@ class Bucket:
     norm_mask: torch.Tensor | None = None  # 1.0 where the element counts toward the grad norm
     slot_of: dict[int, Slot] = field(default_factory=dict)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether ZeRO-1 splits the bucket's optimizer state over its group: this rank then owns [lo, hi) only."""
+        return self.hi - self.lo < self.size
+
 
 def _domain(name: str, p: nn.Parameter) -> str:
     return "expert" if is_expert_param(name, p) else "dense"
