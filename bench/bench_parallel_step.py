@@ -10,7 +10,7 @@
 The model, its sharding, memory policy and optimizer are built as in `services/trainer/train.py` (the folded path on
 several ranks, the plain AdamW step on one); the dataloader service is replaced by random tokens packed into a few
 documents per sequence, identical on the TP/CP/PP peers of a data-parallel rank and different across DP ranks. After
-`--warmup` untimed and `--steps` timed steps, `--profile-steps` steps run under torch.profiler, and their figures are
+`--warmup` untimed and `--steps` timed steps, `--profile-steps` steps (0: none) run under torch.profiler, and their figures are
 per step of that profiled window (its wall time, profiler overhead included, is the "% of step" denominator):
 
 - on CUDA, from each rank's device kernels (bench/trace_summary.py): per collective (NCCL kernel name) the summed kernel
@@ -191,16 +191,18 @@ def main() -> None:
         t0 = time.perf_counter()
         step(i)
         times.append(time.perf_counter() - t0)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        for i in range(args.warmup + args.steps, total):
-            step(i)
-        wall_us = (time.perf_counter() - t0) * 1e6
-    figures = profile_summary(prof.events() if args.profile_steps else [], cuda)
-    figures["step"] = {"wall": wall_us}
-    # ms per profiled step, mean over ranks (each rank's exposed comm and idle time are its own).
-    prof_ms = mean_over_ranks(figures, 1e-3 / max(args.profile_steps, 1), rt.device, parallel)
+    prof_ms = None  # `--profile-steps 0`: no profile, no profile figures
+    if args.profile_steps:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for i in range(args.warmup + args.steps, total):
+                step(i)
+            wall_us = (time.perf_counter() - t0) * 1e6
+        figures = profile_summary(prof.events(), cuda)
+        figures["step"] = {"wall": wall_us}
+        # ms per profiled step, mean over ranks (each rank's exposed comm and idle time are its own).
+        prof_ms = mean_over_ranks(figures, 1e-3 / args.profile_steps, rt.device, parallel)
 
     # The step is as slow as its slowest rank: max over ranks per step, then the median.
     step_t = torch.tensor(times, dtype=torch.float64, device=rt.device)
@@ -214,7 +216,6 @@ def main() -> None:
     tps = tokens_per_step / (step_ms / 1000)
     peak = cfg.run.peak_tflops or datasheet_peak(rt.device)
     flops_tok = flops_per_token(cfg.model, cfg.data.seq_len)
-    busy = prof_ms["device"]["busy"] if cuda else None
     result = {
         "layout": {**{k: getattr(lay, k) for k in ("tp", "cp", "ep", "etp", "dp", "edp", "pp")},
                    "pp_virtual": cfg.parallel.pp_virtual}, "world": rt.world_size,
@@ -223,6 +224,39 @@ def main() -> None:
         "mfu": tps * flops_tok / 1e12 / rt.world_size / peak if peak else None, "peak_tflops": peak,
         "median_step_ms": step_ms, "losses": [round(float(v), 5) for v in losses],
         "peak_mem_gib": mem.item() if cuda else None,
+    }
+    if prof_ms is not None:
+        result |= profile_result(prof_ms, cuda)
+    if rt.rank == 0:
+        rows = [("layout", " ".join(f"{k}{v}" for k, v in result["layout"].items()) + f"  (world {rt.world_size})"),
+                ("device", f"{result['device']} | torch {torch.__version__}"),
+                ("tokens/s (all ranks)", f"{tps:,.0f}  ({tokens_per_step:,} tokens/step)"),
+                ("tokens/s per GPU", f"{tps / rt.world_size:,.0f}"),
+                ("MFU", f"{100 * result['mfu']:.1f}% of {peak:.0f} TFLOP/s" if peak else "n/a (no datasheet peak)"),
+                ("median step", f"{step_ms:.1f} ms  ({args.steps} timed steps)"),
+                ("loss", f"{float(losses[0]):.4f} -> {float(losses[-1]):.4f}  (steps 1 -> {len(losses)}, "
+                         f"{len(batches)} batches cycled)"),
+                ("peak memory", f"{mem.item():.2f} GiB" if cuda else "n/a (CPU)")]
+        if prof_ms is None:
+            rows.append(("profile", "off (--profile-steps 0)"))
+        else:
+            rows += [("profiled step", f"{result['profiled_step_ms']:.1f} ms wall, mean over ranks and "
+                      f"{args.profile_steps} step(s) under torch.profiler (its overhead included); the % below are "
+                      "of it"),
+                     ("comm source", result["comm_source"]),
+                     *profile_rows(prof_ms, cuda)]
+        print("\n".join(f"{k:<22}{v}" for k, v in rows), flush=True)
+        if args.json:
+            with open(args.json, "a") as fh:
+                fh.write(json.dumps(result) + "\n")
+    if parallel:
+        dist.destroy_process_group()
+
+
+def profile_result(prof_ms: dict[str, dict[str, float]], cuda: bool) -> dict:
+    """The JSON record's profile figures (ms per profiled step, mean over ranks)."""
+    busy = prof_ms["device"]["busy"] if cuda else None
+    return {
         "profiled_step_ms": prof_ms["step"]["wall"],
         "comm_source": ("nccl kernels, device time (all_to_all holds every SendRecv kernel: PP and CP-ring p2p too); "
                         "exposed = while no compute/copy kernel runs on the rank"
@@ -237,26 +271,6 @@ def main() -> None:
         "device_busy_ms_per_step": busy,
         "device_idle_ms_per_step": max(0.0, prof_ms["step"]["wall"] - busy) if cuda else None,
     }
-    if rt.rank == 0:
-        rows = [("layout", " ".join(f"{k}{v}" for k, v in result["layout"].items()) + f"  (world {rt.world_size})"),
-                ("device", f"{result['device']} | torch {torch.__version__}"),
-                ("tokens/s (all ranks)", f"{tps:,.0f}  ({tokens_per_step:,} tokens/step)"),
-                ("tokens/s per GPU", f"{tps / rt.world_size:,.0f}"),
-                ("MFU", f"{100 * result['mfu']:.1f}% of {peak:.0f} TFLOP/s" if peak else "n/a (no datasheet peak)"),
-                ("median step", f"{step_ms:.1f} ms  ({args.steps} timed steps)"),
-                ("loss", f"{float(losses[0]):.4f} -> {float(losses[-1]):.4f}  (steps 1 -> {len(losses)}, "
-                         f"{len(batches)} batches cycled)"),
-                ("peak memory", f"{mem.item():.2f} GiB" if cuda else "n/a (CPU)"),
-                ("profiled step", f"{result['profiled_step_ms']:.1f} ms wall, mean over ranks and {args.profile_steps} "
-                 "step(s) under torch.profiler (its overhead included); the % below are of it"),
-                ("comm source", result["comm_source"]),
-                *profile_rows(prof_ms, cuda)]
-        print("\n".join(f"{k:<22}{v}" for k, v in rows), flush=True)
-        if args.json:
-            with open(args.json, "a") as fh:
-                fh.write(json.dumps(result) + "\n")
-    if parallel:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
