@@ -10,8 +10,9 @@
 The model, its sharding, memory policy and optimizer are built as in `services/trainer/train.py` (the folded path on
 several ranks, the plain AdamW step on one); the dataloader service is replaced by random tokens packed into a few
 documents per sequence, identical on the TP/CP/PP peers of a data-parallel rank and different across DP ranks. After
-`--warmup` untimed and `--steps` timed steps, `--profile-steps` steps (0: none) run under torch.profiler, and their figures are
-per step of that profiled window (its wall time, profiler overhead included, is the "% of step" denominator):
+`--warmup` untimed and `--steps` timed steps, `--profile-steps` steps (0: none) run under torch.profiler, and their
+figures are per step of that profiled window (its wall time, profiler overhead included, is the "% of step"
+denominator):
 
 - on CUDA, from each rank's device kernels (bench/trace_summary.py): per collective (NCCL kernel name) the summed kernel
   time and the EXPOSED time, when that collective's kernels run and no compute/copy kernel does (waits for slower
