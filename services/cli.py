@@ -114,6 +114,26 @@ def _health(record: dict) -> str:
     return "SERVING" if check(address, timeout=1.0) else "NOT-SERVING"
 
 
+def _rollout_status(record: dict) -> str:
+    """A rollout worker's RolloutControl.Status in a few words; "" when it does not answer."""
+    import grpc
+
+    from proto import rollout_pb2, rollout_pb2_grpc
+    from services.common import net
+
+    address = record.get("grpc")
+    if not address:
+        return ""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            s = rollout_pb2_grpc.RolloutControlStub(channel).Status(
+                rollout_pb2.RolloutStatusRequest(), timeout=1.0, metadata=net.call_metadata(net.auth_token()))
+    except grpc.RpcError:
+        return ""
+    return (f"weights v{s.weights_version} (newest seen v{s.newest_version_seen}), {s.groups_published} groups, "
+            f"{s.tokens_generated} tokens")
+
+
 def _last_record(path: Path) -> str:
     """The trainer's newest step record, in a few numbers; "" when there is none yet."""
     try:
@@ -147,6 +167,8 @@ def status(cfg: Config, args=None) -> int:
         endpoints = {k: v for k, v in rec.items() if k not in ("service", "instance", "host", "pid", "started")}
         print(f"  {rec['service']:<14} {rec['instance']:<28} pid {rec['pid']:<8} {_health(rec):<11} "
               f"{json.dumps(endpoints)}")
+        if rec["service"] == "rollout" and (detail := _rollout_status(rec)):
+            print(f"  {'':<14} {detail}")
     if not services:
         print("  (no services registered)")
     print(f"step: {_show(registry.get_state('step'))}")

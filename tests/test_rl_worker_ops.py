@@ -5,7 +5,7 @@
   record, as the trainer and the checkpointer do; after a batch they hold its tokens, samples, reward and weights version.
 - The worker serves the standard gRPC health service and RolloutControl.Status at its record's "grpc" address (what the
   launcher, compose and `foldmoe status` probe): SERVING from registration, its weights version and output after a
-  batch; a worker that fails to start leaves no registration behind.
+  batch, which `foldmoe status` shows; a worker that fails to start leaves no registration behind.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from proto import rollout_pb2, rollout_pb2_grpc
+from services import cli
 from services.common import grpc_server
 from services.common import rollout_stream
 from services.common.config import load_config
@@ -124,7 +125,7 @@ def test_workers_without_an_id_claim_stable_slots_and_a_restart_takes_the_freed_
         second.close()
 
 
-def test_worker_serves_grpc_health_and_its_status(run):
+def test_worker_serves_grpc_health_and_its_status(run, tmp_path, capsys):
     cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY])
     registry = Registry(REDIS_URL, run)
     model = MoETransformer(cfg.model)
@@ -147,6 +148,13 @@ def test_worker_serves_grpc_health_and_its_status(run):
         assert (after.weights_version, after.newest_version_seen) == (3, 3)
         assert after.groups_published == cfg.rl.prompts_per_batch
         assert after.tokens_generated == worker.tokens_generated > 0
+        shown = load_config("configs/rl_tiny.yaml", [f"run.name={run}", f"run.redis_url={REDIS_URL}",
+                                                    f"run.metrics_file={tmp_path / 'none.jsonl'}"])
+        capsys.readouterr()
+        assert cli.status(shown) == 0  # `foldmoe status` shows it under the worker's line
+        out = capsys.readouterr().out
+        assert "SERVING" in out and f"weights v3 (newest seen v3), {cfg.rl.prompts_per_batch} groups, " \
+            f"{worker.tokens_generated} tokens" in out
     finally:
         worker.stream.client.delete(rollout_stream.read_position_key(worker.stream.key))
         worker.close()
