@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -63,17 +64,29 @@ def test_prompts_are_reproducible_from_the_seed_and_the_worker_id(run):
     assert prompts(run, "rollout0", seed=4) != first  # and so does another run seed
 
 
-def test_worker_exports_throughput_reward_and_staleness_metrics(run):
-    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY])
-    registry = Registry(REDIS_URL, run)
+@contextmanager
+def worker_with_a_publisher(cfg, registry: Registry, versions: tuple[int, ...]):
+    """A worker "rollout0" beside a trainer's weight publisher that has published `versions`; all closed after."""
     model = MoETransformer(cfg.model)
     model.init_weights(0)
     publisher = WeightPublisher.from_config(cfg.rl).start()
-    publisher.publish(0, model.state_dict())
-    publisher.publish(1, model.state_dict())
+    for version in versions:
+        publisher.publish(version, model.state_dict())
     beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
     worker = RolloutWorker(cfg, registry, worker_id="rollout0")
     try:
+        yield worker
+    finally:
+        worker.stream.client.delete(rollout_stream.read_position_key(worker.stream.key))
+        worker.close()
+        beat.stop()
+        publisher.stop()
+
+
+def test_worker_exports_throughput_reward_and_staleness_metrics(run):
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY])
+    registry = Registry(REDIS_URL, run)
+    with worker_with_a_publisher(cfg, registry, (0, 1)) as worker:
         (record,) = registry.lookup("rollout")
         assert record["metrics"] == worker.metrics.endpoint and record["metrics"].startswith("http://")
         before = scrape(record["metrics"])
@@ -88,11 +101,6 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
         rollout_stream.mark_read(worker.stream.client, worker.stream.key, entries[1][0].decode())
         assert worker.stream.backlog() == len(entries) - 2
         assert worker.stream.backlog(limit=1) == 1  # counted up to the limit
-    finally:
-        worker.stream.client.delete(rollout_stream.read_position_key(worker.stream.key))
-        worker.close()
-        beat.stop()
-        publisher.stop()
     samples = [s for g in groups for s in g.samples]
     assert got[("foldmoe_rollout_samples_total", ())] == len(samples) == 12
     assert got[("foldmoe_rollout_groups_total", ())] == 3
@@ -128,13 +136,7 @@ def test_workers_without_an_id_claim_stable_slots_and_a_restart_takes_the_freed_
 def test_worker_serves_grpc_health_and_its_status(run, tmp_path, capsys):
     cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY])
     registry = Registry(REDIS_URL, run)
-    model = MoETransformer(cfg.model)
-    model.init_weights(0)
-    publisher = WeightPublisher.from_config(cfg.rl).start()
-    publisher.publish(3, model.state_dict())
-    beat = registry.register("rl_weights", {"zmq": publisher.endpoint})
-    worker = RolloutWorker(cfg, registry, worker_id="rollout0")
-    try:
+    with worker_with_a_publisher(cfg, registry, (3,)) as worker:
         (record,) = registry.lookup("rollout")
         assert grpc_server.check(record["grpc"]) and grpc_server.check(record["grpc"], "foldmoe.v1.RolloutControl")
         assert grpc_server.probe_registered(REDIS_URL, run, "rollout") == ""
@@ -155,11 +157,6 @@ def test_worker_serves_grpc_health_and_its_status(run, tmp_path, capsys):
         out = capsys.readouterr().out
         assert "SERVING" in out and f"weights v3 (newest seen v3), {cfg.rl.prompts_per_batch} groups, " \
             f"{worker.tokens_generated} tokens" in out
-    finally:
-        worker.stream.client.delete(rollout_stream.read_position_key(worker.stream.key))
-        worker.close()
-        beat.stop()
-        publisher.stop()
     assert not grpc_server.check(record["grpc"], timeout=0.5)  # closed with the worker
 
 

@@ -113,7 +113,7 @@ class Box:
     file: str
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
-    key: str = ""
+    key: str
 
 
 @dataclass
@@ -202,7 +202,7 @@ class Manifest:
                 "world_size": self.world_size, "created": self.created, "files": self.files,
                 "tensors": {n: {"dtype": e.dtype, "global_shape": list(e.global_shape),
                                 "shards": [{"file": b.file, "offsets": list(b.offsets), "shape": list(b.shape),
-                                            **({"key": b.key} if b.key not in ("", n) else {})}
+                                            **({"key": b.key} if b.key != n else {})}
                                            for b in e.boxes]} for n, e in self.tensors.items()},
                 "extras": self.extras}
 

@@ -121,7 +121,7 @@ class Checkpoint:
             b = [min(o + n, bo + bn) for o, n, bo, bn in zip(lo, size, box.offsets, box.shape)]
             if any(x >= y for x, y in zip(a, b)):
                 continue
-            piece = self._read_piece(box.key or name, box.file,
+            piece = self._read_piece(box.key, box.file,
                                      [slice(x - bo, y - bo) for x, y, bo in zip(a, b, box.offsets)])
             out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))] = piece
         return out

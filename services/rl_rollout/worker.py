@@ -65,7 +65,7 @@ class RolloutControl(rollout_pb2_grpc.RolloutControlServicer):
     def Status(self, request, context):
         w = self.worker
         policy = getattr(w, "policy", None)  # None while the worker is still being built
-        return rollout_pb2.RolloutStatus(worker=getattr(w, "worker_id", "") or "",
+        return rollout_pb2.RolloutStatus(worker=getattr(w, "worker_id", ""),
                                          weights_version=policy.version if policy else -1,
                                          newest_version_seen=policy.latest_seen if policy else -1,
                                          groups_published=w.groups_published, tokens_generated=w.tokens_generated)

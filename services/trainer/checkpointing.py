@@ -123,7 +123,6 @@ def state_shards(model: nn.Module, optimizer: Any, rank: int, groups: Any = None
 
         if isinstance(optimizer, DistributedOptimizer):
             optimizer.wait_params()  # the last step's all-gathers write the parameters being snapshotted
-        if isinstance(optimizer, DistributedOptimizer):
             shards = parallel.training_shards(model, optimizer, groups)
             optimizer = None
         else:

@@ -59,9 +59,9 @@ class MTPLossSums:
     def take(self, device: torch.device) -> torch.Tensor:
         """This rank's sums since the last `take` (zeros where it ran no depth, e.g. a pipeline stage before the
         last)."""
-        sums = self.sums if self.sums is not None else torch.zeros(self.depths, 2, dtype=torch.float32)
+        sums = self.sums if self.sums is not None else torch.zeros(self.depths, 2, dtype=torch.float32, device=device)
         self.sums = None
-        return sums.to(device)
+        return sums
 
 
 def mean_per_target(sums: torch.Tensor) -> torch.Tensor:
