@@ -59,6 +59,16 @@ class CheckpointerStub:
                 request_serializer=proto_dot_checkpointer__pb2.KeepRequest.SerializeToString,
                 response_deserializer=proto_dot_checkpointer__pb2.KeepReply.FromString,
                 _registered_method=True)
+        self.Open = channel.unary_unary(
+                '/foldmoe.v1.Checkpointer/Open',
+                request_serializer=proto_dot_checkpointer__pb2.OpenRequest.SerializeToString,
+                response_deserializer=proto_dot_checkpointer__pb2.DescribeReply.FromString,
+                _registered_method=True)
+        self.Load = channel.unary_stream(
+                '/foldmoe.v1.Checkpointer/Load',
+                request_serializer=proto_dot_checkpointer__pb2.LoadRequest.SerializeToString,
+                response_deserializer=proto_dot_checkpointer__pb2.LoadChunk.FromString,
+                _registered_method=True)
 
 
 class CheckpointerServicer:
@@ -94,6 +104,18 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Open(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +143,16 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.Keep,
                     request_deserializer=proto_dot_checkpointer__pb2.KeepRequest.FromString,
                     response_serializer=proto_dot_checkpointer__pb2.KeepReply.SerializeToString,
+            ),
+            'Open': grpc.unary_unary_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=proto_dot_checkpointer__pb2.OpenRequest.FromString,
+                    response_serializer=proto_dot_checkpointer__pb2.DescribeReply.SerializeToString,
+            ),
+            'Load': grpc.unary_stream_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=proto_dot_checkpointer__pb2.LoadRequest.FromString,
+                    response_serializer=proto_dot_checkpointer__pb2.LoadChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +290,60 @@ class Checkpointer:
             '/foldmoe.v1.Checkpointer/Keep',
             proto_dot_checkpointer__pb2.KeepRequest.SerializeToString,
             proto_dot_checkpointer__pb2.KeepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Open(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/foldmoe.v1.Checkpointer/Open',
+            proto_dot_checkpointer__pb2.OpenRequest.SerializeToString,
+            proto_dot_checkpointer__pb2.DescribeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/foldmoe.v1.Checkpointer/Load',
+            proto_dot_checkpointer__pb2.LoadRequest.SerializeToString,
+            proto_dot_checkpointer__pb2.LoadChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from services.checkpointer import store as store_module
+from services.checkpointer.layout import STORE_ID
 from services.checkpointer.load import find_latest_valid, load_checkpoint
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import SaveError, Snapshotter, new_session
@@ -127,7 +128,7 @@ def assert_only_step_1(root: Path, within_s: float = 10.0) -> None:
     deadline = time.monotonic() + within_s
     while any(p.name.endswith(".tmp") for p in root.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert sorted(p.name for p in root.iterdir()) == [STORE_ID, "latest", "step_00000001"]
     assert find_latest_valid(root) == root / "step_00000001"
     assert (root / "latest").read_text().strip() == "step_00000001"
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
+from services.checkpointer.layout import STORE_ID
 from services.checkpointer.load import find_latest_valid, load_checkpoint
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import SaveError, Snapshotter
@@ -158,7 +159,7 @@ def test_a_save_with_inconsistent_shards_fails_on_every_rank_with_the_reason(ser
         for s in snaps:
             s.close()
     assert find_latest_valid(ckpt) is None
-    assert list(ckpt.iterdir()) == []  # the failed staging directory is gone too
+    assert [p.name for p in ckpt.iterdir()] == [STORE_ID]  # the failed staging directory is gone too
 
 
 def test_the_writer_process_exits_cleanly_on_sigterm_and_unregisters(tmp_path):

@@ -147,6 +147,7 @@ def _services(monkeypatch, module, data: _Data, stall: float = 0.0) -> list[int]
     monkeypatch.setattr(module, "Registry", _Registry)
     monkeypatch.setattr(module, "redis_url", lambda: "redis://unused")
     monkeypatch.setattr(checkpointing, "connect", lambda *a, **k: _Saver())
+    monkeypatch.setattr(checkpointing, "checkpoint_source", lambda *a, **k: None)  # nothing to resume
     monkeypatch.setattr(checkpointing, "restore", lambda *a, **k: 0)
     monkeypatch.setattr(checkpointing, "attach", lambda *a, **k: None)
     monkeypatch.setattr(checkpointing, "save", save)

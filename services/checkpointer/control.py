@@ -1,15 +1,20 @@
-"""The checkpointer's gRPC face: standard health plus the `Checkpointer` service (status, list, describe, delete, keep)."""
+"""The checkpointer's gRPC face: standard health plus the `Checkpointer` service (status, list, describe, delete, keep),
+and loading for trainers that do not see the checkpoint directory (open the newest valid checkpoint, stream any box of
+any tensor: resharding happens here, each rank asks for its own pieces)."""
 
 from __future__ import annotations
 
 import json
+import threading
 from typing import TYPE_CHECKING
 
 import grpc
+import torch
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
-from services.checkpointer.layout import CheckpointError
+from services.checkpointer.layout import CheckpointError, parse_step, read_manifest
+from services.checkpointer.load import Checkpoint, identity, newest_valid
 from services.checkpointer.store import CheckpointStore, CheckpointSummary
 from services.common import grpc_server, net
 
@@ -17,6 +22,7 @@ if TYPE_CHECKING:
     from services.checkpointer.writer import Writer
 
 SERVICE_NAME = "foldmoe.v1.Checkpointer"
+LOAD_CHUNK = 2 << 20  # bytes per LoadChunk: under gRPC's default 4 MiB message limit
 
 
 def _info(s: CheckpointSummary) -> pb.CheckpointInfo:
@@ -27,6 +33,9 @@ def _info(s: CheckpointSummary) -> pb.CheckpointInfo:
 class CheckpointerServicer(pb_grpc.CheckpointerServicer):
     def __init__(self, store: CheckpointStore, writer: Writer):
         self.store, self.writer = store, writer
+        self._verified: set[tuple] = set()  # fingerprints of the checkpoints whose checksums Open checked
+        self._verifying = threading.Lock()  # ranks resuming together: the first one verifies, the others find it done
+        self._manifests: dict[tuple, object] = {}  # the checkpoint being loaded's manifest, read once for all its Loads
 
     def _step(self, step: int, context: grpc.ServicerContext) -> int:
         if step >= 0:
@@ -53,6 +62,42 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
                    for n, e in sorted(manifest.tensors.items())]
         extra = manifest.extras[0] if manifest.extras else {}
         return pb.DescribeReply(checkpoint=_info(summary), tensors=tensors, extra_json=json.dumps(extra))
+
+    def Open(self, request, context):
+        with self._verifying:
+            path, problems = newest_valid(self.store.root, request.checksums, self._verified)
+        if path is None and problems:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.store.root} holds {len(problems)} "
+                          f"checkpoint(s) and none verifies ({'; '.join(problems)})")
+        if path is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no committed checkpoint in {self.store.root}")
+        return self.Describe(pb.DescribeRequest(step=parse_step(path.name)), context)
+
+    def _checkpoint(self, path, key: tuple) -> Checkpoint:
+        manifest = self._manifests.get(key)
+        if manifest is None:
+            manifest = read_manifest(path)
+            self._manifests = {key: manifest}  # one at a time: a resume reads one checkpoint
+        return Checkpoint(path, manifest)
+
+    def Load(self, request, context):
+        path = self.store.final_dir(request.step)
+        try:
+            key = identity(path)
+        except CheckpointError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        try:
+            with self._checkpoint(path, key) as ckpt:
+                box = ckpt.read(request.name, tuple(request.offsets) or None, tuple(request.shape) or None)
+        except KeyError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CheckpointError as e:
+            context.abort(grpc.StatusCode.DATA_LOSS, str(e))
+        data = memoryview(box.contiguous().reshape(-1).view(torch.uint8).numpy())
+        for start in range(0, len(data), LOAD_CHUNK):
+            yield pb.LoadChunk(data=data[start:start + LOAD_CHUNK].tobytes())
 
     def Delete(self, request, context):
         deleted = self.store.delete(request.step)

@@ -7,6 +7,8 @@
         keep                            optional marker: exempt from retention (not covered by the manifest)
     {dir}/step_00000150.tmp/        a save in progress (never loaded)
     {dir}/latest                    name of the newest committed checkpoint (a hint; loaders verify and fall back)
+    {dir}/.store_id                 a random id, made by the first writer: a trainer whose checkpoint.dir holds the id
+                                    its checkpointer registered sees the same files and reads them itself
 
 Shard files are written by a streaming safetensors encoder so the writer hashes bytes as they go to disk and never
 builds the whole file in memory; the result is read by the stock `safetensors` library.
@@ -19,6 +21,7 @@ import json
 import os
 import re
 import struct
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 KEEP = "keep"
 TMP_SUFFIX = ".tmp"
+STORE_ID = ".store_id"
 TRASH_SUFFIX = ".trash"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _HASH_CHUNK = 8 << 20
@@ -93,6 +97,31 @@ def write_durable(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_store_id(root: str | Path) -> str:
+    """The id of the checkpoint directory `root` (see the module doc); "" when it has none or cannot be read."""
+    try:
+        return (Path(root) / STORE_ID).read_text().strip()
+    except OSError:
+        return ""
+
+
+def ensure_store_id(root: Path) -> str:
+    """`root`'s id, made on first use. The id file appears whole or not at all (a hard link of a durable temporary
+    file), and of several writer replicas starting beside each other on one directory the first link wins."""
+    if found := read_store_id(root):
+        return found
+    tmp = root / f"{STORE_ID}.{uuid.uuid4().hex}"
+    write_durable(tmp, uuid.uuid4().hex.encode())
+    try:
+        os.link(tmp, root / STORE_ID)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    fsync_dir(root)
+    return read_store_id(root)
 
 
 def sha256_file(path: Path) -> str:

@@ -22,14 +22,14 @@ log = logs.logger("checkpointer")
 
 def find_latest_valid(root: str | Path, checksums: bool = True) -> Path | None:
     """The newest committed checkpoint under `root` that verifies; skipped ones are logged with the reason."""
-    return _newest_valid(root, checksums)[0]
+    return newest_valid(root, checksums)[0]
 
 
 def require_latest_valid(root: str | Path, checksums: bool = True) -> Path | None:
     """As `find_latest_valid`, but checkpoints none of which verifies are an error (CheckpointError naming each one's
     problem), not a fresh start: a run that started over beside them would have its own saves deleted by retention
     (the writer keeps the newest by step) while they hold the history. None only when `root` holds none."""
-    path, problems = _newest_valid(root, checksums)
+    path, problems = newest_valid(root, checksums)
     if path is None and problems:
         raise CheckpointError(f"{root} holds {len(problems)} checkpoint(s) and none verifies ({'; '.join(problems)})")
     return path
@@ -50,17 +50,74 @@ def resolve_checkpoint(spec: str | Path) -> Path:
     return latest
 
 
-def _newest_valid(root: str | Path, checksums: bool) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint under `root` that verifies (or None), and the problems of the newer ones skipped."""
+def newest_valid(root: str | Path, checksums: bool,
+                 verified: set[tuple] | None = None) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` that verifies (or None), and the problems of the newer ones skipped.
+    `verified`: the `fingerprint` of each checkpoint already checked with checksums, which this skips and adds to."""
     problems = []
     for path in checkpoint_dirs(root):
         try:
-            verify(path, checksums=checksums)
+            key = fingerprint(path) if verified is not None and checksums else None
+            if key is None or key not in verified:
+                verify(path, checksums=checksums)
+            if key is not None:
+                verified.add(key)
             return path, problems
         except CheckpointError as e:
             log.warning("skipping checkpoint %s: %s", path, e)
             problems.append(f"{path.name}: {e}")
     return None, problems
+
+
+def identity(path: Path) -> tuple:
+    """What tells one commit of `path` from another (a step deleted and saved again): its manifest's inode and mtime.
+    CheckpointError when `path` holds no manifest."""
+    try:
+        st = (path / MANIFEST).stat()
+    except OSError as e:
+        raise CheckpointError(f"{path}: no committed checkpoint ({e.strerror})") from None
+    return str(path), st.st_ino, st.st_mtime_ns
+
+
+def fingerprint(path: Path) -> tuple:
+    """`identity` and every file's name, size and mtime: a checkpoint verified once needs no second check until one of
+    its files is written again."""
+    try:
+        files = tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p in path.iterdir() for st in [p.stat()]))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be listed ({e})") from None
+    return identity(path), files
+
+
+def resolve_box(name: str, global_shape: tuple[int, ...], offsets=None, shape=None) -> tuple[tuple, tuple]:
+    """(offsets, shape) of a box of tensor `name`: `offsets` default to the origin, `shape` to the end. ValueError when
+    the box is not inside the tensor."""
+    g = tuple(global_shape)
+    lo = tuple(offsets) if offsets is not None else (0,) * len(g)
+    size = tuple(shape) if shape is not None else tuple(s - o for s, o in zip(g, lo))
+    if len(lo) != len(g) or len(size) != len(g) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(lo, size, g)):
+        raise ValueError(f"box offsets={list(lo)} shape={list(size)} is outside tensor {name!r} of global shape "
+                         f"{list(g)}")
+    return lo, size
+
+
+class DirectorySource:
+    """The checkpoints a trainer resumes from, read straight from a checkpoint.dir this host sees (the other source
+    is services/checkpointer/remote.py's `ServiceSource`, the same two methods over gRPC)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.where = str(root)
+
+    def saved(self) -> list[str]:
+        """The committed checkpoints' directory names, newest first (not verified)."""
+        return [p.name for p in checkpoint_dirs(self.root)]
+
+    def newest(self, checksums: bool = True) -> Checkpoint | None:
+        """The newest checkpoint that verifies, opened; None when there is none; CheckpointError when some are there and
+        none verifies (`require_latest_valid`)."""
+        path = require_latest_valid(self.root, checksums)
+        return None if path is None else load_checkpoint(path, checksums=False)
 
 
 class Checkpoint:
@@ -105,12 +162,7 @@ class Checkpoint:
              shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """The box of global tensor `name` starting at `offsets` (default: origin) of `shape` (default: to the end)."""
         entry = self._entry(name)
-        g = entry.global_shape
-        lo = tuple(offsets) if offsets is not None else (0,) * len(g)
-        size = tuple(shape) if shape is not None else tuple(s - o for s, o in zip(g, lo))
-        if len(lo) != len(g) or len(size) != len(g) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(lo, size, g)):
-            raise ValueError(f"box offsets={list(lo)} shape={list(size)} is outside tensor {name!r} of global shape "
-                             f"{list(g)}")
+        lo, size = resolve_box(name, entry.global_shape, offsets, shape)
         out = torch.empty(size, dtype=DTYPE_NAMES[entry.dtype])
         seen: set[tuple] = set()
         for box in entry.boxes:

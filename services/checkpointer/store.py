@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from services.checkpointer.layout import (KEEP, LATEST, MANIFEST, TMP_SUFFIX, TRASH_SUFFIX, Box, CheckpointError,
-                                          Manifest, TensorEntry, check_tiling, checkpoint_dirs, fsync_dir, parse_step,
+                                          Manifest, TensorEntry, check_tiling, checkpoint_dirs, ensure_store_id,
+                                          fsync_dir, parse_step,
                                           rank_record_name, read_manifest, shard_file_name, step_dir_name, verify,
                                           write_durable, write_shard_file)
 from services.checkpointer.shard import tensor_name
@@ -48,6 +49,7 @@ class CheckpointStore:
         self.root = Path(root)
         self.keep_last = keep_last  # <= 0 keeps everything
         self.root.mkdir(parents=True, exist_ok=True)
+        self.store_id = ensure_store_id(self.root)
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------ staging

@@ -426,7 +426,8 @@ def run(cfg: Config, stop: threading.Event) -> None:
     control, grpc_addr = serve_grpc(store, writer, cfg.run.bind_host, cfg.run.advertise_host, writer.token)
     probe, token = make_shm_probe()
     heartbeat = registry.register(SERVICE, {"zmq": writer.endpoint, "grpc": grpc_addr, "host": host_name(),
-                                            "dir": str(Path(cfg.checkpoint.dir).resolve()), "shm_probe": probe,
+                                            "dir": str(Path(cfg.checkpoint.dir).resolve()), "store_id": store.store_id,
+                                            "shm_probe": probe,
                                             "shm_token": token}, instance=writer.instance)
     log.info("checkpointer writing to %s with %d threads; zmq %s, grpc %s, shared memory %s", cfg.checkpoint.dir,
              writer.pool._max_workers, writer.endpoint, grpc_addr, "probe " + probe if probe else "unavailable")

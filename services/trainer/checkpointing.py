@@ -17,6 +17,9 @@ A bf16 parameter (`optimizer.param_dtype=bf16`) is saved as itself, `model/<para
 master weight beside it, `optim/<param>/remainder` (kernels/adamw.py `split_master`); every reader here joins the two
 (`saved_value`), so a restore gets the master weights back bit for bit, whatever dtype the restoring run holds.
 
+A resume reads from `checkpoint_source`'s pick: `checkpoint.dir` itself where this host sees the checkpointer's
+directory, else the checkpointer's gRPC service (services/checkpointer/remote.py); both offer the same reads.
+
 `init_from` starts a run from another run's model weights (`checkpoint.init_from`, e.g. RL from a pre-trained model):
 whole tensors, read before a parallel layout slices the model, with nothing else of that run.
 """
@@ -36,16 +39,20 @@ from torch import nn
 from kernels.adamw import join_master
 from services.checkpointer.arena import TensorSpec
 from services.checkpointer.fit import diff_hint, state_mismatch
-from services.checkpointer.layout import checkpoint_dirs
-from services.checkpointer.load import (CheckpointError, find_latest_valid, load_checkpoint, require_latest_valid,
-                                        resolve_checkpoint)
+from services.checkpointer.handoff import SERVICE, pick_writer
+from services.checkpointer.layout import read_store_id
+from services.checkpointer.load import CheckpointError, DirectorySource, load_checkpoint, resolve_checkpoint
+from services.checkpointer.remote import ServiceSource
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import Snapshotter, specs_of
-from services.common import logs
+from services.checkpointer.writer import host_name
+from services.common import logs, net
 from services.common.config import Config
 from services.common.registry import Registry
 
 log = logs.logger("trainer")
+
+CheckpointSource = DirectorySource | ServiceSource  # where a resume reads: the directory itself or the checkpointer
 
 
 class CheckpointLoadError(RuntimeError):
@@ -243,29 +250,48 @@ def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: tor
                 state[key] = t.to(p.device if on_device else "cpu", torch.float32 if key == "step" else p.dtype)
 
 
+def checkpoint_source(registry: Registry, cfg: Config, rank: int, timeout: float = 120.0) -> CheckpointSource:
+    """Where this rank reads the checkpoint it resumes from: `checkpoint.dir` itself when it holds the directory a
+    registered checkpointer writes (its `.store_id` is the one the checkpointer registered), else that checkpointer's
+    gRPC service, so that trainer hosts need not mount the checkpoint storage. Waits `timeout` seconds for a
+    checkpointer to register (RegistryError after)."""
+    records = registry.wait_for(SERVICE, 1, timeout=timeout)
+    mine = read_store_id(cfg.checkpoint.dir)
+    if mine and any(r.get("store_id") == mine for r in records):
+        return DirectorySource(cfg.checkpoint.dir)
+    record = pick_writer(records, host_name(), rank)
+    return ServiceSource(record["grpc"], net.auth_token(), record.get("dir", ""))
+
+
 def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, data, rank: int,
-            groups: Any = None) -> int:
+            groups: Any = None, source: CheckpointSource | None = None) -> int:
     """Loads the newest valid checkpoint (if resuming and one exists); returns the step to start from. Refuses
     (CheckpointLoadError) to start over beside earlier checkpoints: with `checkpoint.resume=false`, or when none of them
-    verifies. `groups`: as for `state_shards` (a folded layout reads only its own boxes, whatever layout saved them)."""
+    verifies. `groups`: as for `state_shards` (a folded layout reads only its own boxes, whatever layout wrote them).
+    `source`: `checkpoint_source`'s (default: `checkpoint.dir` read directly)."""
     c = cfg.checkpoint
+    source = source or DirectorySource(c.dir)
     if not c.resume:
-        if saved_before := checkpoint_dirs(c.dir):
+        try:
+            saved_before = source.saved()
+        except CheckpointError as e:
+            raise CheckpointLoadError(str(e)) from None
+        if saved_before:
             raise CheckpointLoadError(
-                f"checkpoint.dir={c.dir} holds checkpoints up to {saved_before[0].name} and checkpoint.resume=false "
+                f"checkpoint.dir={source.where} holds checkpoints up to {saved_before[0]} and checkpoint.resume=false "
                 "starts a new run at step 0 beside them (the writer keeps the newest checkpoint.keep_last by step, "
                 "so it would delete the new run's saves): point checkpoint.dir at a new directory, move them away, "
                 "or set checkpoint.resume=true to continue from the newest")
         return 0
     try:
-        path = require_latest_valid(c.dir)
+        ckpt = source.newest()
     except CheckpointError as e:
-        raise CheckpointLoadError(f"checkpoint.dir={c.dir}: nothing to resume from, and nothing was loaded or deleted: "
-                                  f"{e}. Move the directory away to start over (or point checkpoint.dir elsewhere); "
-                                  "restore its files from a copy to resume") from None
-    if path is None:
+        raise CheckpointLoadError(f"checkpoint.dir={source.where}: nothing to resume from, and nothing was loaded or "
+                                  f"deleted: {e}. Move the directory away to start over (or point checkpoint.dir "
+                                  "elsewhere); restore its files from a copy to resume") from None
+    if ckpt is None:
         return 0
-    ckpt = load_checkpoint(path, checksums=False)  # require_latest_valid verified it
+    path = ckpt.path
     if "data" not in ckpt.extra:
         raise CheckpointLoadError(f"checkpoint {path} holds model weights only (no optimizer state or data position: "
                                   "written by `services.checkpointer.convert`), so a run cannot resume from it; start "
@@ -320,7 +346,8 @@ def resolve_init_from(spec: str) -> Path:
                                   "manifest.json) or a checkpoint.dir that holds some") from None
 
 
-def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False) -> Path | None:
+def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False,
+              source: CheckpointSource | None = None) -> Path | None:
     """Loads the *model weights only* of `checkpoint.init_from` into `model` (whole tensors, before any parallel
     layout slices them), when set and the run has nothing to resume in `checkpoint.dir`; the optimizer, the step and
     the data position stay fresh. `force`: load even when a resume will follow and overwrite them (the RL reference
@@ -330,10 +357,13 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False)
         return None
     if not force and cfg.checkpoint.resume:
         # Manifests only: were the newest one's files damaged, `restore` falls back to an older one or stops the run.
-        resumable = find_latest_valid(cfg.checkpoint.dir, checksums=False)
+        try:
+            resumable = (source or DirectorySource(cfg.checkpoint.dir)).newest(checksums=False)
+        except CheckpointError:  # none verifies: `restore` stops the run, naming each one's problem
+            resumable = None
         if resumable is not None:
             if rank == 0:
-                print(f"trainer: checkpoint.init_from={spec} ignored: resuming from {resumable}", file=sys.stderr)
+                print(f"trainer: checkpoint.init_from={spec} ignored: resuming from {resumable.path}", file=sys.stderr)
             return None
     path = resolve_init_from(spec)
     ckpt = load_checkpoint(path, checksums=False)  # resolve_init_from verified it

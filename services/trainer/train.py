@@ -88,13 +88,15 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bool = False) -> MoETransformer:
-    """This rank's model on its device: the seeded init, `checkpoint.init_from`'s weights unless a resume will
-    overwrite them (`force_init`: load them anyway), then this rank's slices of the folded layout. The memory policy is
-    the caller's to apply, last (it wraps the cores parallelize swapped in; RL copies its reference model first)."""
+def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bool = False,
+                source: checkpointing.CheckpointSource | None = None) -> MoETransformer:
+    """This rank's model on its device: the seeded init, `checkpoint.init_from`'s weights unless a resume (from
+    `source`, see `checkpointing.restore`) will overwrite them (`force_init`: load them anyway), then this rank's slices
+    of the folded layout. The memory policy is the caller's to apply, last (it wraps the cores parallelize swapped in;
+    RL copies its reference model first)."""
     model = MoETransformer(cfg.model)
     model.init_weights(cfg.run.seed)  # full weights on every rank: parallelize keeps each rank's slice
-    checkpointing.init_from(cfg, model, rt.rank, force=force_init)
+    checkpointing.init_from(cfg, model, rt.rank, force=force_init, source=source)
     if rt.world_size > 1:
         parallelize(model, cfg, groups)
     return model.to(rt.device)
@@ -193,7 +195,8 @@ def train(cfg: Config) -> int:
     seed_everything(cfg.run.seed)
     registry = Registry(redis_url(), cfg.run.name)
     groups = init_groups(cfg, rt.world_size, rt.rank)
-    model = build_model(cfg, rt, groups)
+    source = checkpointing.checkpoint_source(registry, cfg, rt.rank)
+    model = build_model(cfg, rt, groups, source=source)
     apply_model_memory_policy(model, cfg)
     optimizer = build_rank_optimizer(model, cfg, groups)
     for moe in model.moe_layers():
@@ -204,7 +207,7 @@ def train(cfg: Config) -> int:
     data = DataClient.from_registry(registry, dp_rank=groups.dp.rank, dp_size=groups.dp.size, cfg=cfg)
     saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
     shard_groups = groups if rt.world_size > 1 else None  # a folded layout saves and reads parameters' boxes
-    start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups)
+    start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups, source)
     checkpointing.attach(saver, model, optimizer, rt.rank, shard_groups)  # host buffers now; copies fenced per step
     exporter = TrainerMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
     beat = registry.register("trainer", {"metrics": exporter.endpoint, "rank": rt.rank},

@@ -206,7 +206,8 @@ def train_rl(cfg: Config) -> int:
     lead = rt.rank == 0  # discards the stream's backlog, publishes weights, prints and logs
     # checkpoint.init_from's weights (e.g. a pre-trained model); with a KL term even when resuming, since the reference
     # is the starting policy (a resume then overwrites the policy's weights)
-    model = build_model(cfg, rt, groups, force_init=cfg.rl.kl_coef > 0)
+    source = checkpointing.checkpoint_source(registry, cfg, rt.rank)
+    model = build_model(cfg, rt, groups, force_init=cfg.rl.kl_coef > 0, source=source)
     # before the optimizer: the distributed one makes parameters views of its buckets
     ref = reference_model(model, cfg, groups)
     # after the reference copy (the wrappers hold the module they wrap); validate_rl refused what replay cannot redo
@@ -218,7 +219,7 @@ def train_rl(cfg: Config) -> int:
                                     timeout=cfg.rl.rollout_timeout_s)
     saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
     try:
-        start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups)
+        start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups, source)
     except ValueError as e:
         raise checkpointing.CheckpointLoadError(str(e)) from None
     if lead:
