@@ -8,7 +8,8 @@ Specification:
 - a box outside its tensor is a ValueError and an unknown tensor a KeyError, as for a local read; an unreachable or
   token-less service is a CheckpointError naming the address and the cause;
 - the trainer reads its checkpoint.dir itself only when it holds the directory a registered checkpointer writes (the
-  `.store_id` it registered), else through that checkpointer;
+  `.store_id` it registered), else through that checkpointer; ranks that read the directory themselves leave the
+  checksums to the checkpointer, which reads the files once for all of them;
 - end to end: a trainer whose checkpoint.dir does not exist saves through the writer and a second one resumes at the
   right step through the service, never creating that directory.
 """
@@ -107,6 +108,30 @@ def test_every_box_read_through_the_service_equals_the_directorys(served):
         assert torch.equal(remote.read("big", (1, cols // 2), (2, cols - cols // 2)), state["big"][1:, cols // 2:])
 
 
+def test_ranks_that_share_the_directory_read_it_and_the_service_verifies_once_for_all(served, monkeypatch):
+    from services.checkpointer import load
+
+    store, source = served
+    commit(store, 1)
+    state = commit(store, 2)
+    full_checks, real_verify = [], load.verify
+
+    def verify(path, checksums=True):
+        if checksums:
+            full_checks.append(path)
+        return real_verify(path, checksums)
+
+    monkeypatch.setattr(load, "verify", verify)
+    ranks = [DirectorySource(store.root, verified_by=source) for _ in range(4)]
+    opened = [rank.newest() for rank in ranks]
+    assert [c.path for c in opened] == [store.final_dir(2)] * 4  # the files themselves, not the service's stream
+    assert torch.equal(opened[0].read("w", (1, 2), (4, 6)), state["w"][1:5, 2:8])
+    assert full_checks == [store.final_dir(2)]  # one sha256 pass over the newest checkpoint, for four ranks
+    shard = next(store.final_dir(2).glob("rank00001_*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-8] + b"garbage!")
+    assert DirectorySource(store.root, verified_by=source).newest().path == store.final_dir(1)
+
+
 def test_bad_requests_raise_what_a_local_read_raises(served):
     store, source = served
     commit(store, 1)
@@ -153,8 +178,8 @@ def test_the_trainer_reads_its_directory_only_when_it_is_the_checkpointers(tmp_p
     try:
         assert read_store_id(store.root) == store.store_id != ""
         assert CheckpointStore(store.root, keep_last=0).store_id == store.store_id  # a second writer keeps the id
-        same = load_config(None, [f"checkpoint.dir={store.root}"])
-        assert isinstance(checkpoint_source(registry, same, 0), DirectorySource)
+        same = checkpoint_source(registry, load_config(None, [f"checkpoint.dir={store.root}"]), 0)
+        assert isinstance(same, DirectorySource) and same.verified_by.address == "127.0.0.1:9"
         for view in (tmp_path / "absent", tmp_path / "other"):  # no such directory; another directory of its own id
             if view.name == "other":
                 CheckpointStore(view, keep_last=0)

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from services.checkpointer.layout import (DTYPE_NAMES, MANIFEST, CheckpointError, Manifest, TensorEntry, checkpoint_dirs,
-                                          parse_step, verify)
+                                          parse_step, step_dir_name, verify)
 from services.common import logs
 
 log = logs.logger("checkpointer")
@@ -103,11 +103,14 @@ def resolve_box(name: str, global_shape: tuple[int, ...], offsets=None, shape=No
 
 class DirectorySource:
     """The checkpoints a trainer resumes from, read straight from a checkpoint.dir this host sees (the other source
-    is services/checkpointer/remote.py's `ServiceSource`, the same two methods over gRPC)."""
+    is services/checkpointer/remote.py's `ServiceSource`, the same two methods over gRPC). `verified_by`: the
+    `ServiceSource` of the checkpointer writing this directory, which then picks the newest checkpoint that verifies
+    and checks its checksums once for every rank, instead of each rank reading every file to hash it."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, verified_by=None):
         self.root = Path(root)
         self.where = str(root)
+        self.verified_by = verified_by
 
     def saved(self) -> list[str]:
         """The committed checkpoints' directory names, newest first (not verified)."""
@@ -116,7 +119,11 @@ class DirectorySource:
     def newest(self, checksums: bool = True) -> Checkpoint | None:
         """The newest checkpoint that verifies, opened; None when there is none; CheckpointError when some are there and
         none verifies (`require_latest_valid`)."""
-        path = require_latest_valid(self.root, checksums)
+        if self.verified_by is None:
+            path = require_latest_valid(self.root, checksums)
+        else:
+            found = self.verified_by.newest(checksums)
+            path = None if found is None else self.root / step_dir_name(found.step)
         return None if path is None else load_checkpoint(path, checksums=False)
 
 

@@ -252,13 +252,16 @@ def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: tor
 
 def checkpoint_source(registry: Registry, cfg: Config, rank: int, timeout: float = 120.0) -> CheckpointSource:
     """Where this rank reads the checkpoint it resumes from: `checkpoint.dir` itself when it holds the directory a
-    registered checkpointer writes (its `.store_id` is the one the checkpointer registered), else that checkpointer's
-    gRPC service, so that trainer hosts need not mount the checkpoint storage. Waits `timeout` seconds for a
+    registered checkpointer writes (its `.store_id` is the one the checkpointer registered; that checkpointer verifies
+    the checkpoint, once for all ranks), else that checkpointer's gRPC service, so that trainer hosts need not mount the
+    checkpoint storage. Waits `timeout` seconds for a
     checkpointer to register (RegistryError after)."""
     records = registry.wait_for(SERVICE, 1, timeout=timeout)
     mine = read_store_id(cfg.checkpoint.dir)
-    if mine and any(r.get("store_id") == mine for r in records):
-        return DirectorySource(cfg.checkpoint.dir)
+    if sharing := [r for r in records if mine and r.get("store_id") == mine]:
+        # the checkpointer still verifies: once for all ranks, not once per rank
+        record = pick_writer(sharing, host_name(), rank)
+        return DirectorySource(cfg.checkpoint.dir, verified_by=ServiceSource(record["grpc"], net.auth_token()))
     record = pick_writer(records, host_name(), rank)
     return ServiceSource(record["grpc"], net.auth_token(), record.get("dir", ""))
 
