@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -44,15 +45,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.trace_summary import COMM_CATEGORIES, COMPUTE_CATEGORIES, summarize  # noqa: E402
 from services.common.config import load_config  # noqa: E402
+from services.common.registry import Registry, redis_url  # noqa: E402
+from services.trainer import checkpointing  # noqa: E402
 from services.trainer.metrics import datasheet_peak, flops_per_token  # noqa: E402
-from services.trainer.model.recompute import apply_memory_policy  # noqa: E402
-from services.trainer.model.transformer import MoETransformer  # noqa: E402
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr  # noqa: E402
 from services.trainer.parallel.expert_parallel import sync_expert_load  # noqa: E402
 from services.trainer.parallel.groups import init_groups  # noqa: E402
-from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize  # noqa: E402
+from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel  # noqa: E402
 from services.trainer.step import count_loss_tokens, forward_backward  # noqa: E402
-from services.trainer.train import advance_router_bias, init_runtime, seed_everything  # noqa: E402
+from services.trainer.train import (advance_router_bias, apply_model_memory_policy, build_model,  # noqa: E402
+                                    init_runtime, seed_everything)
 
 # CPU/gloo: gloo's record_functions in its worker threads (gloo:all_to_all, gloo:all_gather, gloo:all_reduce, gloo:send,
 # ...): the collective from start to end, waiting for peers included. The c10d::* ops on the main thread only enqueue.
@@ -144,6 +146,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--json", default=None, help="append the figures as one JSON line to this file")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="save a checkpoint every N timed steps through the trainer's path, to the writer registered "
+                         "for run.name in REDIS_URL's Redis (0: no saves)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
@@ -151,19 +156,17 @@ def main() -> None:
     seed_everything(cfg.run.seed)
     groups = init_groups(cfg, rt.world_size, rt.rank)
     parallel = rt.world_size > 1
-    model = MoETransformer(cfg.model)
-    model.init_weights(cfg.run.seed)
-    if parallel:
-        parallelize(model, cfg, groups)
-    apply_memory_policy(model, cfg.model.recompute, cfg.model.offload, cfg.model.recompute_layers,
-                        cfg.model.offload_layers)
-    model.to(rt.device)
+    t_build = time.perf_counter()
+    model = build_model(cfg, rt, groups)  # this rank's slices only, as the trainer builds them
+    build_s = time.perf_counter() - t_build
+    apply_model_memory_policy(model, cfg)
     optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
     cuda = rt.device.type == "cuda"
     total = args.warmup + args.steps + args.profile_steps
     batches = [synthetic_step(cfg, groups.dp.rank, s) for s in range(min(total, 4))]
 
     losses: list[torch.Tensor] = []  # per step: mean token loss over all ranks (compare layouts on the same data)
+    saver = connect_saver(cfg, rt, model, optimizer, groups if parallel else None) if args.save_every else None
 
     def step(i: int) -> None:
         mbs, lr = batches[i % len(batches)], lr_at(i, cfg.optimizer, total)
@@ -180,18 +183,27 @@ def main() -> None:
             losses.append(forward_backward(model, mbs, tokens, rt.device, rt.autocast_dtype) / max(tokens, 1))
             clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
         advance_router_bias(model, cfg)
-        if cuda:
+        if cuda and saver is not None:  # the training stream only: a save's copies run on a side stream meanwhile
+            torch.cuda.current_stream(rt.device).synchronize()
+        elif cuda:
             torch.cuda.synchronize(rt.device)
 
     for i in range(args.warmup):
         step(i)
     if cuda:
         torch.cuda.reset_peak_memory_stats(rt.device)
-    times = []
+    times, saves = [], []  # saves: (index in times of the save's step, seconds save() held the loop, D2H seconds)
     for i in range(args.warmup, args.warmup + args.steps):
         t0 = time.perf_counter()
         step(i)
-        times.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        if saver is not None and (i + 1 - args.warmup) % args.save_every == 0:
+            saves.append([len(times), checkpointing.save(saver, cfg, model, optimizer, NO_DATA, i + 1,
+                                                         groups if parallel else None)])
+        times.append(took)
+    if saver is not None:
+        saver.wait()
+        saver.close()
     prof_ms = None  # `--profile-steps 0`: no profile, no profile figures
     if args.profile_steps:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -212,6 +224,7 @@ def main() -> None:
         dist.all_reduce(step_t, op=dist.ReduceOp.MAX)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     step_ms = statistics.median(step_t.tolist()) * 1000
+    save_figures = save_result(saves, step_t.tolist(), rt.device, parallel) if saves else None
     lay = groups.layout
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * groups.dp.size
     tps = tokens_per_step / (step_ms / 1000)
@@ -224,10 +237,12 @@ def main() -> None:
         "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / rt.world_size,
         "mfu": tps * flops_tok / 1e12 / rt.world_size / peak if peak else None, "peak_tflops": peak,
         "median_step_ms": step_ms, "losses": [round(float(v), 5) for v in losses],
-        "peak_mem_gib": mem.item() if cuda else None,
+        "peak_mem_gib": mem.item() if cuda else None, "model_build_s": build_s,
     }
     if prof_ms is not None:
         result |= profile_result(prof_ms, cuda)
+    if save_figures is not None:
+        result["saves"] = save_figures
     if rt.rank == 0:
         rows = [("layout", " ".join(f"{k}{v}" for k, v in result["layout"].items()) + f"  (world {rt.world_size})"),
                 ("device", f"{result['device']} | torch {torch.__version__}"),
@@ -237,7 +252,14 @@ def main() -> None:
                 ("median step", f"{step_ms:.1f} ms  ({args.steps} timed steps)"),
                 ("loss", f"{float(losses[0]):.4f} -> {float(losses[-1]):.4f}  (steps 1 -> {len(losses)}, "
                          f"{len(batches)} batches cycled)"),
-                ("peak memory", f"{mem.item():.2f} GiB" if cuda else "n/a (CPU)")]
+                ("peak memory", f"{mem.item():.2f} GiB" if cuda else "n/a (CPU)"),
+                ("model build", f"{build_s:.1f} s on rank 0 (its own slices, initialised)")]
+        if save_figures is not None:
+            f = save_figures
+            rows.append(("checkpoint saves", f"{f['count']} every {args.save_every} steps: save() held the loop "
+                         f"{f['call_ms']:.1f} ms (median, slowest rank); the step after a save took "
+                         f"{f['after_ms']:.1f} ms against {f['other_ms']:.1f} ms for the others (median): stall "
+                         f"{f['stall_ms']:.1f} ms"))
         if prof_ms is None:
             rows.append(("profile", "off (--profile-steps 0)"))
         else:
@@ -252,6 +274,35 @@ def main() -> None:
                 fh.write(json.dumps(result) + "\n")
     if parallel:
         dist.destroy_process_group()
+
+
+NO_DATA = SimpleNamespace(state=lambda: {"position": 0})  # synthetic batches: no dataloader position to save
+
+
+def connect_saver(cfg, rt, model, optimizer, groups):
+    """A Snapshotter to the checkpoint writer registered for `run.name`, its host buffers prepared, as the trainer
+    does at start-up."""
+    registry = Registry(redis_url(), cfg.run.name)
+    registry.wait_for("checkpointer", timeout=60)
+    saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
+    checkpointing.attach(saver, model, optimizer, rt.rank, groups)
+    saver._join_prepare()  # pinned buffers ready before the timed steps, as bench_checkpoint.py waits
+    return saver
+
+
+def save_result(saves: list[list], step_s: list[float], device: torch.device, parallel: bool) -> dict:
+    """The saves' cost: the time save() held the loop (median over saves, slowest rank) plus what the step after
+    each save took over the median of the other steps (the fence holds the next optimizer step until the copies land)."""
+    calls = torch.tensor([held for _, held in saves], dtype=torch.float64, device=device)
+    if parallel:
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    after = [step_s[i + 1] for i, _ in saves if i + 1 < len(step_s)]
+    others = [t for j, t in enumerate(step_s) if j - 1 not in {i for i, _ in saves}]
+    call_ms = statistics.median(calls.tolist()) * 1000
+    after_ms = statistics.median(after) * 1000 if after else float("nan")
+    other_ms = statistics.median(others) * 1000
+    return {"count": len(saves), "call_ms": call_ms, "after_ms": after_ms, "other_ms": other_ms,
+            "stall_ms": call_ms + max(0.0, after_ms - other_ms)}
 
 
 def profile_result(prof_ms: dict[str, dict[str, float]], cuda: bool) -> dict:

@@ -349,12 +349,15 @@ def resolve_init_from(spec: str) -> Path:
                                   "manifest.json) or a checkpoint.dir that holds some") from None
 
 
-def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False,
-              source: CheckpointSource | None = None) -> Path | None:
-    """Loads the *model weights only* of `checkpoint.init_from` into `model` (whole tensors, before any parallel
-    layout slices them), when set and the run has nothing to resume in `checkpoint.dir`; the optimizer, the step and
-    the data position stay fresh. `force`: load even when a resume will follow and overwrite them (the RL reference
-    policy is the initial one). Returns the checkpoint loaded, or None."""
+def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False, source: CheckpointSource | None = None,
+              groups: Any = None, shapes: dict[str, tuple[int, ...]] | None = None) -> Path | None:
+    """Loads the *model weights only* of `checkpoint.init_from` into `model`, when set and the run has nothing to
+    resume in `checkpoint.dir`; the optimizer, the step and the data position stay fresh. `force`: load even when a
+    resume will follow and overwrite them (the RL reference policy is the initial one). `source`: where a resume would
+    read (as `restore`). `model` is the whole model, or with `groups` this rank's slices of a folded layout, each read
+    as its own box, and `shapes` the whole model's state (name -> shape). Returns the checkpoint loaded, or None."""
+    from services.trainer.parallel.checkpoint_shards import read_local
+
     spec = cfg.checkpoint.init_from
     if not spec:
         return None
@@ -370,19 +373,24 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False,
             return None
     path = resolve_init_from(spec)
     ckpt = load_checkpoint(path, checksums=False)  # resolve_init_from verified it
-    state = model.state_dict()
+    shapes = shapes or {name: tuple(t.shape) for name, t in model.state_dict().items()}
     why = state_mismatch({n.removeprefix("model/"): ckpt.global_shape(n) for n in ckpt.names() if n.startswith("model/")},
-                         {name: tuple(t.shape) for name, t in state.items()})
+                         shapes)
     if why is not None:
         hint = diff_hint((ckpt.extra.get("config") or {}).get("model"), cfg.to_dict()["model"])
         raise CheckpointLoadError(f"checkpoint.init_from: {path} holds another model than this one: {why}{hint}")
-    loaded, names = {}, set(ckpt.names())
-    for name, like in state.items():
-        try:
-            loaded[name] = saved_value(lambda n: _read_whole(ckpt, n, like), name, names).to(like.dtype)
-        except CheckpointError as e:
-            raise CheckpointLoadError(f"checkpoint.init_from: {e}") from None
-    model.load_state_dict(loaded)
+    names = set(ckpt.names())
+    try:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                read = (lambda n, p=p: _read_whole(ckpt, n, p)) if groups is None else \
+                    (lambda n, p=p: read_local(ckpt, n, p, groups))
+                p.copy_(saved_value(read, name, names))
+            for name, b in model.named_buffers():
+                if f"model/{name}" in names:
+                    b.copy_(_read_whole(ckpt, f"model/{name}", b))
+    except CheckpointError as e:
+        raise CheckpointLoadError(f"checkpoint.init_from: {e}") from None
     if rank == 0:
         print(f"trainer: initialised the model weights from {path} (step {ckpt.step}); optimizer, step and data "
               "start fresh", file=sys.stderr)

@@ -28,9 +28,11 @@ from services.trainer import checkpointing
 from services.trainer.metrics import (MetricsLog, StepEnd, StepValues, datasheet_peak, flops_per_token,
                                       measure_peak_tflops)
 from services.trainer.model.mtp import mean_per_target
+from services.trainer.model.initial_weights import SeededInit, materialize, parameters_on_meta
 from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
+from services.trainer.parallel.checkpoint_shards import read_local
 from services.trainer.parallel.expert_parallel import sync_expert_load
 from services.trainer.parallel.groups import ParallelGroups, init_groups, sum_over
 from services.trainer.parallel.parallelize import build_optimizer, forward_backward_parallel, parallelize
@@ -90,16 +92,25 @@ def seed_everything(seed: int) -> None:
 
 def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bool = False,
                 source: checkpointing.CheckpointSource | None = None) -> MoETransformer:
-    """This rank's model on its device: the seeded init, `checkpoint.init_from`'s weights unless a resume (from
-    `source`, see `checkpointing.restore`) will overwrite them (`force_init`: load them anyway), then this rank's slices
-    of the folded layout. The memory policy is the caller's to apply, last (it wraps the cores parallelize swapped in;
-    RL copies its reference model first)."""
-    model = MoETransformer(cfg.model)
-    model.init_weights(cfg.run.seed)  # full weights on every rank: parallelize keeps each rank's slice
-    checkpointing.init_from(cfg, model, rt.rank, force=force_init, source=source)
+    """This rank's model on its device, and no more of it: built with its parameters on the meta device, cut to this
+    rank's slices of the folded layout, then each slice gets device memory and its values, those of the seeded initial
+    weights (model/initial_weights.py: what a single process starts from, whatever the layout) or of
+    `checkpoint.init_from` unless a resume (from `source`, see `checkpointing.restore`) will overwrite them
+    (`force_init`: load them anyway). The memory policy is the caller's to apply, last (it wraps the cores parallelize
+    swapped in; RL copies its reference model first)."""
+    with parameters_on_meta():
+        model = MoETransformer(cfg.model)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # the whole model's, as saved
     if rt.world_size > 1:
         parallelize(model, cfg, groups)
-    return model.to(rt.device)
+    materialize(model, rt.device)
+    model.to(rt.device)  # the buffers
+    init = SeededInit(cfg.model, cfg.run.seed, shapes)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(read_local(init, name, p, groups))
+    checkpointing.init_from(cfg, model, rt.rank, force_init, source, groups, shapes)
+    return model
 
 
 def apply_model_memory_policy(model: MoETransformer, cfg: Config) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from services.common.config import ModelConfig
 from kernels.cross_entropy import linear_cross_entropy_sum
 from services.trainer.model.attention import Attention, document_ids
+from services.trainer.model.initial_weights import SeededInit, initial_state
 from services.trainer.model.mla import MLAttention
 from services.trainer.model.loss import IGNORE_INDEX, cross_entropy_sum
 from services.trainer.model.mlp import SwiGLUMLP
@@ -123,16 +124,9 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic init from `seed`, independent of device and of how the model is later sharded."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)  # residual-branch outputs scaled down (GPT-2 style)
-        for name, p in self.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)  # norm scales
-                continue
-            scale = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")) else std
-            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        """Deterministic init from `seed`, independent of device and of how the model is later sharded: the values of
+        initial_weights.py's `SeededInit`, which a parallel rank reads only its own slices of."""
+        initial_state(self, SeededInit(self.cfg, seed, {n: tuple(p.shape) for n, p in self.named_parameters()}))
         for m in self.modules():
             if isinstance(m, MoELayer):
                 m.router.expert_bias.zero_()

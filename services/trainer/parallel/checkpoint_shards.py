@@ -144,8 +144,9 @@ def optimizer_shards(opt: DistributedOptimizer, groups: ParallelGroups) -> dict[
     return out
 
 
-def _read(ckpt, name: str, p: nn.Parameter, groups: ParallelGroups) -> torch.Tensor:
-    """This rank's piece of `name` for parameter `p`, shaped like `p`; w13 may be saved in either layout."""
+def read_local(ckpt, name: str, p: nn.Parameter, groups: ParallelGroups) -> torch.Tensor:
+    """This rank's piece of `name` for parameter `p`, shaped like `p`, from `ckpt` (anything with `global_shape` and
+    `read(name, offsets, shape)`: a checkpoint, or the initial weights); w13 may be saved in either layout."""
     if hasattr(p, "expert_box") and len(p.expert_box[0]) == 4:  # w13: [El, h, 2·fl] = gate | up column blocks
         (E, h, _, f), (e0, _, _, f0) = p.expert_box
         El, fl = p.shape[0], p.shape[2] // 2
@@ -167,7 +168,7 @@ def load_shards(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: Paral
 
     slot_of = {s.name: (b, s) for b in opt.buckets for s in b.slots}
     for name, p in model.named_parameters():
-        value = saved_value(lambda n: _read(ckpt, n, p, groups), name, saved).float()  # the fp32 master weight
+        value = saved_value(lambda n: read_local(ckpt, n, p, groups), name, saved).float()  # the fp32 master weight
         if p.dtype != torch.bfloat16:
             p.data.copy_(value)
             continue
@@ -188,7 +189,7 @@ def load_shards(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: Paral
             for s in bucket.slots:
                 name = f"optim/{s.name}/{key}"
                 if name in saved:
-                    full[s.start:s.start + s.numel] = _read(ckpt, name, s.param, groups).reshape(-1)
+                    full[s.start:s.start + s.numel] = read_local(ckpt, name, s.param, groups).reshape(-1)
             getattr(bucket, key).copy_(full[bucket.lo:bucket.hi])
         step_name = f"optim/{bucket.slots[0].name}/step"
         if step_name in saved:

@@ -9,7 +9,9 @@
 
 Order matters: the pipeline split comes first so only owned layers are sharded; experts are sliced from the full weights;
 TP then shards what is left of the dense layers. Every rank starts from the same full initialisation, so any layout
-begins exactly where the single-device model does.
+begins exactly where the single-device model does. The trainer (train.py `build_model`) gets the same slices without
+the full weights: it parallelizes a model whose parameters are still on the meta device, then reads each slice of the
+seeded initial weights (model/initial_weights.py); the tests build it either way and compare.
 """
 
 from __future__ import annotations
