@@ -292,7 +292,8 @@ def connect_saver(cfg, rt, model, optimizer, groups):
 
 def save_result(saves: list[list], step_s: list[float], device: torch.device, parallel: bool) -> dict:
     """The saves' cost: the time save() held the loop (median over saves, slowest rank) plus what the step after
-    each save took over the median of the other steps (the fence holds the next optimizer step until the copies land)."""
+    each save took over the median of the other steps (the fence holds the next optimizer step until the copies
+    land)."""
     calls = torch.tensor([held for _, held in saves], dtype=torch.float64, device=device)
     if parallel:
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)

@@ -2,8 +2,8 @@
 them, then the seeded initial weights read box by box), and they are exactly the slices of the whole model a single
 process initialises.
 
-Four gloo processes per layout: tp2 x ep2 with sequence parallelism and a shared expert; pp2 x etp2 (w13 in its [E, h, 2,
-f] view); cp2 x ep2. On every rank, `train.build_model` against the reference way (the whole model initialised, then
+Four gloo processes per layout: tp2 x ep2 with sequence parallelism and a shared expert; pp2 x etp2 (w13 in its
+[E, h, 2, f] view); cp2 x ep2. On every rank, `train.build_model` against the reference way (the whole model initialised, then
 `parallelize`): the same parameter names, values (exactly), buffers and parallel attributes; then one training step on
 each: the same loss and the same parameters after it (exactly), so the materialised parameters carry everything
 parallelism attached (sequence parallel's gradient hooks included). `checkpoint.init_from` then reads each rank's
@@ -72,15 +72,15 @@ def _worker(rank: int, world: int, out_dir: str, layout: str, init_from: str) ->
         else:
             reference.init_weights(cfg.run.seed)
         parallelize(reference, cfg, groups)
-        mine = dict(built.named_parameters())
-        result = {"names": (sorted(mine), sorted(n for n, _ in reference.named_parameters())),
-                  "values": {n: (mine[n].detach().clone(), p.detach().clone()) for n, p in reference.named_parameters()},
+        mine, theirs = dict(built.named_parameters()), dict(reference.named_parameters())
+        result = {"names": (sorted(mine), sorted(theirs)),
+                  "values": {n: (mine[n].detach().clone(), p.detach().clone()) for n, p in theirs.items()},
                   "attributes": {n: ({a: getattr(mine[n], a, None) for a in ATTRIBUTES},
-                                     {a: getattr(p, a, None) for a in ATTRIBUTES}) for n, p in reference.named_parameters()},
+                                     {a: getattr(p, a, None) for a in ATTRIBUTES}) for n, p in theirs.items()},
                   "buffers": {n: torch.equal(b, dict(built.named_buffers())[n]) for n, b in reference.named_buffers()}}
         if not init_from:
             result["loss"] = (_step(built, cfg, groups), _step(reference, cfg, groups))
-            result["after"] = {n: torch.equal(mine[n].detach(), p.detach()) for n, p in reference.named_parameters()}
+            result["after"] = {n: torch.equal(mine[n].detach(), p.detach()) for n, p in theirs.items()}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -111,7 +111,8 @@ def test_init_from_reads_each_ranks_boxes_of_a_single_process_checkpoint(tmp_pat
     cfg = layout_config("pp2-etp2")
     whole = MoETransformer(cfg.model)
     whole.init_weights(99)  # not the run's seed: the loaded weights must be the checkpoint's
-    save_step_one(str(tmp_path / "init"), 0, 1, {f"model/{n}": Shard(t.detach()) for n, t in whole.state_dict().items()})
+    state = {f"model/{n}": Shard(t.detach()) for n, t in whole.state_dict().items()}
+    save_step_one(str(tmp_path / "init"), 0, 1, state)
     results = spawn_ranks(_worker, (4, str(tmp_path), "pp2-etp2", str(tmp_path / "init")), 4, str(tmp_path),
                           timeout_s=240)
     _check(results)

@@ -69,20 +69,22 @@ class SeededInit:
         per = max(1, BLOCK_ELEMS // row)  # rows per block
         r0, r1 = lo[0], lo[0] + size[0]
 
-        def rows_of(b: int) -> torch.Tensor:  # block b's rows inside [r0, r1)
+        values = torch.empty(r1 - r0, row)  # the box's rows, whole; only they and a block per thread are held
+
+        def fill(b: int) -> None:  # block b's rows inside [r0, r1), scaled, into `values`
             first, n = b * per, min(per, g[0] - b * per)
             block = torch.randn(n, row, generator=torch.Generator().manual_seed(block_seed(self.seed, name, b)))
-            return block[max(r0, first) - first:min(r1, first + n) - first]
+            a, z = max(r0, first), min(r1, first + n)
+            torch.mul(block[a - first:z - first], std, out=values[a - r0:z - r0])
 
         blocks = range(r0 // per, -(-r1 // per))
         if len(blocks) > 1:  # one generator per block: the blocks are drawn on all cores at once
             with ThreadPoolExecutor(min(len(blocks), os.cpu_count() or 1)) as pool:
-                rows = list(pool.map(rows_of, blocks))
+                list(pool.map(fill, blocks))
         else:
-            rows = [rows_of(b) for b in blocks]
-        values = torch.cat(rows) if rows else torch.empty(0, row)
-        values = values.view(-1, *g[1:])[(slice(None), *(slice(o, o + s) for o, s in zip(lo[1:], size[1:])))]
-        return values.mul(std).contiguous()
+            for b in blocks:
+                fill(b)
+        return values.view(-1, *g[1:])[(slice(None), *(slice(o, o + s) for o, s in zip(lo[1:], size[1:])))].contiguous()
 
 
 def initial_state(model: nn.Module, init: SeededInit) -> None:
