@@ -10,7 +10,9 @@ KV exchange, chosen by `parallel.cp_comm`:
 - ring: K/V blocks travel around the group; each step computes the resident block while the next one is in flight
   (batched isend/irecv) and merges partial results by log-sum-exp. Backward travels the ring again with the K/V gradient
   accumulating alongside its block, and a last hop brings each block's gradient home.
-- allgather: K/V are all-gathered once (backward reduce-scatters their gradients) and attention runs against all keys.
+- allgather: K/V are all-gathered once (backward reduce-scatters their gradients) and attention runs against all keys;
+  on CUDA as flash attention over segments: each document's queries in a chunk against the document's keys up to the
+  chunk's end (`key_prefixes`), with no T x T mask.
 Values may be narrower than queries and keys (MLA's v_head_dim): a ring message is K and V side by side on the last dim.
 
 The CP group (hence size) can change per micro-batch (dynamic CP): the group travels with the layout, and `cp_share`
@@ -29,6 +31,7 @@ from torch import nn
 
 from services.dataloader.cp_sizing import attention_cost, segment_lengths
 from services.trainer.model.attention import PackedAttention, document_ids, packed_causal_attention
+from services.trainer.model.flash_varlen import causal_gqa
 from services.trainer.model.moe.router import Router
 from services.trainer.model.mtp import future_labels
 from services.trainer.parallel.differentiable import gather_tokens
@@ -54,6 +57,45 @@ def zigzag_index(total: int, cp_size: int, cp_rank: int, device=None) -> torch.T
 
 
 @dataclass
+class KeyPrefixes:
+    """A rank's queries of an all-gathered micro-batch as flash-attention segments (`key_prefixes`)."""
+
+    rows: torch.Tensor  # [sum of prefix lengths] int64: each segment's keys, as rows of the all-gathered K/V
+    cu_q: torch.Tensor  # [segments + 1] int32: the segments, over the rank's tokens in their local order
+    cu_k: torch.Tensor  # [segments + 1] int32: their key prefixes, over `rows`
+    max_q: int
+    max_k: int
+
+    def to(self, device: torch.device) -> "KeyPrefixes":
+        return KeyPrefixes(self.rows.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k)
+
+
+def key_prefixes(doc_ids: torch.Tensor, size: int, rank: int) -> KeyPrefixes:
+    """Each run of one document's tokens inside one of `rank`'s zigzag chunks is a query segment; its keys are that
+    document's tokens from the document's start to the segment's end. Aligned at the bottom right (the queries are the
+    prefix's last tokens), causal attention over each (segment, prefix) pair is exactly the global mask `_visible`
+    draws: same document, not in the future. `doc_ids` [T] ascends (packed documents); computed on the host."""
+    total = doc_ids.shape[0]
+    index = zigzag_index(total, size, rank)  # local token -> global position
+    gathered = torch.cat([zigzag_index(total, size, r) for r in range(size)])  # all-gathered row -> global position
+    row_of = torch.empty_like(gathered)
+    row_of[gathered] = torch.arange(total)
+    docs = doc_ids.cpu()[index]
+    starts_segment = torch.ones(index.shape[0], dtype=torch.bool)
+    starts_segment[1:] = (docs[1:] != docs[:-1]) | (index[1:] != index[:-1] + 1)
+    starts = starts_segment.nonzero().flatten()
+    ends = torch.cat((starts[1:], torch.tensor([index.shape[0]])))
+    q_len = ends - starts
+    first = torch.searchsorted(doc_ids.cpu(), docs[starts])  # the global position each segment's document starts at
+    k_len = index[ends - 1] + 1 - first
+    at = torch.cumsum(k_len, 0) - k_len  # where each prefix starts in `rows`
+    positions = torch.arange(int(k_len.sum())) - torch.repeat_interleave(at - first, k_len)
+    zero = torch.zeros(1, dtype=torch.int64)
+    return KeyPrefixes(row_of[positions], torch.cat((zero, torch.cumsum(q_len, 0))).int(),
+                       torch.cat((zero, torch.cumsum(k_len, 0))).int(), int(q_len.max()), int(k_len.max()))
+
+
+@dataclass
 class CPLayout:
     """Where a CP-sharded micro-batch's tokens came from; enough for any rank to mask any other rank's keys."""
 
@@ -62,6 +104,7 @@ class CPLayout:
     size: int
     doc_ids: torch.Tensor  # [T] int64: document (segment) of every token of the whole micro-batch
     comm: CPComm = "ring"
+    prefixes: KeyPrefixes | None = None  # the all-gather exchange's flash segments (`key_prefixes`)
 
     @property
     def total(self) -> int:
@@ -71,7 +114,8 @@ class CPLayout:
         return zigzag_index(self.total, self.size, rank, self.doc_ids.device)
 
     def to(self, device: torch.device) -> "CPLayout":
-        return CPLayout(self.group, self.rank, self.size, self.doc_ids.to(device), self.comm)
+        return CPLayout(self.group, self.rank, self.size, self.doc_ids.to(device), self.comm,
+                        None if self.prefixes is None else self.prefixes.to(device))
 
 
 def local_cu_seqlens(doc_ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -135,7 +179,8 @@ def shard_micro_batch(mb: dict, groups: ParallelGroups, comm: CPComm = "ring", m
     local = {k: v for k, v in mb.items() if k not in ("tokens", "labels", "position_ids", "cu_seqlens", "max_seqlen")}
     local.update(tokens=mb["tokens"][index], labels=mb["labels"][index], position_ids=mb["position_ids"][index],
                  cu_seqlens=local_cu_seqlens(doc_ids, index),
-                 cp_layout=CPLayout(axis.group, axis.rank, axis.size, doc_ids, comm))
+                 cp_layout=CPLayout(axis.group, axis.rank, axis.size, doc_ids, comm,
+                                    key_prefixes(doc_ids, axis.size, axis.rank) if comm == "allgather" else None))
     if mtp_depths:
         local["mtp_labels"] = future_labels(mb["labels"], doc_ids, mtp_depths)[:, index]
     return local
@@ -278,8 +323,13 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _allgather_attention(q, k, v, layout: CPLayout) -> torch.Tensor:
-    """All-gathered K/V (rank order), then masked attention of the local queries against every key."""
+    """All-gathered K/V (rank order), then attention of the local queries against every key: on CUDA in 16 bits,
+    flash attention over the layout's key prefixes (`key_prefixes`); elsewhere (or for values narrower than keys,
+    MLA) SDPA under the visibility mask."""
     k_all, v_all = gather_tokens(k, layout.group), gather_tokens(v, layout.group)
+    pre = layout.prefixes
+    if pre is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and v.shape[-1] == q.shape[-1]:
+        return causal_gqa(q, k_all[pre.rows], v_all[pre.rows], pre.cu_q, pre.max_q, pre.cu_k, pre.max_k)
     mask = torch.cat([_visible(layout, layout.rank, r) for r in range(layout.size)], dim=1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
                                          attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
