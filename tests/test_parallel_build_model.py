@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from parallel_harness import make_batches, save_step_one, spawn_ranks, tiny_config
 from services.checkpointer.shard import Shard
-from services.trainer.model.initial_weights import SeededInit, initial_state
+from services.trainer.model.initial_weights import Drawn, initial_values
 from services.trainer.model.transformer import MoETransformer
 
 LAYOUTS = {"tp2-ep2-sp": dict(tp=2, ep=2, sequence_parallel=True), "pp2-etp2": dict(pp=2, etp=2),
@@ -118,17 +118,19 @@ def test_init_from_reads_each_ranks_boxes_of_a_single_process_checkpoint(tmp_pat
     _check(results)
 
 
-def test_the_seeded_init_reads_any_box_alike_in_either_view_of_w13():
+def test_the_initial_values_are_the_whole_models_init_and_read_alike_in_either_view_of_w13():
     cfg = tiny_config()
     model = MoETransformer(cfg.model)
+    model.init_weights(5)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    init = SeededInit(cfg.model, 5, shapes)
-    initial_state(model, init)
+    values = dict(initial_values(cfg.model, 5, shapes))
+    for name, p in model.named_parameters():
+        assert torch.equal(values[name], p.detach()), name
     w13 = "layers.0.mlp.experts.w13"
     E, h, two_f = shapes[w13]
-    whole = dict(model.named_parameters())[w13].detach()
-    assert torch.equal(init.read(w13, (1, 3, 4), (2, 5, 6)), whole[1:3, 3:8, 4:10])
-    four = SeededInit(cfg.model, 5, {w13: (E, h, 2, two_f // 2)})
-    assert torch.equal(four.read(w13).reshape(E, h, two_f), whole)
-    assert torch.equal(init.read("norm.weight"), torch.ones(shapes["norm.weight"]))
-    assert not torch.equal(SeededInit(cfg.model, 6, shapes).read(w13), whole)  # the seed matters
+    drawn = Drawn(w13, values[w13])
+    assert torch.equal(drawn.read(w13, (1, 3, 4), (2, 5, 6)), values[w13][1:3, 3:8, 4:10])
+    four = Drawn(w13, values[w13].view(E, h, 2, two_f // 2))
+    assert torch.equal(four.read(w13, (0, 0, 1, 0), (E, h, 1, two_f // 2)).reshape(E, h, -1),
+                       values[w13][..., two_f // 2:])  # the up half
+    assert not torch.equal(dict(initial_values(cfg.model, 6, shapes))[w13], values[w13])  # the seed matters

@@ -23,7 +23,7 @@ from torch import nn
 from services.common.config import ModelConfig
 from kernels.cross_entropy import linear_cross_entropy_sum
 from services.trainer.model.attention import Attention, document_ids
-from services.trainer.model.initial_weights import SeededInit, initial_state
+from services.trainer.model.initial_weights import initial_state
 from services.trainer.model.mla import MLAttention
 from services.trainer.model.loss import IGNORE_INDEX, cross_entropy_sum
 from services.trainer.model.mlp import SwiGLUMLP
@@ -125,8 +125,8 @@ class MoETransformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic init from `seed`, independent of device and of how the model is later sharded: the values of
-        initial_weights.py's `SeededInit`, which a parallel rank reads only its own slices of."""
-        initial_state(self, SeededInit(self.cfg, seed, {n: tuple(p.shape) for n, p in self.named_parameters()}))
+        initial_weights.py's `initial_values`, of which a parallel rank keeps only its own slices."""
+        initial_state(self, seed)
         for m in self.modules():
             if isinstance(m, MoELayer):
                 m.router.expert_bias.zero_()
