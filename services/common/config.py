@@ -154,9 +154,10 @@ class ParallelConfig:
     # grows with routed tokens), or an all-gather of every rank's tokens (simpler; better with a small ep and many
     # active experts per token)
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    # how attention gets the other CP ranks' keys/values (parallel/context_parallel.py): passed around a ring,
-    # overlapped with compute, or all-gathered once
-    cp_comm: Literal["ring", "allgather"] = "ring"
+    # how attention gets the other CP ranks' keys/values (parallel/context_parallel.py): all-gathered once (on CUDA,
+    # flash attention over each document's key prefix; 2.4x the ring on two H100s, bench/RESULTS.md), or passed around
+    # a ring, overlapped with compute (fp32 blocks: less memory for very long sequences, slower)
+    cp_comm: Literal["ring", "allgather"] = "allgather"
     cp_sizes: list[int] = field(default_factory=list)  # allowed dynamic CP sizes; empty: only `cp`
     distributed_optimizer: bool = True  # ZeRO-1: each data-parallel rank keeps master weights and Adam moments for
     #                                     its 1/dp of every gradient bucket (false: all-reduce, every rank updates all)

@@ -93,12 +93,11 @@ def seed_everything(seed: int) -> None:
 def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bool = False,
                 source: checkpointing.CheckpointSource | None = None) -> MoETransformer:
     """This rank's model on its device, and no more of it: built with its parameters on the meta device, cut to this
-    rank's slices of the folded layout, then each slice gets device memory and its values, those of the seeded initial
+    rank's slices of the folded layout, then each slice gets device memory and its values. Those are the seeded initial
     weights (model/initial_weights.py: what a single process starts from, whatever the layout; drawn whole one
-    parameter at a time, of which the rank keeps its boxes) or of
-    `checkpoint.init_from` unless a resume (from `source`, see `checkpointing.restore`) will overwrite them
-    (`force_init`: load them anyway). The memory policy is the caller's to apply, last (it wraps the cores parallelize
-    swapped in; RL copies its reference model first)."""
+    parameter at a time, of which the rank keeps its boxes), or `checkpoint.init_from`'s unless a resume (from
+    `source`, see `checkpointing.restore`) will overwrite them (`force_init`: load them anyway). The memory policy is
+    the caller's to apply, last (it wraps the cores parallelize swapped in; RL copies its reference model first)."""
     with parameters_on_meta():
         model = MoETransformer(cfg.model)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # the whole model's, as saved
