@@ -192,7 +192,7 @@ def main() -> None:
         step(i)
     if cuda:
         torch.cuda.reset_peak_memory_stats(rt.device)
-    times, saves = [], []  # saves: (index in times of the save's step, seconds save() held the loop, D2H seconds)
+    times, saves = [], []  # saves: [index in times of the step before the save, seconds save() held the loop]
     for i in range(args.warmup, args.warmup + args.steps):
         t0 = time.perf_counter()
         step(i)

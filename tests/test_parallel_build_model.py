@@ -128,9 +128,9 @@ def test_the_initial_values_are_the_whole_models_init_and_read_alike_in_either_v
         assert torch.equal(values[name], p.detach()), name
     w13 = "layers.0.mlp.experts.w13"
     E, h, two_f = shapes[w13]
-    drawn = Drawn(w13, values[w13])
+    drawn = Drawn(values[w13])
     assert torch.equal(drawn.read(w13, (1, 3, 4), (2, 5, 6)), values[w13][1:3, 3:8, 4:10])
-    four = Drawn(w13, values[w13].view(E, h, 2, two_f // 2))
+    four = Drawn(values[w13].view(E, h, 2, two_f // 2))
     assert torch.equal(four.read(w13, (0, 0, 1, 0), (E, h, 1, two_f // 2)).reshape(E, h, -1),
                        values[w13][..., two_f // 2:])  # the up half
     assert not torch.equal(dict(initial_values(cfg.model, 6, shapes))[w13], values[w13])  # the seed matters

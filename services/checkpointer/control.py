@@ -13,7 +13,7 @@ import torch
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
-from services.checkpointer.layout import CheckpointError, parse_step, read_manifest
+from services.checkpointer.layout import CheckpointError, Manifest, parse_step, read_manifest
 from services.checkpointer.load import Checkpoint, identity, newest_valid
 from services.checkpointer.store import CheckpointStore, CheckpointSummary
 from services.common import grpc_server, net
@@ -35,7 +35,7 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         self.store, self.writer = store, writer
         self._verified: set[tuple] = set()  # fingerprints of the checkpoints whose checksums Open checked
         self._verifying = threading.Lock()  # ranks resuming together: the first one verifies, the others find it done
-        self._manifests: dict[tuple, object] = {}  # the checkpoint being loaded's manifest, read once for all its Loads
+        self._manifests: dict[tuple, Manifest] = {}  # the checkpoint being loaded's manifest, read once for all its Loads
 
     def _step(self, step: int, context: grpc.ServicerContext) -> int:
         if step >= 0:

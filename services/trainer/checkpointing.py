@@ -254,8 +254,7 @@ def checkpoint_source(registry: Registry, cfg: Config, rank: int, timeout: float
     """Where this rank reads the checkpoint it resumes from: `checkpoint.dir` itself when it holds the directory a
     registered checkpointer writes (its `.store_id` is the one the checkpointer registered; that checkpointer verifies
     the checkpoint, once for all ranks), else that checkpointer's gRPC service, so that trainer hosts need not mount the
-    checkpoint storage. Waits `timeout` seconds for a
-    checkpointer to register (RegistryError after)."""
+    checkpoint storage. Waits `timeout` seconds for a checkpointer to register (RegistryError after)."""
     records = registry.wait_for(SERVICE, 1, timeout=timeout)
     mine = read_store_id(cfg.checkpoint.dir)
     if sharing := [r for r in records if mine and r.get("store_id") == mine]:

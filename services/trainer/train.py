@@ -110,7 +110,7 @@ def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bo
     with torch.no_grad():
         for name, value in initial_values(cfg.model, cfg.run.seed, drawn_in_order):
             if name in mine:  # else another pipeline stage's
-                mine[name].copy_(read_local(Drawn(name, value), name, mine[name], groups))
+                mine[name].copy_(read_local(Drawn(value), name, mine[name], groups))
     checkpointing.init_from(cfg, model, rt.rank, force_init, source, groups, shapes)
     return model
 

@@ -49,8 +49,8 @@ class Drawn:
     """One drawn parameter read like a checkpoint (`global_shape`, `read(name, offsets, shape)`); its shape may be
     asked for in another view with the same C order (w13 as [E, h, 2, f] or [E, h, 2f])."""
 
-    def __init__(self, name: str, value: torch.Tensor):
-        self.name, self.value = name, value
+    def __init__(self, value: torch.Tensor):
+        self.value = value
 
     def global_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.value.shape)
@@ -63,10 +63,9 @@ class Drawn:
 
 def initial_state(model: nn.Module, seed: int) -> None:
     """Every parameter of a whole (unsliced) `model` from `initial_values`."""
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, value in initial_values(model.cfg, seed, shapes):
+        for name, value in initial_values(model.cfg, seed, {name: tuple(p.shape) for name, p in params.items()}):
             params[name].copy_(value)
 
 
