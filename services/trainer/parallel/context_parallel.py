@@ -21,7 +21,7 @@ picks which of its dp rank's micro-batches each CP block runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -36,6 +36,7 @@ from services.trainer.model.moe.router import Router
 from services.trainer.model.mtp import future_labels
 from services.trainer.parallel.differentiable import gather_tokens
 from services.trainer.parallel.groups import ParallelGroups
+from services.trainer.step import host_to_device
 
 ProcessGroup = dist.ProcessGroup
 CPComm = Literal["ring", "allgather"]
@@ -67,7 +68,8 @@ class KeyPrefixes:
     max_k: int
 
     def to(self, device: torch.device) -> "KeyPrefixes":
-        return KeyPrefixes(self.rows.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k)
+        return KeyPrefixes(host_to_device(self.rows, device), host_to_device(self.cu_q, device),
+                           host_to_device(self.cu_k, device), self.max_q, self.max_k)
 
 
 def key_prefixes(doc_ids: torch.Tensor, size: int, rank: int) -> KeyPrefixes:
@@ -104,7 +106,9 @@ class CPLayout:
     size: int
     doc_ids: torch.Tensor  # [T] int64: document (segment) of every token of the whole micro-batch
     comm: CPComm = "ring"
-    prefixes: KeyPrefixes | None = None  # the all-gather exchange's flash segments (`key_prefixes`)
+    host_doc_ids: torch.Tensor | None = None  # doc_ids on the host when doc_ids is not (`key_prefixes` runs there)
+    _prefixes: KeyPrefixes | None = field(default=None, init=False, repr=False)
+    _copies: dict = field(default_factory=dict, init=False, repr=False)  # device -> this layout there
 
     @property
     def total(self) -> int:
@@ -113,9 +117,25 @@ class CPLayout:
     def index(self, rank: int) -> torch.Tensor:
         return zigzag_index(self.total, self.size, rank, self.doc_ids.device)
 
+    def prefixes(self) -> KeyPrefixes:
+        """The all-gather exchange's flash segments (`key_prefixes`) on doc_ids' device. Computed on first use, from
+        the host's doc_ids (no device-to-host wait): only the flash path (`_flash_over_prefixes`) reads them, and the
+        layers of a micro-batch share its bound layout, so they are computed once per micro-batch where they are."""
+        if self._prefixes is None:
+            host = self.doc_ids if self.host_doc_ids is None else self.host_doc_ids
+            self._prefixes = key_prefixes(host, self.size, self.rank).to(self.doc_ids.device)
+        return self._prefixes
+
     def to(self, device: torch.device) -> "CPLayout":
-        return CPLayout(self.group, self.rank, self.size, self.doc_ids.to(device), self.comm,
-                        None if self.prefixes is None else self.prefixes.to(device))
+        """This layout on `device`, copied once (`bind_micro_batch` runs at every chunk and pair switch of a
+        micro-batch) without waiting for the device (`host_to_device`: pinned buffer, non-blocking)."""
+        if self.doc_ids.device == device:
+            return self
+        if device not in self._copies:
+            host = self.doc_ids if self.doc_ids.device.type == "cpu" else self.host_doc_ids
+            self._copies[device] = CPLayout(self.group, self.rank, self.size, host_to_device(self.doc_ids, device),
+                                            self.comm, host)
+        return self._copies[device]
 
 
 def local_cu_seqlens(doc_ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -179,8 +199,7 @@ def shard_micro_batch(mb: dict, groups: ParallelGroups, comm: CPComm = "ring", m
     local = {k: v for k, v in mb.items() if k not in ("tokens", "labels", "position_ids", "cu_seqlens", "max_seqlen")}
     local.update(tokens=mb["tokens"][index], labels=mb["labels"][index], position_ids=mb["position_ids"][index],
                  cu_seqlens=local_cu_seqlens(doc_ids, index),
-                 cp_layout=CPLayout(axis.group, axis.rank, axis.size, doc_ids, comm,
-                                    key_prefixes(doc_ids, axis.size, axis.rank) if comm == "allgather" else None))
+                 cp_layout=CPLayout(axis.group, axis.rank, axis.size, doc_ids, comm))
     if mtp_depths:
         local["mtp_labels"] = future_labels(mb["labels"], doc_ids, mtp_depths)[:, index]
     return local
@@ -322,13 +341,19 @@ class _RingAttention(torch.autograd.Function):
 # ---------------------------------------------------------------- all-gather exchange
 
 
+def _flash_over_prefixes(device: torch.device, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> bool:
+    """Whether the all-gather exchange runs flash attention over key prefixes: on CUDA, in 16 bits, with values as
+    wide as keys (MLA's narrower values take SDPA). The one place that decides, so the only caller of
+    `CPLayout.prefixes`."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and v_head_dim == head_dim
+
+
 def _allgather_attention(q, k, v, layout: CPLayout) -> torch.Tensor:
-    """All-gathered K/V (rank order), then attention of the local queries against every key: on CUDA in 16 bits,
-    flash attention over the layout's key prefixes (`key_prefixes`); elsewhere (or for values narrower than keys,
-    MLA) SDPA under the visibility mask."""
+    """All-gathered K/V (rank order), then attention of the local queries against every key: flash attention over the
+    layout's key prefixes where `_flash_over_prefixes`, elsewhere SDPA under the visibility mask."""
     k_all, v_all = gather_tokens(k, layout.group), gather_tokens(v, layout.group)
-    pre = layout.prefixes
-    if pre is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and v.shape[-1] == q.shape[-1]:
+    if _flash_over_prefixes(q.device, q.dtype, q.shape[-1], v.shape[-1]):
+        pre = layout.prefixes()
         return causal_gqa(q, k_all[pre.rows], v_all[pre.rows], pre.cu_q, pre.max_q, pre.cu_k, pre.max_k)
     mask = torch.cat([_visible(layout, layout.rank, r) for r in range(layout.size)], dim=1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
