@@ -10,6 +10,9 @@ Specification:
 - the trainer reads its checkpoint.dir itself only when it holds the directory a registered checkpointer writes (the
   `.store_id` it registered), else through that checkpointer; ranks that read the directory themselves leave the
   checksums to the checkpointer, which reads the files once for all of them;
+- a source owns the gRPC channel it opens and closes it on `close()` or leaving a `with` block (a later call opens a new
+  one); a directory source owns the service source verifying for it, and holds its channel only while asking it for the
+  newest checkpoint;
 - end to end: a trainer whose checkpoint.dir does not exist saves through the writer and a second one resumes at the
   right step through the service, never creating that directory.
 """
@@ -24,9 +27,12 @@ import sys
 import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
+from proto import checkpointer_pb2 as pb
+from proto import checkpointer_pb2_grpc as pb_grpc
 from services.checkpointer.control import LOAD_CHUNK, serve_grpc
 from services.checkpointer.layout import CheckpointError, read_store_id
 from services.checkpointer.load import DirectorySource, load_checkpoint
@@ -165,6 +171,62 @@ def test_an_unreachable_or_unauthenticated_service_is_an_error_naming_it(served)
     with pytest.raises(CheckpointError, match=r"checkpointer at 127.0.0.1:1.*did not answer.*reachable from this host"):
         dead.saved()
     dead.close()
+
+
+@pytest.fixture
+def channels(monkeypatch):
+    """Every channel opened from here on, each with a stub made while it was open (a stub made on a closed channel
+    crashes grpc)."""
+    opened, real = [], grpc.insecure_channel
+
+    def insecure_channel(*args, **kwargs):
+        channel = real(*args, **kwargs)
+        opened.append(pb_grpc.CheckpointerStub(channel))
+        return channel
+
+    monkeypatch.setattr(grpc, "insecure_channel", insecure_channel)
+    return opened
+
+
+def closed(stub: pb_grpc.CheckpointerStub) -> bool:
+    try:
+        stub.List(pb.ListRequest(), timeout=5)
+    except ValueError as e:  # grpc's "Cannot invoke RPC on closed channel!"
+        return "closed" in str(e)
+    except grpc.RpcError:  # open, and the service refused the token-less call
+        return False
+    return False
+
+
+def test_closing_a_service_source_closes_its_channel_and_a_later_call_opens_another(served, channels):
+    store, served_source = served
+    commit(store, 1)
+    with ServiceSource(served_source.address, token="sesame") as source:
+        assert source.saved() == ["step_00000001"]
+        assert len(channels) == 1 and not closed(channels[0])
+    assert closed(channels[0])
+    assert source.newest().step == 1  # a closed source still answers, on a channel of its own
+    assert len(channels) == 2 and not closed(channels[1])
+    source.close()
+    source.close()  # twice is harmless
+    assert closed(channels[1])
+
+
+def test_a_directory_source_holds_its_verifiers_channel_only_while_asking_for_the_newest(served, channels):
+    store, served_source = served
+    commit(store, 1)
+    ranks = [DirectorySource(store.root, verified_by=ServiceSource(served_source.address, token="sesame"))
+             for _ in range(2)]
+    assert [rank.newest().path for rank in ranks] == [store.final_dir(1)] * 2
+    assert len(channels) == 2 and all(closed(stub) for stub in channels)
+    with ranks[0] as rank:
+        assert rank.verified_by.saved() == ["step_00000001"]  # the verifier's channel open again
+        assert not closed(channels[2])
+    assert closed(channels[2])  # leaving the block closed what the directory source owns
+    ranks[1].verified_by.saved()
+    ranks[1].close()
+    assert closed(channels[3])
+    DirectorySource(store.root).close()  # nothing to close without a verifier
 
 
 def test_the_trainer_reads_its_directory_only_when_it_is_the_checkpointers(tmp_path):

@@ -8,7 +8,7 @@ a new parallel layout asks for exactly its own piece, whatever layout wrote the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from safetensors import safe_open
@@ -105,7 +105,8 @@ class DirectorySource:
     """The checkpoints a trainer resumes from, read straight from a checkpoint.dir this host sees (the other source
     is services/checkpointer/remote.py's `ServiceSource`, the same two methods over gRPC). `verified_by`: the
     `ServiceSource` of the checkpointer writing this directory, which then picks the newest checkpoint that verifies
-    and checks its checksums once for every rank, instead of each rank reading every file to hash it."""
+    and checks its checksums once for every rank, instead of each rank reading every file to hash it. The source owns
+    it: `close()` (or leaving a `with` block) closes its channel."""
 
     def __init__(self, root: str | Path, verified_by=None):
         self.root = Path(root)
@@ -122,36 +123,68 @@ class DirectorySource:
         if self.verified_by is None:
             path = require_latest_valid(self.root, checksums)
         else:
-            found = self.verified_by.newest(checksums)
+            # The checkpointer's only answer needed is which step; its files are read from here, so its channel is
+            # closed at once rather than held for the run (a later call opens another).
+            with self.verified_by:
+                found = self.verified_by.newest(checksums)
             path = None if found is None else self.root / step_dir_name(found.step)
         return None if path is None else load_checkpoint(path, checksums=False)
 
+    def close(self) -> None:
+        if self.verified_by is not None:
+            self.verified_by.close()
 
-class Checkpoint:
-    """A committed checkpoint opened for reading; use as a context manager or call `close()`."""
+    def __enter__(self) -> Self:
+        return self
 
-    def __init__(self, path: Path, manifest: Manifest):
-        self.path, self.manifest = path, manifest
-        self.step = manifest.step
-        self.extras: list[dict[str, Any]] = manifest.extras  # one per saving rank
-        self.extra: dict[str, Any] = manifest.extras[0] if manifest.extras else {}
-        self._files: dict[str, Any] = {}
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CheckpointReader:
+    """What an opened checkpoint tells before any read: its tensors' names, global shapes and dtypes. `Checkpoint`
+    reads the box of a tensor from the files, remote.py's `RemoteCheckpoint` through the checkpointer's gRPC service;
+    both are context managers."""
+
+    path: Any  # where the checkpoint is, for messages
+    _tensors: dict[str, Any]  # name -> a `TensorEntry` or the service's `TensorInfo`: both have dtype and global_shape
 
     def names(self) -> list[str]:
-        return sorted(self.manifest.tensors)
+        return sorted(self._tensors)
 
-    def _entry(self, name: str) -> TensorEntry:
-        entry = self.manifest.tensors.get(name)
+    def _entry(self, name: str):
+        entry = self._tensors.get(name)
         if entry is None:
-            raise KeyError(f"tensor {name!r} is not in checkpoint {self.path} ({len(self.manifest.tensors)} tensors; "
+            raise KeyError(f"tensor {name!r} is not in checkpoint {self.path} ({len(self._tensors)} tensors; "
                            "see names())")
         return entry
 
     def global_shape(self, name: str) -> tuple[int, ...]:
-        return self._entry(name).global_shape
+        return tuple(self._entry(name).global_shape)
 
     def dtype(self, name: str) -> torch.dtype:
         return DTYPE_NAMES[self._entry(name).dtype]
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Checkpoint(CheckpointReader):
+    """A committed checkpoint opened for reading; use as a context manager or call `close()`."""
+
+    def __init__(self, path: Path, manifest: Manifest):
+        self.path, self.manifest = path, manifest
+        self._tensors: dict[str, TensorEntry] = manifest.tensors
+        self.step = manifest.step
+        self.extras: list[dict[str, Any]] = manifest.extras  # one per saving rank
+        self.extra: dict[str, Any] = manifest.extras[0] if manifest.extras else {}
+        self._files: dict[str, Any] = {}
 
     def _open(self, file: str):
         handle = self._files.get(file)
@@ -198,12 +231,6 @@ class Checkpoint:
 
     def close(self) -> None:
         self._files.clear()
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def load_checkpoint(path: str | Path, checksums: bool = True) -> Checkpoint:

@@ -9,7 +9,7 @@ its bytes; nothing but the rank's own pieces crosses the network.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Self
 
 import grpc
 import numpy as np
@@ -17,22 +17,31 @@ import torch
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
-from services.checkpointer.layout import DTYPE_NAMES, CheckpointError
-from services.checkpointer.load import resolve_box
+from services.checkpointer.layout import CheckpointError
+from services.checkpointer.load import CheckpointReader, resolve_box
 from services.common import net
 
 CALL_TIMEOUT_S = 600.0  # one call: opening (verifying every checksum of a checkpoint) or streaming one tensor's box
 
 
 class ServiceSource:
-    """The checkpoints of the checkpointer serving gRPC at `address` (its `dir` only names them in messages)."""
+    """The checkpoints of the checkpointer serving gRPC at `address` (its `dir` only names them in messages). Its
+    channel opens at the first call and `close()` (or leaving a `with` block) closes it; a call after that opens a new
+    one."""
 
     def __init__(self, address: str, token: str = "", dir: str = ""):
         self.address = address
         self.where = f"the checkpointer at {address}" + (f" (its checkpoint.dir {dir})" if dir else "")
-        self._channel = grpc.insecure_channel(address)
-        self.stub = pb_grpc.CheckpointerStub(self._channel)
         self.metadata = net.call_metadata(token)
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.CheckpointerStub | None = None
+
+    @property
+    def stub(self) -> pb_grpc.CheckpointerStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+            self._stub = pb_grpc.CheckpointerStub(self._channel)
+        return self._stub
 
     def saved(self) -> list[str]:
         """The committed checkpoints' directory names, newest first (not verified)."""
@@ -54,34 +63,28 @@ class ServiceSource:
         return RemoteCheckpoint(self, reply)
 
     def close(self) -> None:
-        self._channel.close()
+        """Closes the channel: a stream still reading through it is cancelled."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-class RemoteCheckpoint:
-    """A committed checkpoint read through a `ServiceSource`; the reading interface of `load.Checkpoint`."""
+class RemoteCheckpoint(CheckpointReader):
+    """A committed checkpoint read through a `ServiceSource`; the reading interface of `load.Checkpoint`. The source
+    owns the channel: closing the checkpoint leaves it open."""
 
     def __init__(self, source: ServiceSource, reply: pb.DescribeReply):
         self.source = source
         self.step = reply.checkpoint.step
         self.path = f"{reply.checkpoint.path} (through the checkpointer at {source.address})"
         self.extra: dict[str, Any] = json.loads(reply.extra_json or "{}")
-        self._tensors = {t.name: t for t in reply.tensors}
-
-    def names(self) -> list[str]:
-        return sorted(self._tensors)
-
-    def _info(self, name: str) -> pb.TensorInfo:
-        info = self._tensors.get(name)
-        if info is None:
-            raise KeyError(f"tensor {name!r} is not in checkpoint {self.path} ({len(self._tensors)} tensors; see "
-                           "names())")
-        return info
-
-    def global_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._info(name).global_shape)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return DTYPE_NAMES[self._info(name).dtype]
+        self._tensors: dict[str, pb.TensorInfo] = {t.name: t for t in reply.tensors}
 
     def read(self, name: str, offsets: tuple[int, ...] | None = None,
              shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -103,15 +106,6 @@ class RemoteCheckpoint:
             raise CheckpointError(f"{self.source.where} sent {got} bytes for {name!r} offsets={list(lo)} "
                                   f"shape={list(size)} of step {self.step}, which is {dest.size} bytes")
         return out
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> RemoteCheckpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _error(e: grpc.RpcError, what: str) -> Exception:
