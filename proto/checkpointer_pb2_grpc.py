@@ -34,6 +34,11 @@ class CheckpointerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Save = channel.unary_unary(
+                '/foldmoe.v1.Checkpointer/Save',
+                request_serializer=proto_dot_checkpointer__pb2.SaveRequest.SerializeToString,
+                response_deserializer=proto_dot_checkpointer__pb2.SaveReply.FromString,
+                _registered_method=True)
         self.SaveStatus = channel.unary_unary(
                 '/foldmoe.v1.Checkpointer/SaveStatus',
                 request_serializer=proto_dot_checkpointer__pb2.SaveStatusRequest.SerializeToString,
@@ -73,6 +78,12 @@ class CheckpointerStub:
 
 class CheckpointerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Save(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def SaveStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -119,6 +130,11 @@ class CheckpointerServicer:
 
 def add_CheckpointerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Save': grpc.unary_unary_rpc_method_handler(
+                    servicer.Save,
+                    request_deserializer=proto_dot_checkpointer__pb2.SaveRequest.FromString,
+                    response_serializer=proto_dot_checkpointer__pb2.SaveReply.SerializeToString,
+            ),
             'SaveStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveStatus,
                     request_deserializer=proto_dot_checkpointer__pb2.SaveStatusRequest.FromString,
@@ -164,6 +180,33 @@ def add_CheckpointerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Checkpointer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Save(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/foldmoe.v1.Checkpointer/Save',
+            proto_dot_checkpointer__pb2.SaveRequest.SerializeToString,
+            proto_dot_checkpointer__pb2.SaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def SaveStatus(request,

@@ -5,6 +5,7 @@
     foldmoe preprocess [--config FILE] [--force] [section.key=value ...]   tokenize the corpus into data.dataset_dir
     foldmoe status     [--config FILE] [section.key=value ...]   services (health, endpoints), step, checkpoint
     foldmoe plot       [--config FILE] [--metrics FILE] [--out DIR] [section.key=value ...]   PNG charts of a run
+    foldmoe save       [--config FILE] [--wait] [section.key=value ...]   a checkpoint of the running trainer, now
 
 A mistake in the config, a missing corpus or an unreachable Redis is reported as one line naming the cause and the fix,
 with a non-zero exit code, before any process is started.
@@ -31,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (("train", "run a training job: Redis, dataloader, checkpointer, trainer ranks"),
                             ("preprocess", "tokenize the corpus into data.dataset_dir (train does this when needed)"),
                             ("status", "show the registered services (health, endpoints), step and latest checkpoint"),
-                            ("plot", "draw loss, throughput and expert-load charts of a run as PNG files")):
+                            ("plot", "draw loss, throughput and expert-load charts of a run as PNG files"),
+                            ("save", "ask the running trainer for a checkpoint now, through the checkpointer")):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--config", type=Path, default=None, help="YAML config (default: built-in tiny CPU run)")
         sub.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, later wins")
@@ -39,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--metrics", type=Path, default=None,
                              help="JSONL step records (default: run.metrics_file)")
             sub.add_argument("--out", type=Path, default=None, help="directory for the PNGs (default: run.dir/plots)")
+        if name == "save":
+            sub.add_argument("--wait", action="store_true", help="return once the save is committed")
+            sub.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits (default 600)")
     return parser
 
 
@@ -149,7 +154,9 @@ def _last_record(path: Path) -> str:
     return f"step {record.get('step', '?')}: " + ", ".join(shown)
 
 
-def status(cfg: Config, args=None) -> int:
+def _running(cfg: Config):
+    """The Redis URL and Registry of the run `cfg` names: run.redis_url, REDIS_URL, or the embedded Redis of a launcher
+    running in run.dir."""
     from services.common.registry import Registry
     from services.launcher import STATE_FILE
 
@@ -160,7 +167,11 @@ def status(cfg: Config, args=None) -> int:
     if not url:
         raise _UserError(f"no running launcher in {cfg.run.dir} (no {STATE_FILE}) and no run.redis_url or REDIS_URL "
                          "set; start a run with `foldmoe train` or point at its Redis")
-    registry = Registry(url, cfg.run.name)
+    return url, Registry(url, cfg.run.name)
+
+
+def status(cfg: Config, args=None) -> int:
+    url, registry = _running(cfg)
     print(f"run {cfg.run.name!r} on {url}")
     services = registry.services()
     for rec in services:
@@ -193,7 +204,34 @@ def plot(cfg: Config, args) -> int:
     return 0
 
 
-COMMANDS = {"train": lambda cfg, args: train(cfg), "status": status, "plot": plot}
+def save(cfg: Config, args) -> int:
+    """Asks the run's checkpointer for a save now (its gRPC `Save`); with --wait, until it is committed."""
+    import grpc
+
+    from proto import checkpointer_pb2 as pb
+    from proto import checkpointer_pb2_grpc as pb_grpc
+    from services.common import net
+
+    url, registry = _running(cfg)
+    writers = registry.lookup("checkpointer")
+    if not writers:
+        raise _UserError(f"no checkpointer of run {cfg.run.name!r} is registered on {url}")
+    address = writers[0]["grpc"]
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.CheckpointerStub(channel)
+        try:
+            reply = stub.Save(pb.SaveRequest(wait=args.wait), metadata=net.call_metadata(net.auth_token()),
+                              timeout=args.timeout if args.wait else 30)
+        except grpc.RpcError as e:
+            raise _UserError(f"checkpointer at {address}: {e.details() or e.code().name}") from None
+    what = "the run's last step, which saves anyway" if reply.last else "the next step no rank has reached"
+    print(f"save of step {reply.step} asked ({what})")
+    if reply.path:
+        print(f"committed: {reply.path}")
+    return 0
+
+
+COMMANDS = {"train": lambda cfg, args: train(cfg), "status": status, "plot": plot, "save": save}
 
 
 def main(argv: list[str] | None = None) -> int:

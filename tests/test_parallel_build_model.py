@@ -7,7 +7,8 @@ Four gloo processes per layout: tp2 x ep2 with sequence parallelism and a shared
 `parallelize`): the same parameter names, values (exactly), buffers and parallel attributes; then one training step on
 each: the same loss and the same parameters after it (exactly), so the materialised parameters carry everything
 parallelism attached (sequence parallel's gradient hooks included). `checkpoint.init_from` then reads each rank's
-boxes of a single-process checkpoint: the same slices as loading the whole model and cutting it.
+boxes of a single-process checkpoint: the same slices as loading the whole model and cutting it. The seeded values
+are drawn only when nothing will be loaded over them (init_from, or a resume unless the RL reference needs them).
 """
 
 from __future__ import annotations
@@ -134,3 +135,38 @@ def test_the_initial_values_are_the_whole_models_init_and_read_alike_in_either_v
     assert torch.equal(four.read(w13, (0, 0, 1, 0), (E, h, 1, two_f // 2)).reshape(E, h, -1),
                        values[w13][..., two_f // 2:])  # the up half
     assert not torch.equal(dict(initial_values(cfg.model, 6, shapes))[w13], values[w13])  # the seed matters
+
+
+@pytest.mark.parametrize("init_from, resume_from, force, drawn", [
+    (False, False, False, True),  # a fresh run
+    (True, False, False, False),  # init_from's weights
+    (False, True, False, False),  # a resume loads over them after the optimizer exists
+    (False, True, True, True),  # the RL reference policy is the initial one: drawn, then the resume loads the policy
+    (True, True, True, False),  # ... or init_from's
+])
+def test_the_initial_values_are_drawn_only_when_nothing_is_loaded_over_them(init_from, resume_from, force, drawn,
+                                                                            tmp_path, monkeypatch):
+    from services.checkpointer.convert import write_checkpoint
+    from services.trainer import train
+    from services.trainer.parallel.groups import init_groups
+
+    cfg = tiny_config()
+    cfg.checkpoint.dir = str(tmp_path / "ckpt")
+    source = MoETransformer(cfg.model)
+    source.init_weights(99)  # not the run's seed
+    state = source.state_dict()
+    if init_from:
+        cfg.checkpoint.init_from = str(write_checkpoint(tmp_path / "init", state, cfg.model, "init", "test", ""))
+    if resume_from:
+        write_checkpoint(tmp_path / "ckpt", state, cfg.model, "resume", "test", "")
+    draws = []
+    monkeypatch.setattr(train, "initial_values", lambda *a: draws.append(a) or initial_values(*a))
+    model = train.build_model(cfg, train.Runtime(0, 1, torch.device("cpu"), None), init_groups(cfg, 1, 0),
+                              force_init=force)
+    assert bool(draws) == drawn
+    if init_from:
+        assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
+    elif drawn:
+        reference = MoETransformer(cfg.model)
+        reference.init_weights(cfg.run.seed)
+        assert all(torch.equal(t, reference.state_dict()[n]) for n, t in model.state_dict().items())

@@ -1,11 +1,12 @@
-"""The checkpointer's gRPC face: standard health plus the `Checkpointer` service (status, list, describe, delete, keep),
-and loading for trainers that do not see the checkpoint directory (open the newest valid checkpoint, stream any box of
+"""The checkpointer's gRPC face: standard health plus the `Checkpointer` service (status, list, describe, delete, keep,
+a save on request: save_requests.py), and loading for trainers that do not see the checkpoint directory (open the newest valid checkpoint, stream any box of
 any tensor: resharding happens here, each rank asks for its own pieces)."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -13,8 +14,9 @@ import torch
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
-from services.checkpointer.layout import CheckpointError, Manifest, parse_step, read_manifest
+from services.checkpointer.layout import MANIFEST, CheckpointError, Manifest, parse_step, read_manifest
 from services.checkpointer.load import Checkpoint, identity, newest_valid
+from services.checkpointer.save_requests import SaveRequestError, ask
 from services.checkpointer.store import CheckpointStore, CheckpointSummary
 from services.common import grpc_server, net
 
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 SERVICE_NAME = "foldmoe.v1.Checkpointer"
 LOAD_CHUNK = 2 << 20  # bytes per LoadChunk: under gRPC's default 4 MiB message limit
+SAVE_POLL_S = 0.2  # how often a waiting Save looks for its commit
 
 
 def _info(s: CheckpointSummary) -> pb.CheckpointInfo:
@@ -44,6 +47,33 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         if latest < 0:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint in {self.store.root} yet")
         return latest
+
+    def Save(self, request, context):
+        registry = self.writer.registry
+        if registry is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this checkpointer runs without Redis: no trainer to ask")
+        try:
+            asked = ask(registry)
+        except SaveRequestError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        reply = pb.SaveReply(step=asked.step, last=asked.last)
+        if request.wait:
+            reply.path = self._wait_for_commit(asked.step, context)
+        return reply
+
+    def _wait_for_commit(self, step: int, context: grpc.ServicerContext) -> str:
+        """The committed directory of `step`, once it is there; aborts when the save fails or the trainer is gone."""
+        final = self.store.final_dir(step)
+        while context.is_active():
+            if (final / MANIFEST).is_file():
+                return str(final)
+            if error := self.writer.error_of(step):
+                context.abort(grpc.StatusCode.ABORTED, error)
+            if not self.writer.registry.lookup("trainer") and not (final / MANIFEST).is_file():
+                context.abort(grpc.StatusCode.ABORTED, f"the trainer stopped before saving step {step}")
+            time.sleep(SAVE_POLL_S)
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"step {step} was not committed before the deadline; the "
+                      "save still happens (SaveStatus shows it)")
 
     def SaveStatus(self, request, context):
         return self.writer.status()

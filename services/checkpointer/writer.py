@@ -43,6 +43,7 @@ log = logs.logger("checkpointer")
 
 SERVICE = "checkpointer"
 SAVE_TIMEOUT_S = 600.0  # a save whose ranks have not all arrived by then is abandoned (a rank died mid-save)
+MAX_ERRORS_KEPT = 64  # failed steps whose errors a waiting `Save` can still read
 WRITE_THREADS = min(8, os.cpu_count() or 1)  # files written at once; disks want a few streams, sha256 wants cores
 
 
@@ -75,6 +76,7 @@ class WriterStats:
     committed: int = 0
     failed: int = 0
     last_error: str = ""
+    errors: dict[int, str] = field(default_factory=dict)  # the latest failed steps' errors (`Save(wait)` reads them)
 
 
 class Writer:
@@ -335,6 +337,7 @@ class Writer:
         log.error("%s", save.error)
         self.stats.failed += 1
         self.stats.last_error = save.error
+        self.stats.errors = {**dict(list(self.stats.errors.items())[-(MAX_ERRORS_KEPT - 1):]), save.step: save.error}
         for tasks in save.tasks.values():
             for f in tasks.values():
                 f.cancel()
@@ -372,6 +375,11 @@ class Writer:
                     if self._settled(save):
                         self._settle(save)
                         self._drop(save)
+
+    def error_of(self, step: int) -> str:
+        """Why the save of `step` failed, "" when it has not (or the failure is too old to be kept)."""
+        with self.lock:
+            return self.stats.errors.get(step, "")
 
     def status(self) -> pb.SaveStatusReply:
         latest = self.store.latest_step()

@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from services.checkpointer.handoff import SERVICE, pick_writer
 from services.checkpointer.layout import read_store_id
 from services.checkpointer.load import CheckpointError, DirectorySource, load_checkpoint, resolve_checkpoint
 from services.checkpointer.remote import ServiceSource
+from services.checkpointer.save_requests import SaveRequests
 from services.checkpointer.shard import Shard
 from services.checkpointer.snapshot import Snapshotter, specs_of
 from services.checkpointer.writer import host_name
@@ -67,9 +68,21 @@ def connect(registry: Registry, cfg: Config, rank: int, world_size: int) -> Snap
                        stage_on_device=cfg.checkpoint.stage_on_device)
 
 
-def due(cfg: Config, step: int) -> bool:
-    every = cfg.checkpoint.interval
-    return step == cfg.run.steps or (every > 0 and step % every == 0)
+class SaveSchedule:
+    """Which steps save: every `checkpoint.interval`-th, the run's last, and any asked for through the checkpointer's
+    gRPC `Save`. Each rank asks `due` at every step boundary (it records the rank's progress, one Redis call); the
+    answers are the same on every rank (services/checkpointer/save_requests.py says why)."""
+
+    def __init__(self, registry: Registry, cfg: Config, saver: Snapshotter, start_step: int):
+        self.every, self.last = cfg.checkpoint.interval, cfg.run.steps
+        self.requests = SaveRequests(registry, saver.session, saver.rank, start_step, cfg.run.steps)
+
+    def due(self, step: int) -> Literal["scheduled", "asked"] | None:
+        """Whether `step` saves, and why: an asked-for save is never skipped (`save(skippable=False)`)."""
+        asked = self.requests.decide(step)
+        if step == self.last or (self.every > 0 and step % self.every == 0):
+            return "scheduled"
+        return "asked" if asked else None
 
 
 REMAINDER = "optim/{}/remainder"
@@ -196,11 +209,12 @@ def should_skip(saver: Snapshotter) -> bool:
 
 
 def save(saver: Snapshotter, cfg: Config, model: nn.Module, optimizer: Any, data, step: int,
-         groups: Any = None) -> float:
-    """Hands the state to the checkpointer; returns the stall (seconds the trainer was held: enqueuing the copies)."""
+         groups: Any = None, skippable: bool = True) -> float:
+    """Hands the state to the checkpointer; returns the stall (seconds the trainer was held: enqueuing the copies).
+    `skippable=False` (a save asked for) waits for busy buffers even with checkpoint.on_busy=skip."""
     t0 = time.perf_counter()
     attach(saver, model, optimizer, saver.rank, groups)  # no-op once the trainer attached at start-up
-    if should_skip(saver):
+    if skippable and should_skip(saver):
         if saver.rank == 0:
             print(f"trainer: checkpoint of step {step} skipped: the previous save is still being written "
                   "(checkpoint.on_busy=skip)", file=sys.stderr)
@@ -348,6 +362,22 @@ def resolve_init_from(spec: str) -> Path:
                                   "manifest.json) or a checkpoint.dir that holds some") from None
 
 
+def resumable(cfg: Config, source: CheckpointSource | None = None) -> Path | str | None:
+    """The checkpoint `restore` will resume from, by its manifest only, or None when the run starts fresh. When it
+    names one, `restore` either loads every parameter from a checkpoint or stops the run: were the newest one's files
+    damaged, it falls back to an older one, or stops naming each one's problem."""
+    if not cfg.checkpoint.resume:
+        return None
+    try:
+        ckpt = (source or DirectorySource(cfg.checkpoint.dir)).newest(checksums=False)
+    except CheckpointError:  # none verifies: `restore` stops the run
+        return None
+    if ckpt is None:
+        return None
+    with ckpt:
+        return ckpt.path  # a remote one's names the checkpointer it is read through
+
+
 def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False, source: CheckpointSource | None = None,
               groups: Any = None, shapes: dict[str, tuple[int, ...]] | None = None) -> Path | None:
     """Loads the *model weights only* of `checkpoint.init_from` into `model`, when set and the run has nothing to
@@ -360,16 +390,10 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False,
     spec = cfg.checkpoint.init_from
     if not spec:
         return None
-    if not force and cfg.checkpoint.resume:
-        # Manifests only: were the newest one's files damaged, `restore` falls back to an older one or stops the run.
-        try:
-            resumable = (source or DirectorySource(cfg.checkpoint.dir)).newest(checksums=False)
-        except CheckpointError:  # none verifies: `restore` stops the run, naming each one's problem
-            resumable = None
-        if resumable is not None:
-            if rank == 0:
-                print(f"trainer: checkpoint.init_from={spec} ignored: resuming from {resumable.path}", file=sys.stderr)
-            return None
+    if not force and (resuming := resumable(cfg, source)) is not None:
+        if rank == 0:
+            print(f"trainer: checkpoint.init_from={spec} ignored: resuming from {resuming}", file=sys.stderr)
+        return None
     path = resolve_init_from(spec)
     ckpt = load_checkpoint(path, checksums=False)  # resolve_init_from verified it
     shapes = shapes or {name: tuple(t.shape) for name, t in model.state_dict().items()}

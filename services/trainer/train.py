@@ -93,11 +93,14 @@ def seed_everything(seed: int) -> None:
 def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bool = False,
                 source: checkpointing.CheckpointSource | None = None) -> MoETransformer:
     """This rank's model on its device, and no more of it: built with its parameters on the meta device, cut to this
-    rank's slices of the folded layout, then each slice gets device memory and its values. Those are the seeded initial
-    weights (model/initial_weights.py: what a single process starts from, whatever the layout; drawn whole one
-    parameter at a time, of which the rank keeps its boxes), or `checkpoint.init_from`'s unless a resume (from
-    `source`, see `checkpointing.restore`) will overwrite them (`force_init`: load them anyway). The memory policy is
-    the caller's to apply, last (it wraps the cores parallelize swapped in; RL copies its reference model first)."""
+    rank's slices of the folded layout, then each slice gets device memory and its values: `checkpoint.init_from`'s,
+    unless a resume (from `source`, see `checkpointing.restore`) will overwrite them (`force_init`: load them anyway),
+    else the seeded initial weights (model/initial_weights.py: what a single process starts from, whatever the layout;
+    drawn whole one parameter at a time, of which the rank keeps its boxes). Those are drawn only when nothing will be
+    loaded over them: at tens of billions of parameters the draw takes minutes. A resume loads after the optimizer
+    exists, so until then the values of a resuming model are undefined (`force_init`: the RL reference policy copies
+    the model first and draws when there is no init_from). The memory policy is the caller's to apply, last (it wraps
+    the cores parallelize swapped in; RL copies its reference model first)."""
     with parameters_on_meta():
         model = MoETransformer(cfg.model)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # the whole model's, as saved
@@ -106,12 +109,13 @@ def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bo
         parallelize(model, cfg, groups)
     materialize(model, rt.device)
     model.to(rt.device)  # the buffers
-    mine = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in initial_values(cfg.model, cfg.run.seed, drawn_in_order):
-            if name in mine:  # else another pipeline stage's
-                mine[name].copy_(read_local(Drawn(value), name, mine[name], groups))
-    checkpointing.init_from(cfg, model, rt.rank, force_init, source, groups, shapes)
+    loaded = checkpointing.init_from(cfg, model, rt.rank, force_init, source, groups, shapes)
+    if loaded is None and (force_init or checkpointing.resumable(cfg, source) is None):
+        mine = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in initial_values(cfg.model, cfg.run.seed, drawn_in_order):
+                if name in mine:  # else another pipeline stage's
+                    mine[name].copy_(read_local(Drawn(value), name, mine[name], groups))
     return model
 
 
@@ -222,6 +226,7 @@ def train(cfg: Config) -> int:
     shard_groups = groups if rt.world_size > 1 else None  # a folded layout saves and reads parameters' boxes
     start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups, source)
     checkpointing.attach(saver, model, optimizer, rt.rank, shard_groups)  # host buffers now; copies fenced per step
+    schedule = checkpointing.SaveSchedule(registry, cfg, saver, start_step)  # before registering: `Save` finds it
     exporter = TrainerMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
     beat = registry.register("trainer", {"metrics": exporter.endpoint, "rank": rt.rank},
                              instance=f"rank{rt.rank}-{os.getpid()}")
@@ -249,8 +254,9 @@ def train(cfg: Config) -> int:
             while pending and (len(pending) > behind or pending[0][1].ready()):
                 last_end = report(*pending.popleft(), since=last_end)
             stall = 0.0
-            if checkpointing.due(cfg, step + 1):  # copies ordered after this step on the device; the host goes on
-                stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups)
+            if why := schedule.due(step + 1):  # copies ordered after this step on the device; the host goes on
+                stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups,
+                                           skippable=why != "asked")
             pending.append((step, values, StepEnd(rt.device), lr, data_wait, stall))
             profiler.end(step + 1)
         while pending:  # the last steps: nothing queued after them, the last end is the last work on the device

@@ -26,6 +26,7 @@ not tell apart from its own.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -229,6 +230,8 @@ def train_rl(cfg: Config) -> int:
     policy = PolicyVersions(model, cfg, groups, registry, lead)
     policy.publish(start_step)
     report = RLStepReporter(cfg, rt, groups, registry, start_step)
+    schedule = checkpointing.SaveSchedule(registry, cfg, saver, start_step)
+    beat = registry.register("trainer", {"rank": rt.rank, "rl": True}, instance=f"rank{rt.rank}-{os.getpid()}")
 
     # As in pre-training, step k is reported after step k+1 has been queued (its values come back through StepValues).
     # The loop still waits for the device once a step, at its end: the workers generate step k+1's trajectories with
@@ -257,14 +260,16 @@ def train_rl(cfg: Config) -> int:
                 # trajectories (rollout_source.py). On NCCL the barrier also waits for the rank's own share of this
                 # step, so every rank's step time below holds its work, not only rank 0's.
                 torch.distributed.barrier()
-            stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups) \
-                if checkpointing.due(cfg, step + 1) else 0.0
+            why = schedule.due(step + 1)
+            stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups,
+                                       skippable=why != "asked") if why else 0.0
             timings = _mean_over_ranks([wait, time.perf_counter() - t0], rt.device, parallel)
             pending = (step, metrics, loads, timings, lr, stall, data_position(data.state()), len(micro_batches))
         if pending is not None:
             report(*pending)
         saver.wait()
     finally:
+        beat.stop()
         policy.close()
         saver.close()
         report.close()
