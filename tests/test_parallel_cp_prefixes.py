@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from services.trainer.model.attention import document_ids
 from services.trainer.parallel import context_parallel as cp
-from services.trainer.parallel.context_parallel import (CPLayout, ContextParallelAttention, _flash_over_prefixes,
+from services.trainer.parallel.context_parallel import (CPLayout, ContextParallelAttention, _flash_runs,
                                                         _visible, key_prefixes, shard_micro_batch)
 from services.trainer.parallel.groups import Axis
 
@@ -107,11 +107,11 @@ def attention_inputs(layout: CPLayout, heads: int, kv_heads: int, d: int, dv: in
 
 def test_the_flash_path_is_cuda_attention_in_16_bits_with_values_as_wide_as_keys():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert _flash_over_prefixes(cuda, torch.bfloat16, 64, 64)
-    assert _flash_over_prefixes(cuda, torch.float16, 64, 64)
-    assert not _flash_over_prefixes(cuda, torch.float32, 64, 64)  # fp32: SDPA
-    assert not _flash_over_prefixes(cuda, torch.bfloat16, 192, 128)  # MLA's narrower values: SDPA
-    assert not _flash_over_prefixes(cpu, torch.bfloat16, 64, 64)
+    assert _flash_runs(cuda, torch.bfloat16, 64, 64)
+    assert _flash_runs(cuda, torch.float16, 64, 64)
+    assert not _flash_runs(cuda, torch.float32, 64, 64)  # fp32: SDPA
+    assert not _flash_runs(cuda, torch.bfloat16, 192, 128)  # MLA's narrower values: SDPA
+    assert not _flash_runs(cpu, torch.bfloat16, 64, 64)
 
 
 @pytest.mark.parametrize("dtype, dv", [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 8)])
@@ -156,7 +156,7 @@ def test_the_flash_path_builds_the_key_prefixes_once_per_micro_batch_and_attends
 
     monkeypatch.setattr(cp, "key_prefixes", counted)
     monkeypatch.setattr(cp, "causal_gqa", reference_causal_gqa)
-    monkeypatch.setattr(cp, "_flash_over_prefixes", lambda *args: True)
+    monkeypatch.setattr(cp, "_flash_runs", lambda *args: True)
     for _ in range(2):
         torch.testing.assert_close(core(q, k, v, local["cu_seqlens"]), masked)
     assert len(built) == 1

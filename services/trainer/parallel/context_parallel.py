@@ -9,7 +9,8 @@ by `CPLayout`; position_ids stay the in-document positions, so RoPE is unchanged
 KV exchange, chosen by `parallel.cp_comm`:
 - ring: K/V blocks travel around the group; each step computes the resident block while the next one is in flight
   (batched isend/irecv) and merges partial results by log-sum-exp. Backward travels the ring again with the K/V gradient
-  accumulating alongside its block, and a last hop brings each block's gradient home.
+  accumulating alongside its block, and a last hop brings each block's gradient home. On CUDA each hop is a few flash
+  attention calls over blocks the zigzag layout makes mask-free (ring_blocks.py); elsewhere fp32 math under the mask.
 - allgather: K/V are all-gathered once (backward reduce-scatters their gradients) and attention runs against all keys;
   on CUDA as flash attention over segments: each document's queries in a chunk against the document's keys up to the
   chunk's end (`key_prefixes`), with no T x T mask.
@@ -34,6 +35,7 @@ from services.trainer.model.attention import PackedAttention, document_ids, pack
 from services.trainer.model.flash_varlen import causal_gqa
 from services.trainer.model.moe.router import Router
 from services.trainer.model.mtp import future_labels
+from services.trainer.parallel import ring_blocks
 from services.trainer.parallel.differentiable import gather_tokens
 from services.trainer.parallel.groups import ParallelGroups
 from services.trainer.step import host_to_device
@@ -108,6 +110,7 @@ class CPLayout:
     comm: CPComm = "ring"
     host_doc_ids: torch.Tensor | None = None  # doc_ids on the host when doc_ids is not (`key_prefixes` runs there)
     _prefixes: KeyPrefixes | None = field(default=None, init=False, repr=False)
+    _ring_blocks: list[list[ring_blocks.Block]] | None = field(default=None, init=False, repr=False)
     _copies: dict = field(default_factory=dict, init=False, repr=False)  # device -> this layout there
 
     @property
@@ -119,12 +122,21 @@ class CPLayout:
 
     def prefixes(self) -> KeyPrefixes:
         """The all-gather exchange's flash segments (`key_prefixes`) on doc_ids' device. Computed on first use, from
-        the host's doc_ids (no device-to-host wait): only the flash path (`_flash_over_prefixes`) reads them, and the
+        the host's doc_ids (no device-to-host wait): only the flash path (`_flash_runs`) reads them, and the
         layers of a micro-batch share its bound layout, so they are computed once per micro-batch where they are."""
         if self._prefixes is None:
             host = self.doc_ids if self.host_doc_ids is None else self.host_doc_ids
             self._prefixes = key_prefixes(host, self.size, self.rank).to(self.doc_ids.device)
         return self._prefixes
+
+    def ring_blocks(self) -> list[list[ring_blocks.Block]]:
+        """The ring exchange's flash blocks per hop (ring_blocks.plan), as `prefixes`: computed on first use from the
+        host's doc_ids, once per micro-batch, read only where `_flash_runs`."""
+        if self._ring_blocks is None:
+            host = self.doc_ids if self.host_doc_ids is None else self.host_doc_ids
+            self._ring_blocks = [[b.to(self.doc_ids.device) for b in hop]
+                                 for hop in ring_blocks.plan(host, self.size, self.rank)]
+        return self._ring_blocks
 
     def to(self, device: torch.device) -> "CPLayout":
         """This layout on `device`, copied once (`bind_micro_batch` runs at every chunk and pair switch of a
@@ -338,21 +350,79 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+class _BlockRingAttention(torch.autograd.Function):
+    """The ring over flash blocks (ring_blocks.py): K and V travel in the activations' dtype, as one [2, T, Hkv, d]
+    message per hop; each hop's blocks merge into an fp32 output by log-sum-exp. `ops`: (block, block_backward) of
+    ring_blocks, flash on CUDA, the fp32 reference in tests."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: CPLayout, ops):
+        block, _ = ops
+        hops, (T, H) = layout.ring_blocks(), q.shape[:2]
+        out = torch.zeros(T, H, v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full((H, T), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = home = torch.stack((k, v))
+        rng = ()
+        for step in range(layout.size):
+            pending = None
+            if step < layout.size - 1:
+                nxt_kv, pending = _ring_shift(kv, layout)
+            for b in hops[step]:
+                rows = slice(b.q_lo, b.q_hi)
+                block_out, block_lse, rng = block(q[rows], kv[0, b.k_lo:b.k_hi], kv[1, b.k_lo:b.k_hi], b)
+                out[rows], lse[:, rows] = merge(out[rows], lse[:, rows], block_out.float(), block_lse)
+            if pending is not None:
+                _wait(pending)
+                kv = nxt_kv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, home, out, lse)
+        ctx.layout, ctx.ops, ctx.rng = layout, ops, rng
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        layout, (_, block_backward), hops = ctx.layout, ctx.ops, ctx.layout.ring_blocks()
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for step in range(layout.size):
+            pending = None
+            if step < layout.size - 1:
+                nxt_kv, pending = _ring_shift(kv, layout)
+            for b in hops[step]:
+                rows, keys = slice(b.q_lo, b.q_hi), slice(b.k_lo, b.k_hi)
+                dqb, dkb, dvb = block_backward(dout[rows], q[rows], kv[0, keys], kv[1, keys], out[rows],
+                                               lse[:, rows].contiguous(), b, ctx.rng)
+                dq[rows] += dqb
+                dkv[0, keys] += dkb
+                dkv[1, keys] += dvb
+            dkv, dkv_pending = _ring_shift(dkv, layout)  # the gradient follows its block, and last takes it home
+            _wait(dkv_pending)
+            if pending is not None:
+                _wait(pending)
+                kv = nxt_kv
+        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None
+
+
+FLASH_BLOCKS = (ring_blocks.flash_block, ring_blocks.flash_block_backward)
+
+
 # ---------------------------------------------------------------- all-gather exchange
 
 
-def _flash_over_prefixes(device: torch.device, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> bool:
-    """Whether the all-gather exchange runs flash attention over key prefixes: on CUDA, in 16 bits, with values as
-    wide as keys (MLA's narrower values take SDPA). The one place that decides, so the only caller of
-    `CPLayout.prefixes`."""
+def _flash_runs(device: torch.device, dtype: torch.dtype, head_dim: int, v_head_dim: int) -> bool:
+    """Whether either exchange runs flash attention (over key prefixes, or the ring's blocks): on CUDA, in 16 bits,
+    with values as wide as keys (MLA's narrower values take SDPA or the fp32 ring). The one place that decides, so the
+    only gate of `CPLayout.prefixes` and `CPLayout.ring_blocks`."""
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and v_head_dim == head_dim
 
 
 def _allgather_attention(q, k, v, layout: CPLayout) -> torch.Tensor:
     """All-gathered K/V (rank order), then attention of the local queries against every key: flash attention over the
-    layout's key prefixes where `_flash_over_prefixes`, elsewhere SDPA under the visibility mask."""
+    layout's key prefixes where `_flash_runs`, elsewhere SDPA under the visibility mask."""
     k_all, v_all = gather_tokens(k, layout.group), gather_tokens(v, layout.group)
-    if _flash_over_prefixes(q.device, q.dtype, q.shape[-1], v.shape[-1]):
+    if _flash_runs(q.device, q.dtype, q.shape[-1], v.shape[-1]):
         pre = layout.prefixes()
         return causal_gqa(q, k_all[pre.rows], v_all[pre.rows], pre.cu_q, pre.max_q, pre.cu_k, pre.max_k)
     mask = torch.cat([_visible(layout, layout.rank, r) for r in range(layout.size)], dim=1)
@@ -385,6 +455,8 @@ class ContextParallelAttention(nn.Module):
                                f"{layout.total // layout.size}; call bind_micro_batch with the micro-batch being run")
         if layout.comm == "allgather":
             return _allgather_attention(q, k, v, layout)
+        if _flash_runs(q.device, q.dtype, q.shape[-1], v.shape[-1]):
+            return _BlockRingAttention.apply(q, k, v, layout, FLASH_BLOCKS)
         return _RingAttention.apply(q, k, v, layout)
 
 
