@@ -173,18 +173,6 @@ def test_an_unreachable_or_unauthenticated_service_is_an_error_naming_it(served)
     dead.close()
 
 
-def test_a_chunks_data_is_read_in_place_as_protobuf_would_parse_it():
-    from services.checkpointer.remote import chunk_data
-
-    for size in (1, 127, 128, 16383, 16384, LOAD_CHUNK, LOAD_CHUNK + 5):  # lengths of one, two and three varint bytes
-        message = pb.LoadChunk(data=os.urandom(size)).SerializeToString()
-        data = chunk_data(message)
-        assert data == pb.LoadChunk.FromString(message).data and data.obj is message  # a view, not a copy
-    assert chunk_data(b"") == b""  # an empty chunk is an empty message
-    later = pb.LoadChunk(data=b"abc").SerializeToString() + bytes([2 << 3 | 0, 7])  # a field 2 added later
-    assert chunk_data(later) == b"abc"
-
-
 @pytest.fixture
 def channels(monkeypatch):
     """Every channel opened from here on, each with a stub made while it was open (a stub made on a closed channel

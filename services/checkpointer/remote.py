@@ -9,10 +9,10 @@ its bytes; nothing but the rank's own pieces crosses the network.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Self
 
 import grpc
+import numpy as np
 import torch
 
 from proto import checkpointer_pb2 as pb
@@ -22,8 +22,6 @@ from services.checkpointer.load import CheckpointReader, resolve_box
 from services.common import net
 
 CALL_TIMEOUT_S = 600.0  # one call: opening (verifying every checksum of a checkpoint) or streaming one tensor's box
-LOAD_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Checkpointer'].full_name}/Load"
-DATA_KEY = pb.LoadChunk.DESCRIPTOR.fields_by_name["data"].number << 3 | 2  # protobuf key of a length-delimited field
 
 
 class ServiceSource:
@@ -37,24 +35,13 @@ class ServiceSource:
         self.metadata = net.call_metadata(token)
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CheckpointerStub | None = None
-        self._load = None  # Load, its replies left serialized (`chunk_data`)
 
     @property
     def stub(self) -> pb_grpc.CheckpointerStub:
-        self._connect()
-        return self._stub
-
-    def _connect(self) -> None:
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.address)
             self._stub = pb_grpc.CheckpointerStub(self._channel)
-            self._load = self._channel.unary_stream(LOAD_METHOD, request_serializer=pb.LoadRequest.SerializeToString)
-
-    def load(self, request: pb.LoadRequest) -> Iterator[memoryview]:
-        """The bytes of `request`'s box, chunk by chunk as the service streams them; grpc.RpcError as the call fails."""
-        self._connect()
-        for message in self._load(request, metadata=self.metadata, timeout=CALL_TIMEOUT_S):
-            yield chunk_data(message)
+        return self._stub
 
     def saved(self) -> list[str]:
         """The committed checkpoints' directory names, newest first (not verified)."""
@@ -79,7 +66,7 @@ class ServiceSource:
         """Closes the channel: a stream still reading through it is cancelled."""
         if self._channel is not None:
             self._channel.close()
-            self._channel = self._stub = self._load = None
+            self._channel = self._stub = None
 
     def __enter__(self) -> Self:
         return self
@@ -104,38 +91,21 @@ class RemoteCheckpoint(CheckpointReader):
         """The box of global tensor `name` starting at `offsets` (default: origin) of `shape` (default: to the end)."""
         lo, size = resolve_box(name, self.global_shape(name), offsets, shape)
         out = torch.empty(size, dtype=self.dtype(name))
-        dest = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        dest = out.reshape(-1).view(torch.uint8).numpy()
         request = pb.LoadRequest(step=self.step, name=name, offsets=lo, shape=size)
         got = 0  # bytes received: a service that sends more or fewer than the box is an error, not a short read
         try:
-            for data in self.source.load(request):
-                n = len(data)
-                if got + n <= len(dest):
-                    dest[got:got + n] = data
+            for chunk in self.source.stub.Load(request, metadata=self.source.metadata, timeout=CALL_TIMEOUT_S):
+                n = len(chunk.data)
+                if got + n <= dest.size:
+                    dest[got:got + n] = np.frombuffer(chunk.data, dtype=np.uint8)
                 got += n
         except grpc.RpcError as e:
             raise _error(e, f"{self.source.where}: reading {name!r} of step {self.step}") from None
-        if got != len(dest):
+        if got != dest.size:
             raise CheckpointError(f"{self.source.where} sent {got} bytes for {name!r} offsets={list(lo)} "
-                                  f"shape={list(size)} of step {self.step}, which is {len(dest)} bytes")
+                                  f"shape={list(size)} of step {self.step}, which is {dest.size} bytes")
         return out
-
-
-def chunk_data(message: bytes) -> memoryview:
-    """The `data` of a serialized LoadChunk, as a view into it: parsing the message would copy each chunk once more
-    (a tenth of a reading client's CPU time, bench/bench_resume_load.py). A LoadChunk is that one field: its key, the
-    length as a varint, the bytes; any other encoding (an empty chunk, a field added later) is parsed by protobuf."""
-    view = memoryview(message)
-    if len(view) > 1 and view[0] == DATA_KEY:
-        size = shift = 0
-        for i in range(1, min(len(view), 11)):  # a varint is at most 10 bytes
-            size |= (view[i] & 0x7F) << shift
-            if view[i] < 0x80:
-                if i + 1 + size == len(view):
-                    return view[i + 1:]
-                break
-            shift += 7
-    return memoryview(pb.LoadChunk.FromString(message).data)
 
 
 def _error(e: grpc.RpcError, what: str) -> Exception:
