@@ -155,8 +155,9 @@ class ParallelConfig:
     # active experts per token)
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     # how attention gets the other CP ranks' keys/values (parallel/context_parallel.py): all-gathered once (on CUDA,
-    # flash attention over each document's key prefix; 2.4x the ring on two H100s, bench/RESULTS.md), or passed around
-    # a ring, overlapped with compute (fp32 blocks: less memory for very long sequences, slower)
+    # flash attention over each document's key prefix), or passed around a ring, overlapped with compute (on CUDA,
+    # flash over mask-free blocks; never holds all keys at once). On two H200s the all-gather is 1.36x the ring at
+    # 4k-token sequences and 1.06x at 32k (bench/RESULTS.md)
     cp_comm: Literal["ring", "allgather"] = "allgather"
     cp_sizes: list[int] = field(default_factory=list)  # allowed dynamic CP sizes; empty: only `cp`
     distributed_optimizer: bool = True  # ZeRO-1: each data-parallel rank keeps master weights and Adam moments for
