@@ -52,7 +52,8 @@ SCENARIOS = {
 
 
 def _aux(layout: dict, scenario: str) -> float:
-    return 1e-2 if scenario == "replay_kl" and layout.get("tp", 1) == 1 else 0.0
+    # off where padding tokens join the micro-batch aux statistics: sequence-parallel (TP) and CP padding
+    return 1e-2 if scenario == "replay_kl" and layout.get("tp", 1) == 1 and layout.get("cp", 1) == 1 else 0.0
 
 
 def _config(layout: dict, scenario: str) -> Config:
@@ -105,7 +106,8 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
                     data = micro_batches(step_groups, dp_size=groups.dp.size,
                                          max_tokens=cfg.rl.micro_batch_tokens)[groups.dp.rank]
                     metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
-                                           ref, version=step, lr=cfg.optimizer.lr).read())
+                                           ref, version=step, lr=cfg.optimizer.lr,
+                                           cp_comm=cfg.parallel.cp_comm).read())
                     weights.append(gather.state_dict())
                 out[(str(layout), scenario)] = {"metrics": metrics, "weights": weights}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -53,11 +53,13 @@ def test_a_stage_replays_the_recorded_rows_of_its_own_moe_layers():
         owned_routing(model, routing[1:])  # a recording is of the whole model, whatever the stage holds
 
 
-def test_rl_config_accepts_pipeline_stages_and_still_refuses_context_parallelism():
+def test_rl_config_accepts_pipeline_stages_with_static_context_parallelism_and_refuses_dynamic_cp():
     cfg = Config()
     cfg.rl.enabled, cfg.run.nproc, cfg.parallel.pp = True, 2, 2
     validate_rl(cfg)
     cfg.parallel.cp = 2
     cfg.run.nproc = 4
-    with pytest.raises(ConfigError, match="does not run context parallel"):
+    validate_rl(cfg)  # pp2 x cp2: tests/test_rl_cp.py
+    cfg.parallel.cp_sizes = [1, 2]
+    with pytest.raises(ConfigError, match="does not run dynamic context parallel"):
         validate_rl(cfg)

@@ -1,4 +1,5 @@
-"""The RL step on a folded layout: which layouts it runs; the policy forward under TP (sequence parallel), EP/ETP, PP.
+"""The RL step on a folded layout: which layouts it runs; the policy forward under TP (sequence parallel), EP/ETP, PP,
+CP.
 
 What changes against one process, and why:
 - **Data parallel axis** is the attention layout's DP (`groups.dp`): TP peers hold the same groups (the same share);
@@ -24,9 +25,13 @@ What changes against one process, and why:
   sums exist on the last stage only and are summed over the pp group, so every rank reports the same metrics. The
   reference model is `frozen_copy` of the stage: the same layers, the same (shared) process groups.
 
-Not supported (`check_layout` refuses it): context parallelism, because the log-prob of each completion token is read
-at its position of the whole sequence while CP zigzag-shards sequences, and the vocab-parallel log-probs would need the
-CP gather of per-token values that the schedule does not do.
+- **Context parallelism** (static): each CP rank runs its zigzag cut of every micro-batch, every per-token tensor cut
+  by the tokens' index (rl/cp_sharding.py, padded to 2·cp·sp equal chunks), so log-probs, losses and metric sums are
+  per rank and summed over DP×CP; `policy_forward` binds the cut's layout to the attention cores (fillers run
+  unbound: local attention over their own tokens).
+
+Not supported (`check_layout` refuses it): dynamic CP (`parallel.cp_sizes`): the RL source does not size micro-batches
+per CP group, and every micro-batch is cut over the whole group.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torch import nn
 
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.moe.router import expert_counts
+from services.trainer.parallel.context_parallel import bind_micro_batch
 from services.trainer.parallel.differentiable import group_size, local_token_shard
 from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
@@ -51,10 +57,9 @@ from services.trainer.rl.replay import owned_routing, recorded_moe_layers, routi
 def check_layout(groups: ParallelGroups) -> None:
     """Raise ValueError naming the axis when the RL step cannot run on `groups`' layout (see the module docstring)."""
     layout = groups.layout
-    if layout.cp > 1 or any(c > 1 for c in layout.cp_sizes):
-        raise ValueError(f"the RL step does not run context parallel (cp={layout.cp}, cp_sizes={layout.cp_sizes}): "
-                         "per-token log-probs are read on whole sequences; use tp/ep/etp/pp and data parallelism "
-                         "instead")
+    if set(layout.cp_sizes) - {layout.cp}:
+        raise ValueError(f"the RL step does not run dynamic context parallel (cp_sizes={list(layout.cp_sizes)}): "
+                         f"every RL micro-batch is cut over the whole CP group (cp={layout.cp}); drop cp_sizes")
 
 
 def step_layout(optimizer: Any) -> ParallelGroups:
@@ -128,7 +133,8 @@ def sp_size(model: nn.Module) -> int:
 
 
 def needs_folded_forward(model: nn.Module, mb: Any) -> bool:
-    return getattr(model, "tensor_parallel_group", None) is not None or getattr(mb, "is_filler", False)
+    return (getattr(model, "tensor_parallel_group", None) is not None or getattr(mb, "is_filler", False)
+            or mb.cp_layout is not None)
 
 
 def _padded(mb, pad: int):
@@ -182,6 +188,7 @@ class PolicyInput:
     local_pad: torch.Tensor | None  # the padding tokens' ids among them, for this model's MoE layers
     filler: bool
     max_seqlen: int | None  # the longest document, padding included (None: the attention reads it on the device)
+    cp_layout: Any  # the micro-batch's CP layout (rl/cp_sharding.py), None when not cut
 
 
 def policy_input(model: nn.Module, mb: Any) -> PolicyInput:
@@ -191,22 +198,35 @@ def policy_input(model: nn.Module, mb: Any) -> PolicyInput:
     T = mb.tokens.shape[0]
     pad = (-T) % sp
     tokens, pos, cu, routing = _padded(mb, pad)
+    pad_at = _padding_positions(mb, pad)
     local_pad = None
     if sp > 1:  # the MoE layers see this rank's token shard: so do the replayed ids
-        is_pad = torch.arange(T + pad, device=tokens.device) >= T
-        local_mask = local_token_shard(is_pad, group)
         routing = torch.stack([local_token_shard(ids, group) for ids in routing])
-        local_pad = owned_routing(model, routing)[:, local_mask] if pad else None
-    elif pad:
-        local_pad = owned_routing(model, routing)[:, T:]
+        if pad_at is not None:
+            is_pad = torch.zeros(T + pad, dtype=torch.bool, device=tokens.device)
+            is_pad[pad_at] = True
+            local_pad = owned_routing(model, routing)[:, local_token_shard(is_pad, group)]
+    elif pad_at is not None:
+        local_pad = owned_routing(model, routing)[:, pad_at]
     max_seqlen = None if mb.max_seqlen is None else max(mb.max_seqlen, pad)
-    return PolicyInput(mb, tokens, pos, cu, routing, local_pad, getattr(mb, "is_filler", False), max_seqlen)
+    return PolicyInput(mb, tokens, pos, cu, routing, local_pad, getattr(mb, "is_filler", False), max_seqlen,
+                       mb.cp_layout)
+
+
+def _padding_positions(mb: Any, pad: int) -> torch.Tensor | None:
+    """Where the padding tokens of `mb` padded by `pad` are: those the CP cut added (`mb.padding`), then the `pad`
+    sequence-parallel ones at the end; None when there are none."""
+    T, dev = mb.tokens.shape[0], mb.tokens.device
+    parts = ([] if mb.padding is None else [mb.padding]) + ([torch.arange(T, T + pad, device=dev)] if pad else [])
+    return torch.cat(parts) if parts else None
 
 
 @contextmanager
 def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype | None, layers: range | None = None):
     """What the model's forward of `p` (through `layers`, a pipeline chunk; None: all the model holds) runs under:
-    replayed routing, padding kept out of the load, autocast."""
+    replayed routing, padding kept out of the load, autocast, the attention cores bound to its CP layout (none: local
+    attention)."""
+    bind_micro_batch(model, {"cp_layout": p.cp_layout, "tokens": p.tokens})
     with routing_replay(model, p.routing), _padding_excluded(model, p.local_pad, p.filler, layers), \
             torch.autocast(p.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         yield

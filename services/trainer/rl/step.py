@@ -11,10 +11,11 @@ up (routing replay, as in GSPO/R3).
 Over several trainer ranks the step is data parallel (see `rl_step`): each replica runs the micro-batches the dataloader
 dealt it and the distributed optimizer of pre-training sums the gradients, with the loss normalised by the whole step's
 tokens.
-On folded layouts (TP with sequence parallelism, EP, ETP, PP; not CP) the replicas are the attention layout's DP
+On folded layouts (TP with sequence parallelism, EP, ETP, PP, static CP) the replicas are the attention layout's DP
 axis and the policy forward is `folded.py`'s (vocab-parallel log-probs, replayed ids cut to each SP shard, fillers that
 keep an EP group's forwards paired); with pipeline stages it runs through the pipeline schedules and the policy loss
-in the last stage (`pipelined.py`).
+in the last stage (`pipelined.py`). Under CP each rank runs its zigzag cut of every micro-batch, every per-token
+tensor cut alike (`cp_sharding.py`), and the loss sums are summed over DP×CP.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.moe.experts import fp8_weights_held
 from services.trainer.optim import clip_and_step
 from services.trainer.parallel.groups import ParallelGroups, sum_over
-from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, step_layout, with_fillers
+from services.trainer.parallel.context_parallel import CPComm
+from services.trainer.rl.cp_sharding import cp_shard
+from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, sp_size, step_layout, with_fillers
 from services.trainer.rl.losses import PolicyLoss, ppo_clip_loss
 from services.trainer.rl.pipelined import pipeline_logprobs, pipeline_policy_backward
 from services.trainer.rl.replay import routing_replay
@@ -52,6 +55,10 @@ class RLMicroBatch:
     versions: torch.Tensor  # [T] int32, the policy version that generated the sample on its completion tokens, else -1
     # The longest sample, a host number for the attention kernels (None: they read it from the device, a host sync)
     max_seqlen: int | None = None
+    # Under context parallelism (rl/cp_sharding.py): the positions of the tokens added to cut the micro-batch into
+    # equal chunks (int64, None: none), and the layout the attention cores exchange keys and values by
+    padding: torch.Tensor | None = None
+    cp_layout: Any = None
 
     @classmethod
     def from_data(cls, mb: dict[str, torch.Tensor]) -> "RLMicroBatch":
@@ -113,7 +120,8 @@ def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
 
 def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]], cfg: RLConfig,
             device: torch.device, clip_grad: float = 1.0, ref_model: nn.Module | None = None,
-            autocast_dtype: torch.dtype | None = None, *, version: int, lr: float | None = None) -> "RLStepMetrics":
+            autocast_dtype: torch.dtype | None = None, *, version: int, lr: float | None = None,
+            cp_comm: CPComm = "allgather") -> "RLStepMetrics":
     """Forward/backward over this rank's micro-batches of the step (`data`, the dataloader client's `next_step`), then
     one optimizer step, queued; returns the step's metrics (`RLStepMetrics.read()`, which waits for the step's work).
     `version` is the version of the trainer's weights before this step, i.e. the step index: every sample must be
@@ -124,8 +132,11 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     same). The step's response-token count and the sums behind the data metrics are all-reduced over dp before any
     backward, so every rank divides its token-loss sums by the same global count; the optimizer sums the gradients
     over the replicas, clips by the global norm (its `clip_grad`) and steps with `lr`; the token sums behind the loss
-    metrics are all-reduced (over pp too: with pipeline stages they are computed on the last one). The result equals
-    one process running every rank's micro-batches (tests/test_rl_parallel.py, test_rl_folded.py, test_rl_pipeline.py).
+    metrics are all-reduced (over pp too: with pipeline stages they are computed on the last one). Under context
+    parallelism the CP ranks of a replica receive the same `data`; each runs its zigzag cut of every micro-batch
+    (`cp_comm`: `parallel.cp_comm`), the loss sums are all-reduced over DP×CP and the dense gradients summed there.
+    The result equals one process running every rank's micro-batches (tests/test_rl_parallel.py, test_rl_folded.py,
+    test_rl_pipeline.py, test_rl_cp.py).
     The MoE aux loss, if the model is in training mode, is a per-micro-batch term here as in one process (each
     micro-batch adds its own); the global one (`model.aux_loss_type=global`) runs on one replica only (its counts are
     reset with the bias update, train_rl.py), not over several."""
@@ -133,8 +144,9 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     dp, distributed = layout.dp, layout.world.size > 1
     temperature = _step_temperature(model, data, dp.size)
     packed = [RLMicroBatch.from_data(mb) for mb in data]
-    data_sums = _global_data_sums(packed, version, cfg.max_staleness, dp, device)
-    micro_batches = with_fillers([mb.to(device) for mb in packed], model, layout, device)  # EP pairs forwards
+    data_sums = _global_data_sums(packed, version, cfg.max_staleness, dp, device)  # whole: CP peers hold the same
+    local = [cp_shard(mb, layout.cp, cp_comm, sp_size(model)) for mb in packed]  # this CP rank's tokens of each
+    micro_batches = with_fillers([mb.to(device) for mb in local], model, layout, device)  # EP pairs forwards
     step_tokens = int(data_sums[0])
 
     # the policy's weights are fixed until the optimizer step: its FP8 experts quantise them once for every pass
@@ -171,8 +183,9 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
             for i, mb in enumerate(micro_batches):
                 logp = token_logprobs(model, mb, temperature, autocast_dtype)
                 (policy_loss(i, logp) / max(step_tokens, 1)).backward()
-    # the loss sums live on the last pipeline stage (zeros on the others), on each of its TP ranks alike
-    sum_over(sums, layout.pp, dp)
+    # the loss sums live on the last pipeline stage (zeros on the others), on each of its TP ranks alike, each CP rank
+    # holding those of its own tokens
+    sum_over(sums, layout.pp, layout.dp_cp)
     if distributed:
         if lr is None:
             raise ValueError("a data-parallel RL step needs `lr` (the DistributedOptimizer takes it at each step)")
