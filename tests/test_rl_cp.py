@@ -20,22 +20,28 @@ old log-probs, truncated importance weights, KL to a reference copied from the p
 (several samples per micro-batch) both run, with the MoE aux loss off (the padding would join its statistics, as with
 sequence-parallel padding). A rank that ran whole micro-batches, or loss sums not summed over CP, doubles or halves the
 loss and the metrics; per-token tensors cut by another index than the tokens misalign log-probs and advantages.
+The padding's routed load is kept out of the expert load the bias update reads: equal to one process's exactly.
 """
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from services.common.config import Config, ConfigError
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.parallel.context_parallel import zigzag_index
 from services.trainer.parallel.groups import Axis
 from services.trainer.rl.cp_sharding import cp_shard
-from services.trainer.rl.step import RLMicroBatch
+from services.trainer.rl.step import RLMicroBatch, rl_step
 from services.trainer.rl.train_rl import validate_rl
-from tests.rl_helpers import micro_batches
-from tests.test_rl_folded import run_and_compare
+from tests.parallel_harness import spawn_ranks
+from tests.rl_helpers import micro_batches, single_process_rl_steps
+from tests.test_rl_folded import TIMEOUT_S, _config, _model, run_and_compare
 from tests.test_rl_parallel import _steps
 
 LAYOUTS = {2: [dict(cp=2, cp_comm="ring"), dict(cp=2, cp_comm="allgather")],
@@ -88,3 +94,38 @@ def test_rl_config_accepts_static_context_parallelism_and_refuses_dynamic_cp():
     cfg.parallel.cp_sizes = [1, 2]
     with pytest.raises(ConfigError, match="does not run dynamic context parallel"):
         validate_rl(cfg)
+
+
+def _load_worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
+    from services.trainer.parallel.expert_parallel import sync_expert_load
+    from services.trainer.parallel.groups import init_groups
+    from services.trainer.parallel.parallelize import build_optimizer, parallelize
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    try:
+        cfg = _config(dict(cp=2, cp_comm="ring"), "replay_kl")
+        groups = init_groups(cfg)
+        model = parallelize(_model(0.0), cfg, groups)
+        opt = build_optimizer(model, cfg, groups)
+        data = micro_batches(steps[0], max_tokens=cfg.rl.micro_batch_tokens)[0]
+        rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, version=0, lr=cfg.optimizer.lr,
+                cp_comm="ring").read()
+        sync_expert_load(model, groups)  # what the bias update reads (train_rl.rl_train_step)
+        loads = torch.stack([m.router.tokens_per_expert for m in model.moe_layers()])
+        torch.save({"loads": loads}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_cp_padding_is_kept_out_of_the_expert_load_the_bias_update_reads(steps, tmp_path):
+    """Each replayed micro-batch of one sample (9 or 10 tokens) is padded to 12 for CP2: the routers' summed load is
+    one process's exactly (counts), not 2-3 padding tokens per micro-batch more."""
+    ranks = spawn_ranks(_load_worker, (2, steps, str(tmp_path)), 2, str(tmp_path), timeout_s=TIMEOUT_S)
+    cfg = _config(dict(), "replay_kl")
+    model = _model(0.0)
+    next(single_process_rl_steps(model, cfg, steps[:1]))
+    expected = torch.stack([m.router.tokens_per_expert for m in model.moe_layers()])
+    for rank in ranks:
+        assert torch.equal(rank["loads"], expected), (rank["loads"], expected)
