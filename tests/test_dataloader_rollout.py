@@ -260,3 +260,12 @@ def test_a_position_whose_trajectories_were_trimmed_reads_on_from_the_oldest_ent
     stream.reset(saved)
     step = stream.next_step()
     assert actions(mb.tensors for mb in step.per_rank[0]) == expected_actions(groups[10:14])
+
+
+def test_static_context_parallel_is_served_and_dynamic_refused_with_the_fix(stream_key):
+    """RL micro-batches are served whole to the CP peers of a dp rank, which cut them (rl/cp_sharding.py); sizes that
+    change per micro-batch are not made for RL."""
+    cfg = rl_cfg(stream_key)
+    RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1, cp_sizes=[2])
+    with pytest.raises(DataError, match="dynamic context parallelism .* drop parallel.cp_sizes"):
+        RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1, cp_sizes=[1, 2])

@@ -92,6 +92,7 @@ class _Registry:
 
 class _Saver:
     copying = False
+    rank, session = 0, "test"
 
     def wait(self):
         pass
@@ -111,6 +112,26 @@ class _Exporter:
 
     def close(self):
         pass
+
+
+class _Source:
+    """A checkpoint.dir with nothing to resume."""
+
+    def newest(self, checksums: bool = True):
+        return None
+
+    def close(self):
+        pass
+
+
+class _NoSaveAsked:
+    """No `Save` over gRPC: the interval's saves only."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def decide(self, step: int) -> bool:
+        return False
 
 
 class _Data:
@@ -139,7 +160,7 @@ def _services(monkeypatch, module, data: _Data, stall: float = 0.0) -> list[int]
     """Fake services for `module`'s loop; returns the steps the checkpointer was asked to save, as they come."""
     saved: list[int] = []
 
-    def save(saver, cfg, model, optimizer, data_client, step, groups=None):
+    def save(saver, cfg, model, optimizer, data_client, step, groups=None, skippable=True):
         time.sleep(stall)
         saved.append(step)
         return stall
@@ -147,7 +168,8 @@ def _services(monkeypatch, module, data: _Data, stall: float = 0.0) -> list[int]
     monkeypatch.setattr(module, "Registry", _Registry)
     monkeypatch.setattr(module, "redis_url", lambda: "redis://unused")
     monkeypatch.setattr(checkpointing, "connect", lambda *a, **k: _Saver())
-    monkeypatch.setattr(checkpointing, "checkpoint_source", lambda *a, **k: None)  # nothing to resume
+    monkeypatch.setattr(checkpointing, "checkpoint_source", lambda *a, **k: _Source())  # nothing to resume
+    monkeypatch.setattr(checkpointing, "SaveRequests", _NoSaveAsked)
     monkeypatch.setattr(checkpointing, "restore", lambda *a, **k: 0)
     monkeypatch.setattr(checkpointing, "attach", lambda *a, **k: None)
     monkeypatch.setattr(checkpointing, "save", save)

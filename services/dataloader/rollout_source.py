@@ -275,9 +275,10 @@ class RolloutStepStream(StepStream):
     """Steps of trajectory groups; the state layout, `check` and `reset` of the corpus stream."""
 
     def __init__(self, log: TrajectoryLog, cfg, dp_size: int, cp_sizes: list[int] | None = None):
-        if sorted(set(cp_sizes or [1])) != [1]:
-            raise DataError(f"RL micro-batches are not sized for context parallelism (CP sizes {cp_sizes}); "
-                            "an RL run is pure data parallel")
+        if len(set(cp_sizes or [1])) > 1:
+            raise DataError(f"RL micro-batches are not sized for dynamic context parallelism (CP sizes {cp_sizes}): "
+                            "the RL trainer cuts each whole micro-batch over its CP group (rl/cp_sharding.py); drop "
+                            "parallel.cp_sizes")
         self.log, self.cfg, self.rl, self.dp_size = log, cfg.data, cfg.rl, dp_size
         self.cp_sizes = [1]
         self.layers, self.top_k = cfg.model.num_layers - cfg.model.first_k_dense, cfg.model.top_k

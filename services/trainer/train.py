@@ -224,7 +224,10 @@ def train(cfg: Config) -> int:
     data = DataClient.from_registry(registry, dp_rank=groups.dp.rank, dp_size=groups.dp.size, cfg=cfg)
     saver = checkpointing.connect(registry, cfg, rt.rank, rt.world_size)
     shard_groups = groups if rt.world_size > 1 else None  # a folded layout saves and reads parameters' boxes
-    start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups, source)
+    try:
+        start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups, source)
+    finally:
+        source.close()  # the resume is read (or refused): the checkpointer's channel is not needed again
     checkpointing.attach(saver, model, optimizer, rt.rank, shard_groups)  # host buffers now; copies fenced per step
     schedule = checkpointing.SaveSchedule(registry, cfg, saver, start_step)  # before registering: `Save` finds it
     exporter = TrainerMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)

@@ -224,6 +224,8 @@ def train_rl(cfg: Config) -> int:
         start_step = checkpointing.restore(cfg, model, optimizer, data, rt.rank, shard_groups, source)
     except ValueError as e:
         raise checkpointing.CheckpointLoadError(str(e)) from None
+    finally:
+        source.close()  # the resume is read (or refused): the checkpointer's channel is not needed again
     if lead:
         discard_backlog(registry, cfg.rl.rollout_timeout_s)
     if parallel:
