@@ -133,6 +133,27 @@ def test_an_rl_run_on_two_expert_parallel_trainer_ranks_publishes_gathered_weigh
         forget_stream(run)
 
 
+def test_an_rl_run_on_two_context_parallel_trainer_ranks_trains_checkpoints_and_publishes_what_workers_reproduce(
+        tmp_path):
+    run = f"rl-cp2-{uuid.uuid4().hex[:8]}"
+    try:
+        done = rl_train(tmp_path, run, 3, "run.nproc=2", "parallel.cp=2", "rl.kl_coef=0.01")
+        assert done.rc == 0, done.stderr[-3000:]
+        assert done.strays == []
+        logged = records(tmp_path)
+        assert [r["step"] for r in logged] == [1, 2, 3] and all(r["trainer_ranks"] == 2 for r in logged)
+        for r in logged:
+            assert r["grad_norm"] > 0 and r["kl"] >= 0, r
+            # each CP rank ran its zigzag cut of every sequence: summed over the CP group, the trainer's log-probs of
+            # the workers' samples (same version) agree with the workers' own
+            if r["policy_versions"] == [r["step"] - 1]:
+                assert r["logprob_mismatch"] < 1e-4, r
+        assert logged[0]["policy_versions"] == [0] and logged[0]["kl"] < 1e-6
+        assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [2, 3]
+    finally:
+        forget_stream(run)
+
+
 def test_an_rl_run_on_two_pipeline_stages_with_a_reference_model_trains_and_publishes_weights_the_workers_reproduce(
         tmp_path):
     run = f"rl-pp2-{uuid.uuid4().hex[:8]}"
