@@ -323,7 +323,10 @@ def run_rank(loop: Callable[[Config], int], argv: list[str] | None, prog: str, d
     # the log. The per-step lines are printed, not logged, and torch's loggers do not propagate to this handler.
     logs.configure("trainer")
     try:
-        return loop(load_config(args.config, args.overrides))
+        code = loop(load_config(args.config, args.overrides))
+        if torch.distributed.is_initialized():  # after a failure a peer may still be in a collective: exit instead
+            torch.distributed.destroy_process_group()
+        return code
     except (*USAGE_ERRORS, *RUN_ERRORS) as e:
         print(f"trainer: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, USAGE_ERRORS) else 1
