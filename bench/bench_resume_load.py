@@ -1,4 +1,4 @@
-"""Resume read rate: a checkpoint read straight from its directory vs through the checkpointer's gRPC service.
+"""Resume read rate: a checkpoint read straight from its directory vs through the checkpointer (gRPC Open, ZMQ boxes).
 
     python bench/bench_resume_load.py [--gb 2] [--ranks 2] [--dir /tmp/foldmoe-loadbench] [--record bench/RESULTS.md]
 
@@ -6,7 +6,8 @@ Writes a checkpoint of `--gb` GB of fp32 tensors (64 MiB each, every one saved a
 ranks, as a TP layout saves), then times what a resuming trainer rank does: open the newest checkpoint that verifies
 (sha256 of every file) and read every tensor, whole (a one-process layout) and as its `--ranks` row boxes (each box
 read by its own rank, one after the other here). Two sources: `load.DirectorySource` (memory-mapped safetensors
-slices) and `remote.ServiceSource` against the checkpointer's gRPC service in a process of its own on this machine.
+slices) and `remote.ServiceSource` against the checkpointer's gRPC service and load socket (box_server.py) in a
+process of its own on this machine.
 A second `Open` shows the service verifying a checkpoint once for all ranks.
 """
 
@@ -32,10 +33,13 @@ from services.checkpointer.store import CheckpointStore  # noqa: E402
 TENSOR_ELEMS = 16 << 20  # 64 MiB of fp32
 SERVE = """
 import sys, time
+from services.checkpointer.box_server import BoxServer
 from services.checkpointer.control import serve_grpc
 from services.checkpointer.store import CheckpointStore
-server, address = serve_grpc(CheckpointStore(sys.argv[1], keep_last=0), writer=None)
-print(address, flush=True)
+store = CheckpointStore(sys.argv[1], keep_last=0)
+server, address = serve_grpc(store, writer=None)
+boxes = BoxServer(store).start()
+print(address, boxes.endpoint, flush=True)
 time.sleep(3600)
 """
 
@@ -86,9 +90,9 @@ def main() -> None:
     names, nbytes = write_checkpoint(root, args.gb, args.ranks)
     server = subprocess.Popen([sys.executable, "-c", SERVE, str(root)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
-        address = server.stdout.readline().strip()
+        address, load = server.stdout.readline().split()
         results = {"directory": time_reads(DirectorySource(root), names, args.ranks),
-                   "gRPC service": time_reads(ServiceSource(address), names, args.ranks)}
+                   "checkpointer": time_reads(ServiceSource(address, load=load), names, args.ranks)}
     finally:
         server.kill()
         server.wait()
@@ -101,7 +105,7 @@ def main() -> None:
     for what, t in results.items():
         table.line(f"{what:>13} | {t['open']:13.2f} | {gb / t['whole']:10.2f} | {gb / t['boxes']:14.2f} | "
                    f"{t['reopen']:10.3f}")
-    table.record(args.record, "Resume read rate: checkpoint directory vs the checkpointer's gRPC Load")
+    table.record(args.record, "Resume read rate: checkpoint directory vs the checkpointer (gRPC Open, ZMQ boxes)")
 
 
 if __name__ == "__main__":

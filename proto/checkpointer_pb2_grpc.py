@@ -69,11 +69,6 @@ class CheckpointerStub:
                 request_serializer=proto_dot_checkpointer__pb2.OpenRequest.SerializeToString,
                 response_deserializer=proto_dot_checkpointer__pb2.DescribeReply.FromString,
                 _registered_method=True)
-        self.Load = channel.unary_stream(
-                '/foldmoe.v1.Checkpointer/Load',
-                request_serializer=proto_dot_checkpointer__pb2.LoadRequest.SerializeToString,
-                response_deserializer=proto_dot_checkpointer__pb2.LoadChunk.FromString,
-                _registered_method=True)
 
 
 class CheckpointerServicer:
@@ -121,12 +116,6 @@ class CheckpointerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Load(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_CheckpointerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,11 +153,6 @@ def add_CheckpointerServicer_to_server(servicer, server):
                     servicer.Open,
                     request_deserializer=proto_dot_checkpointer__pb2.OpenRequest.FromString,
                     response_serializer=proto_dot_checkpointer__pb2.DescribeReply.SerializeToString,
-            ),
-            'Load': grpc.unary_stream_rpc_method_handler(
-                    servicer.Load,
-                    request_deserializer=proto_dot_checkpointer__pb2.LoadRequest.FromString,
-                    response_serializer=proto_dot_checkpointer__pb2.LoadChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,33 +344,6 @@ class Checkpointer:
             '/foldmoe.v1.Checkpointer/Open',
             proto_dot_checkpointer__pb2.OpenRequest.SerializeToString,
             proto_dot_checkpointer__pb2.DescribeReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Load(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/foldmoe.v1.Checkpointer/Load',
-            proto_dot_checkpointer__pb2.LoadRequest.SerializeToString,
-            proto_dot_checkpointer__pb2.LoadChunk.FromString,
             options,
             channel_credentials,
             insecure,

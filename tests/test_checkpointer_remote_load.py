@@ -1,12 +1,13 @@
-"""Resuming through the checkpointer's gRPC service, for trainer hosts that do not mount checkpoint.dir.
+"""Resuming through the checkpointer, for trainer hosts that do not mount checkpoint.dir.
 
 Specification:
-- `Open` names the newest committed checkpoint that verifies (skipping a corrupt newer one, refusing when none does);
-  `Load` streams any box of any tensor, assembled from whichever saved pieces overlap it: every box read through the
-  service equals the same box read from the directory, for every dtype, 0-d tensors, tensors split over several
-  saved pieces and tensors larger than one stream chunk;
+- gRPC `Open` names the newest committed checkpoint that verifies (skipping a corrupt newer one, refusing when none
+  does); the load socket (ZMQ) answers any box of any tensor, assembled from whichever saved pieces overlap it: every
+  box read through the service equals the same box read from the directory, for every dtype, 0-d tensors, tensors
+  split over several saved pieces and a 12 MiB one;
 - a box outside its tensor is a ValueError and an unknown tensor a KeyError, as for a local read; an unreachable or
-  token-less service is a CheckpointError naming the address and the cause;
+  token-less service, a token-less box request and a checkpointer without a load socket are CheckpointErrors naming
+  the address and the cause;
 - the trainer reads its checkpoint.dir itself only when it holds the directory a registered checkpointer writes (the
   `.store_id` it registered), else through that checkpointer; ranks that read the directory themselves leave the
   checksums to the checkpointer, which reads the files once for all of them;
@@ -33,7 +34,8 @@ import torch
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
-from services.checkpointer.control import LOAD_CHUNK, serve_grpc
+from services.checkpointer.box_server import BoxServer
+from services.checkpointer.control import serve_grpc
 from services.checkpointer.layout import CheckpointError, read_store_id
 from services.checkpointer.load import DirectorySource, load_checkpoint
 from services.checkpointer.remote import ServiceSource
@@ -50,7 +52,7 @@ def tensors(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return {
         "w": torch.randn(6, 10, generator=g),  # saved as four pieces, 3 x 5 each
-        "big": torch.randn(3, LOAD_CHUNK // 4 + 77, generator=g),  # more than one stream chunk
+        "big": torch.randn(3, (1 << 20) + 77, generator=g),  # 12 MiB: a frame larger than any socket buffer
         "half": torch.randn(5, 7, generator=g).to(torch.bfloat16),
         "count": torch.tensor(step, dtype=torch.int64),  # 0-d
         "mask": torch.rand(4, 4, generator=g) > 0.5,
@@ -78,12 +80,14 @@ def commit(store: CheckpointStore, step: int) -> dict[str, torch.Tensor]:
 def served(tmp_path):
     store = CheckpointStore(tmp_path / "ckpt", keep_last=0)
     server, address = serve_grpc(store, writer=None, token="sesame")
-    source = ServiceSource(address, token="sesame", dir=str(store.root))
+    boxes = BoxServer(store, token="sesame").start()
+    source = ServiceSource(address, token="sesame", dir=str(store.root), load=boxes.endpoint)
     try:
         yield store, source
     finally:
         source.close()
         grpc_server.stop(server, grace=0.5)
+        boxes.close()
 
 
 def test_no_checkpoint_is_none_through_the_service_as_in_the_directory(served):
@@ -171,6 +175,19 @@ def test_an_unreachable_or_unauthenticated_service_is_an_error_naming_it(served)
     with pytest.raises(CheckpointError, match=r"checkpointer at 127.0.0.1:1.*did not answer.*reachable from this host"):
         dead.saved()
     dead.close()
+    opened = source.newest()
+    with ServiceSource(source.address, load=source.load) as tokenless:
+        with pytest.raises(CheckpointError, match=r"reading 'w' of step 1 failed: .*load.*(token|auth)"):
+            RemoteCheckpointOf(tokenless, opened).read("w")
+    with ServiceSource(source.address, token="sesame") as no_socket:
+        with pytest.raises(CheckpointError, match="registered no load socket"):
+            RemoteCheckpointOf(no_socket, opened).read("w")
+
+
+def RemoteCheckpointOf(source: ServiceSource, opened):
+    """`opened` (a RemoteCheckpoint) read through another source."""
+    opened.source = source
+    return opened
 
 
 @pytest.fixture

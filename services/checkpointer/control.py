@@ -1,6 +1,6 @@
 """The checkpointer's gRPC face: standard health plus the `Checkpointer` service (status, list, describe, delete, keep,
-a save on request: save_requests.py), and loading for trainers that do not see the checkpoint directory (open the newest valid checkpoint, stream any box of
-any tensor: resharding happens here, each rank asks for its own pieces)."""
+a save on request: save_requests.py), and `Open` for trainers that do not see the checkpoint directory: the newest
+checkpoint that verifies, checked once for all ranks (the boxes themselves come over ZMQ: box_server.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
-from services.checkpointer.layout import MANIFEST, CheckpointError, Manifest, parse_step, read_manifest
-from services.checkpointer.load import Checkpoint, identity, newest_valid
+from services.checkpointer.layout import MANIFEST, CheckpointError, parse_step
+from services.checkpointer.load import newest_valid
 from services.checkpointer.save_requests import SaveRequestError, ask
 from services.checkpointer.store import CheckpointStore, CheckpointSummary
 from services.common import grpc_server, net
@@ -24,7 +23,6 @@ if TYPE_CHECKING:
     from services.checkpointer.writer import Writer
 
 SERVICE_NAME = "foldmoe.v1.Checkpointer"
-LOAD_CHUNK = 2 << 20  # bytes per LoadChunk: under gRPC's default 4 MiB message limit
 SAVE_POLL_S = 0.2  # how often a waiting Save looks for its commit
 
 
@@ -38,7 +36,6 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         self.store, self.writer = store, writer
         self._verified: set[tuple] = set()  # fingerprints of the checkpoints whose checksums Open checked
         self._verifying = threading.Lock()  # ranks resuming together: the first one verifies, the others find it done
-        self._manifests: dict[tuple, Manifest] = {}  # the checkpoint being loaded's manifest, read once for all its Loads
 
     def _step(self, step: int, context: grpc.ServicerContext) -> int:
         if step >= 0:
@@ -102,32 +99,6 @@ class CheckpointerServicer(pb_grpc.CheckpointerServicer):
         if path is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no committed checkpoint in {self.store.root}")
         return self.Describe(pb.DescribeRequest(step=parse_step(path.name)), context)
-
-    def _checkpoint(self, path, key: tuple) -> Checkpoint:
-        manifest = self._manifests.get(key)
-        if manifest is None:
-            manifest = read_manifest(path)
-            self._manifests = {key: manifest}  # one at a time: a resume reads one checkpoint
-        return Checkpoint(path, manifest)
-
-    def Load(self, request, context):
-        path = self.store.final_dir(request.step)
-        try:
-            key = identity(path)
-        except CheckpointError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        try:
-            with self._checkpoint(path, key) as ckpt:
-                box = ckpt.read(request.name, tuple(request.offsets) or None, tuple(request.shape) or None)
-        except KeyError as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except CheckpointError as e:
-            context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-        data = memoryview(box.contiguous().reshape(-1).view(torch.uint8).numpy())
-        for start in range(0, len(data), LOAD_CHUNK):
-            yield pb.LoadChunk(data=data[start:start + LOAD_CHUNK].tobytes())
 
     def Delete(self, request, context):
         deleted = self.store.delete(request.step)

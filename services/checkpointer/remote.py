@@ -1,9 +1,10 @@
-"""Reading checkpoints through the checkpointer's gRPC service, for trainer hosts that do not mount checkpoint.dir.
+"""Reading checkpoints through the checkpointer, for trainer hosts that do not mount checkpoint.dir.
 
 `ServiceSource` has `load.DirectorySource`'s two methods (`saved`, `newest`), and the checkpoint `newest` opens has
-`load.Checkpoint`'s reading interface, so services/trainer/checkpointing.py restores from either the same way. Each
-`read` is one `Load` call: the service assembles the box from the saved pieces, whatever layout wrote them, and streams
-its bytes; nothing but the rank's own pieces crosses the network.
+`load.Checkpoint`'s reading interface, so services/trainer/checkpointing.py restores from either the same way. The
+checkpoint is found over gRPC (`Open`: control); each `read` is one request to the checkpointer's load socket on ZMQ
+(box_server.py: bulk), which assembles the box from the saved pieces, whatever layout wrote them, and sends its bytes
+as one frame; nothing but the rank's own pieces crosses the network.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ import json
 from typing import Any, Self
 
 import grpc
-import numpy as np
 import torch
+import zmq
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
 from services.checkpointer.layout import CheckpointError
 from services.checkpointer.load import CheckpointReader, resolve_box
-from services.common import net
+from services.common import net, wire
 
-CALL_TIMEOUT_S = 600.0  # one call: opening (verifying every checksum of a checkpoint) or streaming one tensor's box
+CALL_TIMEOUT_S = 600.0  # one call: opening (verifying every checksum of a checkpoint) or reading one tensor's box
 
 
 class ServiceSource:
@@ -29,12 +30,45 @@ class ServiceSource:
     channel opens at the first call and `close()` (or leaving a `with` block) closes it; a call after that opens a new
     one."""
 
-    def __init__(self, address: str, token: str = "", dir: str = ""):
-        self.address = address
+    def __init__(self, address: str, token: str = "", dir: str = "", load: str = ""):
+        """`load`: the checkpointer's load socket (its registry record's `load`); without it `newest` still answers
+        but reading a box is an error."""
+        self.address, self.load, self.token = address, load, token
         self.where = f"the checkpointer at {address}" + (f" (its checkpoint.dir {dir})" if dir else "")
         self.metadata = net.call_metadata(token)
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CheckpointerStub | None = None
+        self._boxes: zmq.Socket | None = None
+
+    def request_box(self, request: pb.LoadRequest) -> torch.Tensor:
+        """One box from the load socket. A request that fails or times out closes the socket, so that a late answer
+        can never be taken for the next request's."""
+        if not self.load:
+            raise CheckpointError(f"{self.where} registered no load socket: it cannot serve the checkpoint's tensors")
+        if self._boxes is None:
+            self._boxes = zmq.Context.instance().socket(zmq.DEALER)
+            self._boxes.setsockopt(zmq.LINGER, 0)
+            self._boxes.connect(self.load)
+        try:
+            self._boxes.send_multipart(wire.encode("ckpt.load", request, token=self.token), copy=False)
+            if not self._boxes.poll(int(CALL_TIMEOUT_S * 1000)):
+                raise CheckpointError(f"{self.where}: its load socket {self.load} did not answer within "
+                                      f"{CALL_TIMEOUT_S:.0f}s; is the checkpointer running and reachable from here?")
+            kind, failed, tensors = wire.decode(self._boxes.recv_multipart(copy=False), pb.LoadFailed)
+        except BaseException:
+            self._close_boxes()
+            raise
+        if kind == "ckpt.box" and len(tensors) == 1:
+            return next(iter(tensors.values()))
+        if kind == "ckpt.load_failed":
+            errors = {"NOT_FOUND": KeyError, "INVALID_ARGUMENT": ValueError}
+            raise errors.get(failed.code, CheckpointError)(failed.message)
+        raise CheckpointError(f"{self.where} answered a load with {kind!r}")
+
+    def _close_boxes(self) -> None:
+        if self._boxes is not None:
+            self._boxes.close(linger=0)
+            self._boxes = None
 
     @property
     def stub(self) -> pb_grpc.CheckpointerStub:
@@ -63,10 +97,11 @@ class ServiceSource:
         return RemoteCheckpoint(self, reply)
 
     def close(self) -> None:
-        """Closes the channel: a stream still reading through it is cancelled."""
+        """Closes the channel and the load socket."""
         if self._channel is not None:
             self._channel.close()
             self._channel = self._stub = None
+        self._close_boxes()
 
     def __enter__(self) -> Self:
         return self
@@ -90,22 +125,16 @@ class RemoteCheckpoint(CheckpointReader):
              shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """The box of global tensor `name` starting at `offsets` (default: origin) of `shape` (default: to the end)."""
         lo, size = resolve_box(name, self.global_shape(name), offsets, shape)
-        out = torch.empty(size, dtype=self.dtype(name))
-        dest = out.reshape(-1).view(torch.uint8).numpy()
         request = pb.LoadRequest(step=self.step, name=name, offsets=lo, shape=size)
-        got = 0  # bytes received: a service that sends more or fewer than the box is an error, not a short read
-        try:
-            for chunk in self.source.stub.Load(request, metadata=self.source.metadata, timeout=CALL_TIMEOUT_S):
-                n = len(chunk.data)
-                if got + n <= dest.size:
-                    dest[got:got + n] = np.frombuffer(chunk.data, dtype=np.uint8)
-                got += n
-        except grpc.RpcError as e:
-            raise _error(e, f"{self.source.where}: reading {name!r} of step {self.step}") from None
-        if got != dest.size:
-            raise CheckpointError(f"{self.source.where} sent {got} bytes for {name!r} offsets={list(lo)} "
-                                  f"shape={list(size)} of step {self.step}, which is {dest.size} bytes")
-        return out
+        try:  # KeyError (no such tensor) and ValueError (a box outside it) pass, as a local read raises them
+            box = self.source.request_box(request)
+        except (zmq.ZMQError, wire.WireError, CheckpointError) as e:  # WireError before the ValueErrors that pass
+            raise CheckpointError(f"{self.source.where}: reading {name!r} of step {self.step} failed: {e}") from None
+        if box.dtype != self.dtype(name) or tuple(box.shape) != tuple(size):
+            raise CheckpointError(f"{self.source.where} sent {box.dtype} {list(box.shape)} for {name!r} "
+                                  f"offsets={list(lo)} shape={list(size)} of step {self.step}, which is "
+                                  f"{self.dtype(name)} {list(size)}")
+        return box
 
 
 def _error(e: grpc.RpcError, what: str) -> Exception:

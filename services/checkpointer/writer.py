@@ -31,6 +31,7 @@ import zmq
 
 from proto import checkpointer_pb2 as pb
 from services.checkpointer.barrier import Barrier
+from services.checkpointer.box_server import BoxServer
 from services.checkpointer.control import serve_grpc
 from services.checkpointer.layout import TMP_SUFFIX, parse_step
 from services.checkpointer.shm import SharedSnapshot, make_shm_probe
@@ -432,8 +433,10 @@ def run(cfg: Config, stop: threading.Event) -> None:
     forget_stale_arrivals(registry, stale)
     writer = Writer(store, registry, cfg.run.bind_host, cfg.run.advertise_host)
     control, grpc_addr = serve_grpc(store, writer, cfg.run.bind_host, cfg.run.advertise_host, writer.token)
+    boxes = BoxServer(store, cfg.run.bind_host, cfg.run.advertise_host, writer.token).start()
     probe, token = make_shm_probe()
-    heartbeat = registry.register(SERVICE, {"zmq": writer.endpoint, "grpc": grpc_addr, "host": host_name(),
+    heartbeat = registry.register(SERVICE, {"zmq": writer.endpoint, "grpc": grpc_addr, "load": boxes.endpoint,
+                                            "host": host_name(),
                                             "dir": str(Path(cfg.checkpoint.dir).resolve()), "store_id": store.store_id,
                                             "shm_probe": probe,
                                             "shm_token": token}, instance=writer.instance)
@@ -444,6 +447,7 @@ def run(cfg: Config, stop: threading.Event) -> None:
     finally:
         heartbeat.stop()
         grpc_server.stop(control, grace=1.0)
+        boxes.close()
         if probe:
             Path(probe).unlink(missing_ok=True)
         log.info("stopped")

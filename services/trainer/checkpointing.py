@@ -276,7 +276,7 @@ def checkpoint_source(registry: Registry, cfg: Config, rank: int, timeout: float
         record = pick_writer(sharing, host_name(), rank)
         return DirectorySource(cfg.checkpoint.dir, verified_by=ServiceSource(record["grpc"], net.auth_token()))
     record = pick_writer(records, host_name(), rank)
-    return ServiceSource(record["grpc"], net.auth_token(), record.get("dir", ""))
+    return ServiceSource(record["grpc"], net.auth_token(), record.get("dir", ""), record.get("load", ""))
 
 
 def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, data, rank: int,
