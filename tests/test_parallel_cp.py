@@ -149,6 +149,7 @@ def test_cp2_with_bf16_parameters_computes_what_fp32_parameters_compute_under_bf
     cfg = cp_config(cp=2, cp_comm="ring")
     cfg.model.moe_kernels = [k for k in cfg.model.moe_kernels if k != "cross_entropy"]
     batches = make_batches(cfg.model, steps=3, micro=2, tokens=32)
-    fp32 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "fp32"), as_on_gpu=True)
+    fp32 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "fp32"), as_on_gpu=True, record_steps=True)
     cfg.optimizer.param_dtype = "bf16"
-    assert_bf16_run_matches_fp32_run(fp32, run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "bf16")))
+    bf16 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "bf16"), record_steps=True)
+    assert_bf16_run_matches_fp32_run(fp32, bf16)

@@ -85,9 +85,10 @@ def test_ep2_with_bf16_parameters_computes_what_fp32_parameters_compute_under_bf
     cfg.model.capacity_factor = 0.0
     cfg.model.moe_kernels = [k for k in cfg.model.moe_kernels if k != "cross_entropy"]
     batches = make_batches(cfg.model, steps=3, micro=4, seed=3)
-    fp32 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "fp32"), as_on_gpu=True)
+    fp32 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "fp32"), as_on_gpu=True, record_steps=True)
     cfg.optimizer.param_dtype = "bf16"
-    assert_bf16_run_matches_fp32_run(fp32, run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "bf16")))
+    bf16 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "bf16"), record_steps=True)
+    assert_bf16_run_matches_fp32_run(fp32, bf16)
 
 
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"etp": 2}], ids=["ep2", "etp2"])

@@ -14,8 +14,9 @@ parallelism has QK-norm on (it is where no other norm needs that sum).
 from __future__ import annotations
 
 import pytest
-from parallel_harness import (assert_bf16_run_matches_fp32_run, assert_parity, make_batches, run_parallel,
-                              run_reference, tiny_config)
+import torch
+from parallel_harness import (assert_bf16_run_matches_fp32_run, assert_parity, make_batches, neighbouring_bf16_copies,
+                              run_parallel, run_reference, tiny_config)
 
 
 def tp_config(qk_norm: bool = False, **parallel):
@@ -62,6 +63,27 @@ def test_tp2_with_bf16_parameters_computes_what_fp32_parameters_compute_under_bf
     another; parameters 3.0e-8 and 6.1e-4 after rounding."""
     cfg = tp_config(True, tp=2)
     batches = make_batches(cfg.model, steps=3, micro=2, tokens=32)
-    fp32 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "fp32"), as_on_gpu=True)
+    fp32 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "fp32"), as_on_gpu=True, record_steps=True)
     cfg.optimizer.param_dtype = "bf16"
-    assert_bf16_run_matches_fp32_run(fp32, run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "bf16")))
+    bf16 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "bf16"), record_steps=True)
+    assert_bf16_run_matches_fp32_run(fp32, bf16)
+
+
+def test_a_drawn_weight_on_a_bf16_rounding_tie_is_rounded_away_from_zero_with_bf16_parameters_and_the_runs_still_agree(
+        tmp_path):
+    """Seed 3 draws layers' output.weight[40, 1] exactly halfway between two bf16 values (low half 0x8000, even upper
+    half). Autocast rounds it to nearest even, `split_master` away from zero (its int16 remainder cannot hold +0x8000),
+    so the two runs read weights one bf16 step apart from the first step on, and their losses differ: the comparison
+    finds that flip in the weights and holds the steps from it to the bf16 tolerance (it held the first to 1e-6, and
+    failed, before)."""
+    cfg = tp_config(True, tp=2)
+    batches = make_batches(cfg.model, steps=2, micro=2, tokens=32)
+    fp32 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "fp32"), seed=3, as_on_gpu=True,
+                        record_steps=True)
+    cfg.optimizer.param_dtype = "bf16"
+    bf16 = run_parallel(cfg, batches, world=2, out_dir=str(tmp_path / "bf16"), seed=3, record_steps=True)
+    tie = fp32["entering"][0]["output.weight"][40, 1].view(torch.int32)
+    assert int(tie) & 0xffff == 0x8000 and not int(tie) >> 16 & 1
+    assert neighbouring_bf16_copies(fp32["entering"][0], bf16["entering"][0]) == 1
+    assert fp32["losses"][0] != bf16["losses"][0]
+    assert_bf16_run_matches_fp32_run(fp32, bf16)
