@@ -74,7 +74,7 @@ def test_a_drawn_weight_on_a_bf16_rounding_tie_is_rounded_away_from_zero_with_bf
     """Seed 3 draws layers' output.weight[40, 1] exactly halfway between two bf16 values (low half 0x8000, even upper
     half). Autocast rounds it to nearest even, `split_master` away from zero (its int16 remainder cannot hold +0x8000),
     so the two runs read weights one bf16 step apart from the first step on, and their losses differ: the comparison
-    finds that flip in the weights and holds the steps from it to the bf16 tolerance (it held the first to 1e-6, and
+    finds that flip in the weights and compares the steps from it by their losses (it held the first to 1e-6, and
     failed, before)."""
     cfg = tp_config(True, tp=2)
     batches = make_batches(cfg.model, steps=2, micro=2, tokens=32)
