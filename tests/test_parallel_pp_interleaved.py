@@ -358,7 +358,7 @@ def test_rl_padding_leaves_the_load_only_of_the_layers_a_chunk_ran():
     routing = torch.zeros(3, 6, k, dtype=torch.int64)  # [MoE layers of the whole model, tokens, k]
     tokens = torch.arange(6)
     p = PolicyInput(None, tokens, torch.arange(6), torch.tensor([0, 4, 6], dtype=torch.int32), routing,
-                    local_pad=routing[1:2, 4:], filler=False, max_seqlen=4)
+                    local_pad=routing[1:2, 4:], filler=False, max_seqlen=4, cp_layout=None)
     (moe,) = model.moe_layers()
     with policy_forward(model, p, None, range(0, 1)):  # the chunk of layer 0: no MoE layer ran
         model(p.tokens, p.position_ids, p.cu_seqlens, layers=range(0, 1))
