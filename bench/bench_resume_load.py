@@ -4,10 +4,10 @@
 
 Writes a checkpoint of `--gb` GB of fp32 tensors (64 MiB each, every one saved as a row split over `--ranks` writing
 ranks, as a TP layout saves), then times what a resuming trainer rank does: open the newest checkpoint that verifies
-(sha256 of every file) and read every tensor, whole (a one-process layout) and as its `--ranks` row boxes (each box
-read by its own rank, one after the other here). Two sources: `load.DirectorySource` (memory-mapped safetensors
-slices) and `remote.ServiceSource` against the checkpointer's gRPC service and load socket (box_server.py) in a
-process of its own on this machine.
+(sha256 of every file) and read every tensor into its place, whole (a one-process layout) and as its `--ranks` row
+boxes (each box read by its own rank, one after the other here). Two sources: `load.DirectorySource` (memory-mapped
+safetensors slices) and `remote.ServiceSource` against the checkpointer's gRPC service and load socket
+(box_server.py) in a process of its own on this machine.
 A second `Open` shows the service verifying a checkpoint once for all ranks.
 """
 
@@ -64,13 +64,15 @@ def time_reads(source, names: list[str], ranks: int) -> dict[str, float]:
     t0 = time.perf_counter()
     ckpt = source.newest()
     opened = time.perf_counter()
-    for name in names:
-        ckpt.read(name)
-    whole = time.perf_counter()
     rows = ckpt.global_shape(names[0])[0]
+    whole_sink, box_sink = torch.empty(rows, 4096), torch.empty(rows // ranks, 4096)
+    # each box is copied where a restore puts it: a read that maps the file lazily pays for its pages there
+    for name in names:
+        whole_sink.copy_(ckpt.read(name))
+    whole = time.perf_counter()
     for rank in range(ranks):
         for name in names:
-            ckpt.read(name, (rank * rows // ranks, 0), (rows // ranks, 4096))
+            box_sink.copy_(ckpt.read(name, (rank * rows // ranks, 0), (rows // ranks, 4096)))
     boxes = time.perf_counter()
     again = source.newest()
     reopened = time.perf_counter()
