@@ -7,16 +7,14 @@ Specification:
 - with no trainer registered the ask is refused naming the run; once every rank is past the run's last step the answer
   is that last step, which saves anyway; a restarted trainer (a new session) never acts on its predecessor's asks;
 - over gRPC: FAILED_PRECONDITION without a trainer; with `wait`, ABORTED when the trainer stops before the step;
-- end to end: `foldmoe save --wait` against a running trainer with no periodic saves commits a checkpoint of the step
-  it names, mid-run, holding that step's state.
+- end to end: `foldmoe save --wait` against a running two-rank trainer (through the launcher) with no periodic saves
+  commits a checkpoint of the step it names, mid-run, written by both ranks and holding that step's state.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -166,25 +164,24 @@ def test_save_over_grpc_is_refused_without_a_trainer_and_aborted_when_it_stops_f
 # ---------------------------------------------------------------- end to end
 
 
-def test_foldmoe_save_wait_commits_the_named_step_of_a_running_trainer(tmp_path):
-    from services.dataloader.server import DataLoaderServer
+def test_foldmoe_save_wait_commits_the_named_step_of_a_running_two_rank_trainer(tmp_path):
+    """Through the launcher (its embedded Redis, found by `foldmoe save` in run.dir), two expert-parallel ranks."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import launcher_harness as harness
 
-    run = f"test-save-e2e-{uuid.uuid4().hex[:8]}"
     steps = 60
-    overrides = [f"run.name={run}", f"run.dir={tmp_path / 'run'}", f"data.dataset_dir={tmp_path / 'data'}",
-                 f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=0", "optimizer.warmup_steps=1"]
-    env = {**os.environ, "REDIS_URL": REDIS}
-    writer = subprocess.Popen([sys.executable, "-m", "services.checkpointer.writer", "--config", "configs/tiny.yaml",
-                               *overrides], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    registry = Registry(REDIS, run)
-    data = DataLoaderServer(load_config(str(ROOT / "configs/tiny.yaml"), overrides), registry).start()
-    trainer = None
+    overrides = [f"run.name=save-e2e-{uuid.uuid4().hex[:8]}", f"run.dir={tmp_path / 'run'}",
+                 f"data.dataset_dir={tmp_path / 'data'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                 f"run.metrics_file={tmp_path / 'metrics.jsonl'}", "checkpoint.interval=0", "run.nproc=2",
+                 "parallel.ep=2", "optimizer.warmup_steps=1"]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the launcher's own Redis
+    proc, strays = harness.start(harness.cli("train", "--config", "configs/tiny.yaml", *overrides, f"run.steps={steps}"),
+                                 tmp_path, env)
     try:
-        registry.wait_for("checkpointer", timeout=30)
-        trainer = subprocess.Popen([sys.executable, "-m", "services.trainer.train", "--config", "configs/tiny.yaml",
-                                    *overrides, f"run.steps={steps}"], cwd=ROOT, env=env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        registry.wait_for("trainer", timeout=120)
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "metrics.jsonl").exists():  # the first step is recorded: both ranks train
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never trained"
+            time.sleep(0.2)
         cli = subprocess.run([sys.executable, "-m", "services.cli", "save", "--wait", "--config", "configs/tiny.yaml",
                               *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert cli.returncode == 0, cli.stderr
@@ -193,16 +190,11 @@ def test_foldmoe_save_wait_commits_the_named_step_of_a_running_trainer(tmp_path)
         path = Path(cli.stdout.split("committed: ")[1].strip())
         assert path == tmp_path / "ckpt" / f"step_{step:08d}"
         with load_checkpoint(path) as ckpt:
-            assert ckpt.manifest.extras[0]["step"] == step
-        _, err = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, err[-3000:]
-        assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [step, steps]
+            assert ckpt.manifest.extras[0]["step"] == step and len(ckpt.manifest.extras) == 2  # both ranks saved it
     finally:
-        if trainer is not None and trainer.poll() is None:
-            trainer.kill()
-        data.stop()
-        writer.send_signal(signal.SIGTERM)
-        writer.communicate(timeout=30)
+        done = harness.finish(proc, strays, timeout=300)
+    assert done.rc == 0, done.stderr[-3000:]
+    assert CheckpointStore(tmp_path / "ckpt", keep_last=0).steps() == [step, steps]
 
 
 def test_an_asked_save_is_never_skipped_even_with_on_busy_skip(monkeypatch):
