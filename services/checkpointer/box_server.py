@@ -4,8 +4,9 @@ A trainer rank that does not see checkpoint.dir resumes through the checkpointer
 gRPC `Open` names the checkpoint, and each box the rank's layout owns comes from here, one request ("ckpt.load", a
 `LoadRequest`) and one answer ("ckpt.box": the box as a raw frame, sent from the box's own memory; or
 "ckpt.load_failed"). The boxes are assembled from whichever saved pieces overlap them, so any layout reads any
-layout's checkpoint. Bulk bytes take ZMQ as everywhere else in foldmoe: gRPC streaming cost three copies a byte in
-Python and ran at 0.5 GB/s (bench/RESULTS.md, "Resume read rate").
+layout's checkpoint. Bulk bytes take ZMQ as everywhere else in foldmoe (gRPC for control, ZMQ for tensors); on the
+development machine this reads at the rate the gRPC stream did, about 0.6 GB/s, one request in flight at a time
+(bench/RESULTS.md, "Resume read rate after the boxes moved to ZMQ").
 
 One thread serves the socket; requests are answered in arrival order, read from the checkpoint's files, which stay
 open while its boxes are asked for.

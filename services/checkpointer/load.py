@@ -143,7 +143,7 @@ class DirectorySource:
 
 class CheckpointReader:
     """What an opened checkpoint tells before any read: its tensors' names, global shapes and dtypes. `Checkpoint`
-    reads the box of a tensor from the files, remote.py's `RemoteCheckpoint` through the checkpointer's gRPC service;
+    reads the box of a tensor from the files, remote.py's `RemoteCheckpoint` through the checkpointer's load socket;
     both are context managers."""
 
     path: Any  # where the checkpoint is, for messages
@@ -203,7 +203,7 @@ class Checkpoint(CheckpointReader):
         """The box of global tensor `name` starting at `offsets` (default: origin) of `shape` (default: to the end)."""
         entry = self._entry(name)
         lo, size = resolve_box(name, entry.global_shape, offsets, shape)
-        out = torch.empty(size, dtype=DTYPE_NAMES[entry.dtype])
+        out = None  # allocated only when pieces must be assembled
         seen: set[tuple] = set()
         for box in entry.boxes:
             if (box.offsets, box.shape) in seen:  # replicated copies: one is enough
@@ -217,8 +217,10 @@ class Checkpoint(CheckpointReader):
                                      [slice(x - bo, y - bo) for x, y, bo in zip(a, b, box.offsets)])
             if tuple(piece.shape) == tuple(size):  # one saved piece covers the whole box: no assembly copy
                 return piece
+            if out is None:
+                out = torch.empty(size, dtype=DTYPE_NAMES[entry.dtype])
             out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))] = piece
-        return out
+        return out if out is not None else torch.empty(size, dtype=DTYPE_NAMES[entry.dtype])
 
     def _read_piece(self, name: str, file: str, index: list[slice]) -> torch.Tensor:
         try:

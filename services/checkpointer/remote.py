@@ -137,12 +137,10 @@ class RemoteCheckpoint(CheckpointReader):
         return box
 
 
-def _error(e: grpc.RpcError, what: str) -> Exception:
-    """ValueError for a box outside its tensor (as a local read raises); CheckpointError naming the service's status
-    for anything else: the service unreachable, a corrupt file, no checkpoint that verifies, one deleted meanwhile."""
+def _error(e: grpc.RpcError, what: str) -> CheckpointError:
+    """A CheckpointError naming the service's status: the service unreachable or token-less, no checkpoint that
+    verifies."""
     code, details = e.code(), e.details()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CheckpointError(f"{what} failed: the service did not answer ({code.name}: {details}); is the "
                                "checkpointer running and its address reachable from this host?")

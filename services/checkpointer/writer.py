@@ -338,7 +338,9 @@ class Writer:
         log.error("%s", save.error)
         self.stats.failed += 1
         self.stats.last_error = save.error
-        self.stats.errors = {**dict(list(self.stats.errors.items())[-(MAX_ERRORS_KEPT - 1):]), save.step: save.error}
+        self.stats.errors[save.step] = save.error
+        if len(self.stats.errors) > MAX_ERRORS_KEPT:
+            del self.stats.errors[next(iter(self.stats.errors))]  # the oldest
         for tasks in save.tasks.values():
             for f in tasks.values():
                 f.cancel()

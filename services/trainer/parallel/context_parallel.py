@@ -120,22 +120,24 @@ class CPLayout:
     def index(self, rank: int) -> torch.Tensor:
         return zigzag_index(self.total, self.size, rank, self.doc_ids.device)
 
+    @property
+    def _host_doc_ids(self) -> torch.Tensor:
+        return self.doc_ids if self.host_doc_ids is None else self.host_doc_ids
+
     def prefixes(self) -> KeyPrefixes:
         """The all-gather exchange's flash segments (`key_prefixes`) on doc_ids' device. Computed on first use, from
         the host's doc_ids (no device-to-host wait): only the flash path (`_flash_runs`) reads them, and the
         layers of a micro-batch share its bound layout, so they are computed once per micro-batch where they are."""
         if self._prefixes is None:
-            host = self.doc_ids if self.host_doc_ids is None else self.host_doc_ids
-            self._prefixes = key_prefixes(host, self.size, self.rank).to(self.doc_ids.device)
+            self._prefixes = key_prefixes(self._host_doc_ids, self.size, self.rank).to(self.doc_ids.device)
         return self._prefixes
 
     def ring_blocks(self) -> list[list[ring_blocks.Block]]:
         """The ring exchange's flash blocks per hop (ring_blocks.plan), as `prefixes`: computed on first use from the
         host's doc_ids, once per micro-batch, read only where `_flash_runs`."""
         if self._ring_blocks is None:
-            host = self.doc_ids if self.host_doc_ids is None else self.host_doc_ids
             self._ring_blocks = [[b.to(self.doc_ids.device) for b in hop]
-                                 for hop in ring_blocks.plan(host, self.size, self.rank)]
+                                 for hop in ring_blocks.plan(self._host_doc_ids, self.size, self.rank)]
         return self._ring_blocks
 
     def to(self, device: torch.device) -> "CPLayout":

@@ -22,23 +22,38 @@ from dataclasses import dataclass
 
 import torch
 
+from services.trainer.step import host_to_device
+
 
 @dataclass
 class Block:
-    """Queries [q_lo, q_hi) of this rank against rows [k_lo, k_hi) of the resident K/V: dense, or causal within the
-    segments `cu` (then the block is the rank's own tokens, cu over both)."""
+    """Queries [q_lo, q_hi) of this rank against rows [k_lo, k_hi) of the resident K/V, as the varlen kernels take
+    them: one dense segment, or (`causal`) the rank's own tokens with the segments `cu` over both."""
 
     q_lo: int
     q_hi: int
     k_lo: int
     k_hi: int
     causal: bool = False
-    cu: torch.Tensor | None = None  # int32 [segments + 1] (causal only)
-    max_len: int = 0
+    cu: torch.Tensor | None = None  # int32 [segments + 1]; None: one segment, [0, n] against [0, m] (__post_init__)
+    cu_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
+
+    def __post_init__(self):
+        if self.cu is None:
+            n, m = self.q_hi - self.q_lo, self.k_hi - self.k_lo
+            self.cu, self.cu_k = torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, m], dtype=torch.int32)
+            self.max_q, self.max_k = n, m
+        elif self.cu_k is None:
+            self.cu_k = self.cu
+            self.max_q = self.max_k = int((self.cu[1:] - self.cu[:-1]).max())
 
     def to(self, device: torch.device) -> "Block":
-        cu = self.cu if self.cu is None else self.cu.to(device, non_blocking=True)
-        return Block(self.q_lo, self.q_hi, self.k_lo, self.k_hi, self.causal, cu, self.max_len)
+        """On `device` with the layout, once per micro-batch (pinned and non-blocking, as the layout's own copy)."""
+        cu = host_to_device(self.cu, device)
+        cu_k = cu if self.cu_k is self.cu else host_to_device(self.cu_k, device)
+        return Block(self.q_lo, self.q_hi, self.k_lo, self.k_hi, self.causal, cu, cu_k, self.max_q, self.max_k)
 
 
 def _dense(doc_ids: torch.Tensor, chunk: int, i: int, j: int, q_off: int, k_off: int) -> list[Block]:
@@ -72,7 +87,7 @@ def plan(doc_ids: torch.Tensor, size: int, rank: int) -> list[list[Block]]:
         src = (rank - step) % size
         if src == rank:
             own = _own_segments(doc_ids, chunk, rank, last - rank)
-            blocks = [Block(0, 2 * chunk, 0, 2 * chunk, True, own, int((own[1:] - own[:-1]).max()))]
+            blocks = [Block(0, 2 * chunk, 0, 2 * chunk, True, own)]
             blocks += _dense(doc_ids, chunk, last - rank, rank, chunk, 0)
         else:
             blocks = _dense(doc_ids, chunk, rank, src, 0, 0) if src < rank else []
@@ -83,31 +98,21 @@ def plan(doc_ids: torch.Tensor, size: int, rank: int) -> list[list[Block]]:
     return hops
 
 
-def _segments(b: Block, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    if b.causal:
-        return b.cu, b.cu, b.max_len, b.max_len
-    n, m = b.q_hi - b.q_lo, b.k_hi - b.k_lo
-    return (torch.tensor([0, n], dtype=torch.int32, device=device), torch.tensor([0, m], dtype=torch.int32,
-                                                                                   device=device), n, m)
-
-
 # ---------------------------------------------------------------- one block: flash (CUDA) or fp32 torch
 
 
 def flash_block(q, k, v, b: Block) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """q [n, H, d], k/v [m, Hkv, d] (16-bit, CUDA) -> (out [n, H, d], lse [H, n] fp32, the kernel's RNG state: what
     its backward takes back; without dropout it is never read)."""
-    cu_q, cu_k, max_q, max_k = _segments(b, q.device)
-    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0,
+    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(q, k, v, b.cu, b.cu_k, b.max_q, b.max_k, 0.0,
                                                                         b.causal, False)
     return out, lse, (seed, offset)
 
 
 def flash_block_backward(dout, q, k, v, out, lse, b: Block, rng: tuple) -> tuple[torch.Tensor, ...]:
     """The block's (dq, dk, dv) given the final `out` (q's dtype) and `lse` [H, n] of its queries."""
-    cu_q, cu_k, max_q, max_k = _segments(b, q.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0,
-                                                          b.causal, *rng)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, b.cu, b.cu_k, b.max_q, b.max_k,
+                                                          0.0, b.causal, *rng)
     return dq, dk, dv
 
 
