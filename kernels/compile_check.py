@@ -103,6 +103,12 @@ def _variants():
     for dt, write_grad in (("bf16", True), ("bf16", False), ("fp32", True)):
         yield (ce._ce_rows_kernel, {"logits_ptr": f"*{dt}", "labels_ptr": "*i64", "loss_ptr": "*fp32"},
                {"V": 151936, "WRITE_GRAD": write_grad, "IGNORE": ce.IGNORE_INDEX, "BLOCK_V": 4096}, 8)
+    for dt in ("bf16", "fp32"):
+        yield (ce._ce_slice_stats_kernel,
+               {"logits_ptr": f"*{dt}", "local_labels_ptr": "*i64", "stats_ptr": "*fp32", "C": "i32"},
+               {"V": 75968, "BLOCK_V": 4096}, 8)
+        yield (ce._ce_slice_grad_kernel, {"logits_ptr": f"*{dt}", "local_labels_ptr": "*i64", "lse_ptr": "*fp32"},
+               {"V": 75968, "BLOCK_V": 4096}, 8)
     for write_rows in (False, True):
         yield (permute._slot_kernel,
                {"indices_ptr": "*i64", "block_counts_ptr": "*i32", "block_base_ptr": "*i32", "row_id_map_ptr": "*i32",

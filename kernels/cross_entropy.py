@@ -13,8 +13,13 @@ their fp32 copy and its saved fp32 log-softmax. No logits are recomputed: three 
 Computing gradients in forward assumes a backward follows (training); with grad disabled, or neither h nor weight
 requiring grad, only the loss is computed. One backward per forward: the gradients are handed over, not kept.
 
-Single vocabulary shard only. Under tensor parallelism the vocabulary is split over ranks and the model keeps the
-vocab-parallel cross-entropy on logits (services/trainer/parallel/tensor_parallel.py).
+With the vocabulary split over a process group (tensor parallelism: `vocab_group`, this rank's rows of W starting at
+vocabulary id `vocab_start`), a row's loss needs the whole row: the row step then reads the block once for its
+slice's statistics (max, Σexp relative to it, the label's logit where the label falls in the slice), all-gathers
+those three numbers per row over the group — one collective per chunk, [3, chunk] fp32 per rank — combines them into
+the row's log-sum-exp and target logit, and writes the slice's gradient exp(x - lse) - onehot in a second pass. Every
+rank returns the same loss; grad_h is this rank's partial sum (its vocabulary slice's share), which the caller's
+all-gather of h completes in its backward (reduce-scatter) as for the unfused vocab-parallel loss.
 
 One chunk loop, two implementations of its row step (logits block -> row losses, block overwritten by the gradient):
 - `linear_cross_entropy_sum_reference`: torch ops in fp32 (a logsumexp, then exp/scatter/mul passes over an fp32
@@ -27,7 +32,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from functools import partial
+
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -40,6 +48,9 @@ IGNORE_INDEX = -100  # as services/trainer/model/loss.py
 CHUNK_BYTES = 1 << 30
 
 RowStep = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+# torch 2.13 renames the tensor-in/tensor-out all-gather; 2.11 has only the old name (same signature).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def default_chunk_size(vocab: int, dtype: torch.dtype) -> int:
@@ -116,6 +127,99 @@ def ce_rows_triton(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool)
     if C > 0:
         _ce_rows_kernel[(C,)](logits, labels.contiguous(), loss, V, write_grad, IGNORE_INDEX)
     return loss
+
+
+# ---------------------------------------------------------------- row step over a vocabulary split across ranks
+
+
+def ce_slice_stats_reference(logits: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
+    """[3, C] fp32 per row of a block [C, V] holding one vocabulary slice: the row's max m, Σexp(x - m), and the
+    label's logit where the label falls in the slice (`local_labels` >= 0; -1 elsewhere: 0)."""
+    x = logits.float()
+    m = x.max(dim=1).values
+    here = local_labels >= 0
+    target = x.gather(1, local_labels.clamp(min=0)[:, None]).squeeze(1) * here
+    return torch.stack([m, (x - m[:, None]).exp().sum(dim=1), target])
+
+
+def ce_slice_grad_reference(logits: torch.Tensor, local_labels: torch.Tensor, lse: torch.Tensor) -> None:
+    """In place: the block becomes exp(x - lse) - [col == label] in its own dtype (lse +inf: a row of zeros)."""
+    x = logits.float().sub_(lse[:, None]).exp_()
+    here = local_labels >= 0
+    idx = local_labels.clamp(min=0)[:, None]
+    x.scatter_add_(1, idx, -here.to(x.dtype)[:, None])
+    logits.copy_(x)
+
+
+@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V"])
+@triton.jit
+def _ce_slice_stats_kernel(logits_ptr, local_labels_ptr, stats_ptr, C, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * V
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    label = tl.load(local_labels_ptr + row).to(tl.int64)
+    target = tl.load(row_ptr + tl.maximum(label, 0)).to(tl.float32)
+    tl.store(stats_ptr + row, m)
+    tl.store(stats_ptr + C + row, s)
+    tl.store(stats_ptr + 2 * C + row, tl.where(label >= 0, target, 0.0))
+
+
+# restore_value: the kernel overwrites the block, so each config tried must start from the same logits.
+@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V"], restore_value=["logits_ptr"])
+@triton.jit
+def _ce_slice_grad_kernel(logits_ptr, local_labels_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * V
+    label = tl.load(local_labels_ptr + row).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
+        tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def ce_slice_stats_triton(logits: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
+    """`ce_slice_stats_reference` as one Triton program per row (contiguous block)."""
+    C, V = logits.shape
+    stats = torch.empty(3, C, dtype=torch.float32, device=logits.device)
+    if C > 0:
+        _ce_slice_stats_kernel[(C,)](logits, local_labels.contiguous(), stats, C, V)
+    return stats
+
+
+def ce_slice_grad_triton(logits: torch.Tensor, local_labels: torch.Tensor, lse: torch.Tensor) -> None:
+    """`ce_slice_grad_reference` as one Triton program per row (contiguous block)."""
+    C, V = logits.shape
+    if C > 0:
+        _ce_slice_grad_kernel[(C,)](logits, local_labels.contiguous(), lse.contiguous(), V)
+
+
+def ce_rows_split_vocab(stats_fn, grad_fn, group: dist.ProcessGroup, vocab_start: int, logits: torch.Tensor,
+                        labels: torch.Tensor, write_grad: bool) -> torch.Tensor:
+    """The row step (`RowStep`, once `partial` binds the rest) for a block holding the vocabulary slice
+    [vocab_start, vocab_start + V) of `group`'s split: row losses [C] over the whole vocabulary, equal on every rank."""
+    C, V = logits.shape
+    valid = labels != IGNORE_INDEX
+    local = labels - vocab_start
+    local = torch.where(valid & (local >= 0) & (local < V), local, -1)
+    stats = stats_fn(logits, local)
+    gathered = stats.new_empty(dist.get_world_size(group) * 3, C)
+    _all_gather_single(gathered, stats, group=group)
+    m, s, target = gathered.view(-1, 3, C).unbind(1)  # [ranks, C] each
+    row_max = m.max(dim=0).values
+    lse = row_max + (s * (m - row_max).exp()).sum(dim=0).log()
+    if write_grad:
+        grad_fn(logits, local, lse.masked_fill(~valid, float("inf")))  # an ignored row's gradient is 0
+    return (lse - target.sum(dim=0)) * valid
 
 
 # ---------------------------------------------------------------- the chunk loop
@@ -226,15 +330,28 @@ def _linear_cross_entropy(h, weight, labels, chunk_size, rows: RowStep) -> torch
                                      grad and weight.requires_grad)
 
 
+def _split(stats_fn, grad_fn, vocab_group: dist.ProcessGroup | None, vocab_start: int) -> RowStep | None:
+    if vocab_group is None or dist.get_world_size(vocab_group) == 1:
+        return None
+    return partial(ce_rows_split_vocab, stats_fn, grad_fn, vocab_group, vocab_start)
+
+
 def linear_cross_entropy_sum_reference(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                       chunk_size: int | None = None) -> torch.Tensor:
+                                       chunk_size: int | None = None, vocab_group: dist.ProcessGroup | None = None,
+                                       vocab_start: int = 0) -> torch.Tensor:
     """Same contract as `linear_cross_entropy_sum`, its row step in torch ops."""
-    return _linear_cross_entropy(h, weight, labels, chunk_size, ce_rows_reference)
+    rows = _split(ce_slice_stats_reference, ce_slice_grad_reference, vocab_group, vocab_start) or ce_rows_reference
+    return _linear_cross_entropy(h, weight, labels, chunk_size, rows)
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk_size: int | None = None) -> torch.Tensor:
+                             chunk_size: int | None = None, vocab_group: dist.ProcessGroup | None = None,
+                             vocab_start: int = 0) -> torch.Tensor:
     """Σ token cross-entropy of `h @ weight.T` against `labels`, chunked (see the module docstring). Triton row step on
-    CUDA, the torch reference on CPU. `chunk_size`: rows per chunk (default: `default_chunk_size`)."""
-    rows = ce_rows_triton if use_triton(h) else ce_rows_reference
+    CUDA, the torch reference on CPU. `chunk_size`: rows per chunk (default: `default_chunk_size`). `vocab_group`: the
+    group the vocabulary is split over, `weight` holding ids [vocab_start, vocab_start + len(weight))."""
+    if use_triton(h):
+        rows = _split(ce_slice_stats_triton, ce_slice_grad_triton, vocab_group, vocab_start) or ce_rows_triton
+    else:
+        rows = _split(ce_slice_stats_reference, ce_slice_grad_reference, vocab_group, vocab_start) or ce_rows_reference
     return _linear_cross_entropy(h, weight, labels, chunk_size, rows)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from parallel_harness import (assert_bf16_run_matches_fp32_run, assert_parity, make_batches, neighbouring_bf16_copies,
-                              run_parallel, run_reference, tiny_config)
+                              run_parallel, run_reference, spawn_ranks, tiny_config)
 
 
 def tp_config(qk_norm: bool = False, **parallel):
@@ -43,13 +44,53 @@ def test_tp2_without_sequence_parallel_matches_single_process_on_a_dense_model(t
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
 
 
-def test_tp2_with_the_fused_loss_configured_uses_the_vocab_parallel_loss_and_matches_single_process(tmp_path):
-    # `model.moe_kernels: [cross_entropy]` needs the whole vocabulary on one rank: the single process runs the fused
-    # output layer + loss, the TP ranks the vocab-parallel cross-entropy on their logits, and the two agree.
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_loss", "logits_loss"])
+def test_tp2_output_layer_and_loss_match_single_process_fused_or_not(tmp_path, fused):
+    # `model.moe_kernels: [cross_entropy]` (the default): both sides run the chunked output layer + loss, the TP ranks
+    # over their vocabulary slices; without it, the TP ranks run the vocab-parallel cross-entropy on their logits.
     cfg = tp_config(tp=2)
-    assert "cross_entropy" in cfg.model.moe_kernels  # the default
+    if not fused:
+        cfg.model.moe_kernels = [k for k in cfg.model.moe_kernels if k != "cross_entropy"]
     batches = make_batches(cfg.model, steps=3, micro=2, tokens=32, seed=2)
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
+
+
+def _fused_loss_worker(rank, world, out_dir):
+    import kernels.cross_entropy as ce
+    from services.trainer.model.transformer import MoETransformer
+    from services.trainer.parallel.groups import init_groups
+    from services.trainer.parallel.parallelize import parallelize
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    try:
+        cfg = tp_config(tp=2)
+        model = MoETransformer(cfg.model)
+        model.init_weights(7)
+        parallelize(model, cfg, init_groups(cfg))
+        calls = []
+        split_rows = ce.ce_rows_split_vocab
+        ce.ce_rows_split_vocab = lambda *a: calls.append(a[-1]) or split_rows(*a)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, cfg.model.hidden_size, generator=g)[rank * 8:(rank + 1) * 8]  # this rank's SP shard
+        labels = torch.randint(0, cfg.model.vocab_size, (16,), generator=g)
+        fused_x, logits_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        fused = model._loss(fused_x, labels)
+        fused.backward()
+        logits = model.loss_fn(model.output(logits_x), labels)
+        logits.backward()
+        torch.save({"calls": calls, "losses": (fused.detach(), logits.detach()),
+                    "grads": (fused_x.grad, logits_x.grad)}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_fused_loss_runs_the_split_vocabulary_row_step_and_equals_the_logits_loss(tmp_path):
+    """The model's `_loss` under TP2 + SP goes through kernels/cross_entropy's split-vocabulary row step (not the
+    logits path: parity alone would not tell), and gives the logits path's loss and input gradient (fp32, 1e-5)."""
+    for r in spawn_ranks(_fused_loss_worker, (2, str(tmp_path)), 2, str(tmp_path)):
+        assert r["calls"] == [True]  # one chunk, gradients written
+        torch.testing.assert_close(*r["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(*r["grads"], rtol=1e-5, atol=1e-6)
 
 
 def test_tp2_with_bf16_parameters_computes_what_fp32_parameters_compute_under_bf16_autocast(tmp_path):

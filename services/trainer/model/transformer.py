@@ -119,8 +119,8 @@ class MoETransformer(nn.Module):
         # Σ token losses from (logits, labels); tensor parallelism swaps in the vocab-parallel version.
         self.loss_fn = cross_entropy_sum
         # Output layer and loss as one chunked op that never holds [T, vocab] logits (`model.moe_kernels:
-        # [cross_entropy]`). Needs the whole vocabulary here: tensor parallelism turns it off.
-        self.fused_loss = "cross_entropy" in cfg.moe_kernels
+        # [cross_entropy]`), called as (x, output weight, labels); tensor parallelism swaps in the vocab-parallel one.
+        self.fused_loss = linear_cross_entropy_sum if "cross_entropy" in cfg.moe_kernels else None
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -197,8 +197,8 @@ class MoETransformer(nn.Module):
         return loss
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.fused_loss:
-            return linear_cross_entropy_sum(x, self.output.weight, labels)
+        if self.fused_loss is not None:
+            return self.fused_loss(x, self.output.weight, labels)
         return self.loss_fn(self.output(x), labels)
 
     def _mtp_loss(self, h, labels, future, position_ids, cu_seqlens, segment_ids, max_seqlen,

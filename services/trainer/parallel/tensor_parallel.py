@@ -14,7 +14,8 @@ q_a_layernorm, kv_a_proj_with_mqa with the shared RoPE key, kv_a_layernorm) are 
 rank's heads, so their gradients are partial over TP too and get the hook.
 
 The embedding and output layer are split over the vocabulary; the loss is a vocab-parallel cross-entropy in fp32, so
-no rank ever materialises full-vocabulary logits.
+no rank ever materialises full-vocabulary logits. With `model.moe_kernels: [cross_entropy]` (the default) the output
+layer and that loss run as one chunked op that holds no [T, V/tp] logits either (kernels/cross_entropy.py).
 
 With `model.fp8` the sharded projections are `FP8Linear`s (services/trainer/model/fp8_linear.py): their own forward
 runs on the rank's shard, in FP8 through Transformer Engine on CUDA, with TE in its non-parallel mode; the region
@@ -33,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cross_entropy import linear_cross_entropy_sum
 from services.trainer.model.attention import Attention
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.mla import MLAttention
@@ -170,10 +172,22 @@ class VocabParallelOutput(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = shard_parameter(full.weight, 0, group)
+        self.vocab_start = group_rank(group) * self.weight.shape[0]
+
+    def all_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Every token of the micro-batch; backward sums their gradient, partial over the vocabulary, over TP."""
+        return gather_tokens(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_tokens(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
-        return F.linear(x, self.weight)
+        return F.linear(self.all_tokens(x), self.weight)
+
+
+def vocab_parallel_linear_cross_entropy(output: VocabParallelOutput, x: torch.Tensor, weight: torch.Tensor,
+                                        labels: torch.Tensor) -> torch.Tensor:
+    """The model's fused output layer + loss (`model.moe_kernels: [cross_entropy]`) over this rank's vocabulary
+    slice: chunked, no [T, V/tp] logits held, three fp32 numbers per token exchanged (kernels/cross_entropy.py)."""
+    return linear_cross_entropy_sum(output.all_tokens(x), weight, labels, vocab_group=output.group,
+                                    vocab_start=output.vocab_start)
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
@@ -233,8 +247,8 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
     """Shard `model` (an initialised `MoETransformer`, or a pipeline stage of one) over the TP `group`, in place.
 
     Every rank must hold the same full weights before the call: each keeps its slice, so a parallel run starts from
-    exactly the single-device initialisation. The model's `loss_fn` becomes the vocab-parallel cross-entropy (and the
-    fused output layer + loss of `model.moe_kernels: [cross_entropy]`, which needs the whole vocabulary, is off).
+    exactly the single-device initialisation. The model's `loss_fn` becomes the vocab-parallel cross-entropy, and its
+    fused output layer + loss (`model.moe_kernels: [cross_entropy]`) the vocab-parallel chunked one.
     """
     if group_size(group) == 1:
         return model
@@ -265,8 +279,9 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
         model.embed = VocabParallelEmbedding(model.embed, group, sequence_parallel)
     if getattr(model, "output", None) is not None:
         model.output = VocabParallelOutput(model.output, group, sequence_parallel)
-        model.loss_fn = VocabParallelCrossEntropy(group, group_rank(group) * model.output.weight.shape[0])
-        model.fused_loss = False  # the chunked output layer + loss needs the whole vocabulary on one rank
+        model.loss_fn = VocabParallelCrossEntropy(group, model.output.vocab_start)
+        if model.fused_loss is not None:
+            model.fused_loss = partial(vocab_parallel_linear_cross_entropy, model.output)
     model.tensor_parallel_group = group
     model.sequence_parallel = sequence_parallel
     return model
