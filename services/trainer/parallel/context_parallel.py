@@ -472,9 +472,13 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
 
 def bind_micro_batch(model: nn.Module, mb: dict) -> None:
     """Point every context-parallel core (and router) at this micro-batch's layout (None: unsharded, local attention)."""
-    layout = mb.get("cp_layout")
+    bind_layout(model, mb.get("cp_layout"), mb["tokens"].device)
+
+
+def bind_layout(model: nn.Module, layout: CPLayout | None, device: torch.device) -> None:
+    """Point every context-parallel core (and router) at `layout`, copied to `device` (None: local attention)."""
     if layout is not None:
-        layout = layout.to(mb["tokens"].device)
+        layout = layout.to(device)
     for module in model.modules():
         if isinstance(module, ContextParallelAttention):
             module.layout = layout

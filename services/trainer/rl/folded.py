@@ -47,7 +47,7 @@ from torch import nn
 
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.moe.router import expert_counts
-from services.trainer.parallel.context_parallel import bind_micro_batch
+from services.trainer.parallel.context_parallel import bind_layout
 from services.trainer.parallel.differentiable import group_size, local_token_shard
 from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
@@ -226,7 +226,7 @@ def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype
     """What the model's forward of `p` (through `layers`, a pipeline chunk; None: all the model holds) runs under:
     replayed routing, padding kept out of the load, autocast, the attention cores bound to its CP layout (none: local
     attention)."""
-    bind_micro_batch(model, {"cp_layout": p.cp_layout, "tokens": p.tokens})
+    bind_layout(model, p.cp_layout, p.tokens.device)
     with routing_replay(model, p.routing), _padding_excluded(model, p.local_pad, p.filler, layers), \
             torch.autocast(p.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         yield
