@@ -3,13 +3,14 @@
 A trainer rank that does not see checkpoint.dir resumes through the checkpointer (services/checkpointer/remote.py):
 gRPC `Open` names the checkpoint, and each box the rank's layout owns comes from here, one request ("ckpt.load", a
 `LoadRequest`) and one answer ("ckpt.box": the box as a raw frame, sent from the box's own memory; or
-"ckpt.load_failed"). The boxes are assembled from whichever saved pieces overlap them, so any layout reads any
-layout's checkpoint. Bulk bytes take ZMQ as everywhere else in foldmoe (gRPC for control, ZMQ for tensors); on the
-development machine this reads at the rate the gRPC stream did, about 0.6 GB/s, one request in flight at a time
-(bench/RESULTS.md, "Resume read rate after the boxes moved to ZMQ").
+"ckpt.load_failed"), both answers naming the request's `id`. The boxes are assembled from whichever saved pieces
+overlap them, so any layout reads any layout's checkpoint. Bulk bytes take ZMQ as everywhere else in foldmoe (gRPC for
+control, ZMQ for tensors).
 
-One thread serves the socket; requests are answered in arrival order, read from the checkpoint's files, which stay
-open while its boxes are asked for.
+A rank keeps a few requests in flight (remote.py's WINDOW), so this loop always finds the next request waiting: it
+reads that box from the files while ZMQ's I/O thread is still sending the previous answer (`send_multipart` only queues
+a frame that points into the box's memory). One thread serves the socket and answers in arrival order; the files of
+the checkpoint being read stay open while its boxes are asked for.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 
 import torch
 import zmq
+from google.protobuf.message import DecodeError
 
 from proto import checkpointer_pb2 as pb
 from services.checkpointer.layout import CheckpointError, read_manifest
@@ -65,18 +67,18 @@ class BoxServer:
         try:
             _, request, _ = wire.decode(frames, pb.LoadRequest, token=self.token)
         except wire.Unauthenticated as e:
-            return _failed("UNAUTHENTICATED", f"checkpointer refused the load: {e}")
+            return _failed("UNAUTHENTICATED", f"checkpointer refused the load: {e}", _id_of(e.body))
         except wire.WireError as e:
-            return _failed("MALFORMED", f"not a load request: {e}")
+            return _failed("MALFORMED", f"not a load request: {e}", 0)
         try:
             box = self._read(request)
         except KeyError as e:
-            return _failed("NOT_FOUND", str(e.args[0]))
+            return _failed("NOT_FOUND", str(e.args[0]), request.id)
         except ValueError as e:
-            return _failed("INVALID_ARGUMENT", str(e))
+            return _failed("INVALID_ARGUMENT", str(e), request.id)
         except CheckpointError as e:
-            return _failed("DATA_LOSS", str(e))
-        return wire.encode("ckpt.box", None, {request.name: box})
+            return _failed("DATA_LOSS", str(e), request.id)
+        return wire.encode("ckpt.box", pb.LoadReply(id=request.id), {request.name: box})
 
     def _read(self, request: pb.LoadRequest) -> torch.Tensor:
         path = self.store.final_dir(request.step)
@@ -91,5 +93,15 @@ class BoxServer:
         return self._open[1].read(request.name, tuple(request.offsets) or None, tuple(request.shape) or None)
 
 
-def _failed(code: str, message: str) -> list:
-    return wire.encode("ckpt.load_failed", pb.LoadFailed(code=code, message=message))
+def _failed(code: str, message: str, id: int) -> list:
+    return wire.encode("ckpt.load_failed", pb.LoadReply(code=code, message=message, id=id))
+
+
+def _id_of(body: bytes) -> int:
+    """The id of a refused request, so that its requester can tell which request was refused; 0 when unreadable."""
+    request = pb.LoadRequest()
+    try:
+        request.ParseFromString(body)
+    except (DecodeError, RuntimeWarning, ValueError):
+        return 0
+    return request.id

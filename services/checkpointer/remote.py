@@ -2,19 +2,34 @@
 
 `ServiceSource` has `load.DirectorySource`'s two methods (`saved`, `newest`), and the checkpoint `newest` opens has
 `load.Checkpoint`'s reading interface, so services/trainer/checkpointing.py restores from either the same way. The
-checkpoint is found over gRPC (`Open`: control); each `read` is one request to the checkpointer's load socket on ZMQ
-(box_server.py: bulk), which assembles the box from the saved pieces, whatever layout wrote them, and sends its bytes
-as one frame; nothing but the rank's own pieces crosses the network.
+checkpoint is found over gRPC (`Open`: control); a `read` asks the checkpointer's load socket on ZMQ (box_server.py:
+bulk) for the box, which the service assembles from the saved pieces, whatever layout wrote them; nothing but the
+rank's own pieces crosses the network.
+
+A box larger than CHUNK_BYTES is asked for as sub-boxes of at most that size, WINDOW requests in flight at a time
+(`ServiceSource.fetch`), so that the socket is not idle while the service reads the next piece and this rank copies the
+last. A restore reads box after box through `read`, so every box of more than a few MiB (the bulk of any model's
+bytes) streams through the window; a smaller box is one request, answered before the next box is asked for.
+Answers are matched to requests by the `id` each carries (proto/checkpointer.proto). One DEALER-ROUTER connection does
+deliver them in the order the service answered, and the service answers in arrival order today; the id makes that an
+assumption nothing relies on, and a late answer (to a request of a fetch that failed) one that cannot be taken for
+another.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import closing
 from typing import Any, Self
 
 import grpc
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
@@ -22,7 +37,17 @@ from services.checkpointer.layout import CheckpointError
 from services.checkpointer.load import CheckpointReader, resolve_box
 from services.common import net, wire
 
-CALL_TIMEOUT_S = 600.0  # one call: opening (verifying every checksum of a checkpoint) or reading one tensor's box
+CALL_TIMEOUT_S = 600.0  # one call: opening (verifying every checksum of a checkpoint), or waiting for one box's answer
+
+# What one rank keeps in flight on the load socket: at most WINDOW requests of at most CHUNK_BYTES each, so 16 MiB is
+# the most this rank has on its way (and the most the service holds for it), whatever the size of the box being read.
+# Bytes, not a count of boxes, bound it: boxes range from a norm's few KiB to a GiB of experts. A 4 MiB answer takes
+# about 3.5 ms on loopback TCP (1.2 GB/s), long against a request's own cost (a tiny box's round trip: 0.35 ms); 4 in
+# flight keep one being read from the files, one on the wire and one being copied here, and a spare. On the 2-core
+# development machine parts of 1-4 MiB with 2-8 in flight all read at 0.93-1.07 GB/s, 16 MiB parts at 0.67, whole
+# boxes one at a time at 0.56-0.64 (bench/RESULTS.md, "Several box requests in flight").
+CHUNK_BYTES = 4 << 20
+WINDOW = 4
 
 
 class ServiceSource:
@@ -39,36 +64,80 @@ class ServiceSource:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CheckpointerStub | None = None
         self._boxes: zmq.Socket | None = None
+        self._disconnects: zmq.Socket | None = None  # the load socket's monitor: tells when the service drops it
+        self._ids = itertools.count(1)  # never reused, so an answer to an abandoned request can match no other
 
-    def request_box(self, request: pb.LoadRequest) -> torch.Tensor:
-        """One box from the load socket. A request that fails or times out closes the socket, so that a late answer
-        can never be taken for the next request's."""
+    def fetch(self, requests: Sequence[pb.LoadRequest]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Every request's box from the load socket, as (its index in `requests`, the box) in the order the answers
+        arrive, with at most WINDOW requests in flight (each request's `id` is set here). A failed answer raises what
+        a local read raises (KeyError: no such step or tensor; ValueError: a box outside its tensor) or a
+        CheckpointError naming the cause, as does a service that drops the connection with requests unanswered or does
+        not answer within CALL_TIMEOUT_S. Ending a fetch with requests in flight (an error, or the caller leaving the
+        loop) closes the socket, so that their late answers reach no later fetch; the next one opens a new socket."""
+        sock = self._socket()
+        while self._disconnects.poll(0):  # a drop while idle lost nothing: ZMQ has reconnected or keeps trying
+            recv_monitor_message(self._disconnects)
+        pending: dict[int, int] = {}  # id -> index in `requests`
+        ahead = iter(enumerate(requests))
+        try:
+            while True:
+                for index, request in itertools.islice(ahead, WINDOW - len(pending)):
+                    request.id = next(self._ids)
+                    sock.send_multipart(wire.encode("ckpt.load", request, token=self.token), copy=False)
+                    pending[request.id] = index
+                if not pending:
+                    return
+                yield self._answer(pending)
+        except GeneratorExit:  # the caller left: only requests still in flight make the socket unfit
+            if pending:
+                self._close_boxes()
+            raise
+        except BaseException:  # anything else, a send cut short included, closes it
+            self._close_boxes()
+            raise
+
+    def _socket(self) -> zmq.Socket:
         if not self.load:
             raise CheckpointError(f"{self.where} registered no load socket: it cannot serve the checkpoint's tensors")
         if self._boxes is None:
             self._boxes = zmq.Context.instance().socket(zmq.DEALER)
             self._boxes.setsockopt(zmq.LINGER, 0)
+            self._disconnects = self._boxes.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._boxes.connect(self.load)
-        try:
-            self._boxes.send_multipart(wire.encode("ckpt.load", request, token=self.token), copy=False)
-            if not self._boxes.poll(int(CALL_TIMEOUT_S * 1000)):
+        return self._boxes
+
+    def _answer(self, pending: dict[int, int]) -> tuple[int, torch.Tensor]:
+        """The next answer to one of the `pending` requests (id -> index), removed from them: (index, box)."""
+        poller = zmq.Poller()
+        poller.register(self._boxes, zmq.POLLIN)
+        poller.register(self._disconnects, zmq.POLLIN)
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while self._boxes not in (ready := dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))):
+            if not ready:
                 raise CheckpointError(f"{self.where}: its load socket {self.load} did not answer within "
-                                      f"{CALL_TIMEOUT_S:.0f}s; is the checkpointer running and reachable from here?")
-            kind, failed, tensors = wire.decode(self._boxes.recv_multipart(copy=False), pb.LoadFailed)
-        except BaseException:
-            self._close_boxes()
-            raise
-        if kind == "ckpt.box" and len(tensors) == 1:
-            return next(iter(tensors.values()))
+                                      f"{CALL_TIMEOUT_S:.0f}s ({len(pending)} request(s) in flight); is the "
+                                      "checkpointer running and reachable from here?")
+            # answers that arrived before the drop are read first: the socket is polled ahead of its monitor
+            if recv_monitor_message(self._disconnects)["event"] == zmq.EVENT_DISCONNECTED:
+                raise CheckpointError(f"{self.where}: its load socket {self.load} closed the connection with "
+                                      f"{len(pending)} request(s) unanswered; the checkpointer stopped or restarted")
+        kind, reply, tensors = wire.decode(self._boxes.recv_multipart(copy=False), pb.LoadReply)
         if kind == "ckpt.load_failed":
             errors = {"NOT_FOUND": KeyError, "INVALID_ARGUMENT": ValueError}
-            raise errors.get(failed.code, CheckpointError)(failed.message)
-        raise CheckpointError(f"{self.where} answered a load with {kind!r}")
+            raise errors.get(reply.code, CheckpointError)(reply.message)
+        if kind != "ckpt.box" or len(tensors) != 1:
+            raise CheckpointError(f"{self.where} answered a load with {kind!r} and {len(tensors)} tensor(s)")
+        if reply.id not in pending:
+            raise CheckpointError(f"{self.where} answered load request {reply.id}, which this rank is not waiting "
+                                  f"for (it waits for {sorted(pending)})")
+        return pending.pop(reply.id), next(iter(tensors.values()))
 
     def _close_boxes(self) -> None:
         if self._boxes is not None:
+            self._boxes.disable_monitor()
+            self._disconnects.close(linger=0)
             self._boxes.close(linger=0)
-            self._boxes = None
+            self._boxes = self._disconnects = None
 
     @property
     def stub(self) -> pb_grpc.CheckpointerStub:
@@ -125,16 +194,45 @@ class RemoteCheckpoint(CheckpointReader):
              shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """The box of global tensor `name` starting at `offsets` (default: origin) of `shape` (default: to the end)."""
         lo, size = resolve_box(name, self.global_shape(name), offsets, shape)
-        request = pb.LoadRequest(step=self.step, name=name, offsets=lo, shape=size)
+        dtype = self.dtype(name)
+        parts = split_box(lo, size, dtype.itemsize, CHUNK_BYTES)
+        requests = [pb.LoadRequest(step=self.step, name=name, offsets=o, shape=s) for o, s in parts]
+        out = torch.empty(size, dtype=dtype) if len(parts) > 1 else None  # one part is returned as it arrives
+        # Each part is copied into `out` with one memcpy on this thread (numpy), not torch's `copy_`, which splits a
+        # copy of a few MiB over its intra-op threads: with the host's cores busy (the socket's I/O thread, other
+        # ranks) that ran at 0.5 GB/s where one thread copies 11.7 (the 2-core development machine, loaded).
+        flat = None if out is None else out.view(-1).view(torch.uint8).numpy()
+        ends = list(itertools.accumulate(math.prod(s) * dtype.itemsize for _, s in parts))  # in `flat`
+        with closing(self._fetch(name, requests)) as answers:
+            for index, box in answers:
+                if box.dtype != dtype or tuple(box.shape) != parts[index][1]:
+                    raise CheckpointError(f"{self.source.where} sent {box.dtype} {list(box.shape)} for {name!r} "
+                                          f"offsets={list(parts[index][0])} shape={list(parts[index][1])} of step "
+                                          f"{self.step}, which is {dtype} {list(parts[index][1])}")
+                if out is None:
+                    return box
+                flat[ends[index] - box.nbytes:ends[index]] = box.view(-1).view(torch.uint8).numpy()
+        return out
+
+    def _fetch(self, name: str, requests: list[pb.LoadRequest]) -> Iterator[tuple[int, torch.Tensor]]:
         try:  # KeyError (no such tensor) and ValueError (a box outside it) pass, as a local read raises them
-            box = self.source.request_box(request)
+            yield from self.source.fetch(requests)
         except (zmq.ZMQError, wire.WireError, CheckpointError) as e:  # WireError before the ValueErrors that pass
             raise CheckpointError(f"{self.source.where}: reading {name!r} of step {self.step} failed: {e}") from None
-        if box.dtype != self.dtype(name) or tuple(box.shape) != tuple(size):
-            raise CheckpointError(f"{self.source.where} sent {box.dtype} {list(box.shape)} for {name!r} "
-                                  f"offsets={list(lo)} shape={list(size)} of step {self.step}, which is "
-                                  f"{self.dtype(name)} {list(size)}")
-        return box
+
+
+def split_box(offsets: tuple[int, ...], shape: tuple[int, ...], itemsize: int,
+              limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The box (`offsets`, `shape`) as sub-boxes of at most `limit` bytes (`itemsize` each element), in the box's C
+    order: each is one contiguous run of the box's elements, and together they tile it end to end."""
+    if math.prod(shape) * itemsize <= limit:
+        return [(tuple(offsets), tuple(shape))]
+    row = math.prod(shape[1:]) * itemsize  # the bytes of one index of the first dimension
+    if row <= limit:
+        n = limit // row
+        return [((offsets[0] + i, *offsets[1:]), (min(n, shape[0] - i), *shape[1:])) for i in range(0, shape[0], n)]
+    return [((offsets[0] + i, *o), (1, *s)) for i in range(shape[0])
+            for o, s in split_box(offsets[1:], shape[1:], itemsize, limit)]
 
 
 def _error(e: grpc.RpcError, what: str) -> CheckpointError:
