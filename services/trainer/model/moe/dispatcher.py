@@ -6,12 +6,13 @@
 The router weight of each (token, slot) travels with the token and is folded into the expert's activation
 (memory-efficient permutation), so `combine` is a plain scatter-add without a second T·k·h weighted buffer.
 
-Two implementations of the local permutation, chosen by `fused` (config `model.moe_kernels: [permutation]`):
+Two implementations of the permutation (`permute_by_expert` / `unpermute_by_token`, which the all-to-all expert-parallel
+dispatcher uses too), chosen by `fused` (config `model.moe_kernels: [permutation]`):
 - the Triton kernels (`kernels/permute.py`, `kernels/unpermute.py`) on CUDA: a fixed buffer of T·k rows (dropped copies
   are zero rows past the last expert's), per-expert counts computed and kept on the device, so neither the dropless
   nor the capacity case makes the host wait;
-- torch ops (`permute`/`unpermute` below, also used by the expert-parallel dispatchers): rows of dropped copies are
-  removed, which needs their number on the host in the capacity case.
+- torch ops (`permute`/`unpermute` below; also the all-gather dispatcher's): rows of dropped copies are removed,
+  which needs their number on the host in the capacity case.
 
 Pad-to-capacity (`model.pad_to_capacity`, with a capacity factor; Megatron-Core's moe_pad_expert_input_to_capacity):
 `permute_padded` gives every expert exactly its capacity of rows — its kept copies, then zero rows of router weight 0 —
@@ -112,19 +113,10 @@ class LocalDispatcher:
         flight, it just runs first."""
         if in_flight is not None:
             in_flight()
-        padded = routing.capacity is not None
-        if self.fused and triton_applies(hidden) and not padded:
-            return self._dispatch_fused(hidden, routing)
-        x, w, counts, token_idx = (permute_padded if padded else permute)(hidden, routing, self.num_experts)
-        return Dispatched(x, w, counts, (token_idx, hidden.shape[0], padded))
+        return Dispatched(*permute_by_expert(hidden, routing, self.num_experts, self.fused))
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        if isinstance(dispatched.state, _FusedState):
-            from kernels.unpermute import unpermute as unpermute_rows
-
-            return unpermute_rows(expert_out, dispatched.state.row_id_map)  # weights already folded in: a plain sum
-        token_idx, num_tokens, padded = dispatched.state
-        return unpermute(expert_out, token_idx, num_tokens, padded)
+        return unpermute_by_token(expert_out, dispatched.state)
 
     def redispatch(self, hidden: torch.Tensor, state: object) -> torch.Tensor:
         """The rows of the dispatch whose `Dispatched.state` is given, again, from the same input, without autograd
@@ -137,11 +129,30 @@ class LocalDispatcher:
             token_idx, _, padded = state
             return (with_zero_row(hidden) if padded else hidden)[token_idx]
 
-    def _dispatch_fused(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
+
+
+def permute_by_expert(hidden: torch.Tensor, routing: Routing, num_experts: int, fused: bool):
+    """(rows grouped by expert, their router weights, tokens per expert, the state `unpermute_by_token` undoes it
+    with): the Triton permutation where it applies (`fused`, and not pad-to-capacity), else torch ops. Dropped copies:
+    zero rows past the last expert's (Triton; their number is not known on the host) or no rows (torch)."""
+    padded = routing.capacity is not None
+    if fused and triton_applies(hidden) and not padded:
         from kernels.permute import permute as permute_rows
 
         indices = routing.expert_ids
         if routing.kept is not None:  # a dropped copy is a negative index to the kernel
             indices = indices.masked_fill(~routing.kept, -1)
-        perm = permute_rows(hidden, indices, self.num_experts, routing.weights)
-        return Dispatched(perm.permuted, perm.permuted_probs, perm.tokens_per_expert, _FusedState(perm.row_id_map))
+        perm = permute_rows(hidden, indices, num_experts, routing.weights)
+        return perm.permuted, perm.permuted_probs, perm.tokens_per_expert, _FusedState(perm.row_id_map)
+    x, w, counts, token_idx = (permute_padded if padded else permute)(hidden, routing, num_experts)
+    return x, w, counts, (token_idx, hidden.shape[0], padded)
+
+
+def unpermute_by_token(expert_out: torch.Tensor, state: object) -> torch.Tensor:
+    """Each token's (already weighted) expert outputs summed back into its row; `state` from `permute_by_expert`."""
+    if isinstance(state, _FusedState):
+        from kernels.unpermute import unpermute as unpermute_rows
+
+        return unpermute_rows(expert_out, state.row_id_map)  # weights already folded in: a plain sum
+    token_idx, num_tokens, padded = state
+    return unpermute(expert_out, token_idx, num_tokens, padded)
