@@ -3,8 +3,10 @@
 Parameters fall in two domains reduced over different groups: dense parameters over DP×CP, routed-expert parameters over
 EDP (their other copies live on the EDP ranks; see `groups.py`). Each domain's parameters are packed, in reverse
 registration order (roughly the order backward produces their gradients), into flat buckets of `parallel.grad_bucket_mb`.
-A parameter's data becomes a view into its bucket's flat parameter buffer, and its gradient is added into the bucket's
-flat fp32 gradient buffer by a post-accumulate-grad hook (then `.grad` is freed). When the last expected micro-batch has
+A parameter's data becomes a view into its bucket's flat parameter buffer, and its gradient is moved into the bucket's
+flat fp32 gradient buffer by a post-accumulate-grad hook (then `.grad` is freed): copied by its first backward of the
+step, added by later ones, so the buffer is never zeroed as a whole (a parameter that got no gradient is zeroed when
+its bucket launches). When the last expected micro-batch has
 delivered every gradient of a bucket, the bucket's reduce-scatter is launched asynchronously — while backward still runs
 for the earlier layers. Buckets launch in index order on every rank, so collectives match across ranks.
 
@@ -56,6 +58,7 @@ class Slot:
     numel: int
     decay: bool  # weight decay applies (matrices; not norm scales)
     counted: bool  # counts toward the global grad norm on this rank (False for a TP-replicated copy on tp_rank > 0)
+    arrived: bool = False  # its gradient reached the bucket this step (the next backward adds to it)
 
 
 @dataclass
@@ -78,7 +81,7 @@ class Bucket:
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
     decay_runs: list[tuple[int, int, bool]] = field(default_factory=list)  # owned range in (start, end, decays) runs
-    norm_mask: torch.Tensor | None = None  # 1.0 where the element counts toward the grad norm
+    norm_runs: list[tuple[int, int]] = field(default_factory=list)  # owned (start, end) runs counted in the grad norm
     slot_of: dict[int, Slot] = field(default_factory=dict)
 
     @property
@@ -211,9 +214,7 @@ class DistributedOptimizer:
             b.remainder = remainder[b.lo:b.hi].clone()
         b.exp_avg, b.exp_avg_sq = (torch.zeros(b.hi - b.lo, dtype=self.moment_dtype, device=ref.device)
                                    for _ in range(2))
-        norm = torch.zeros(size, device=ref.device)
         for s in slots:
-            norm[s.start:s.start + s.numel] = float(s.counted)
             lo, hi = max(s.start, b.lo) - b.lo, min(s.start + s.numel, b.hi) - b.lo
             if lo >= hi:
                 continue
@@ -221,17 +222,21 @@ class DistributedOptimizer:
                 b.decay_runs[-1] = (b.decay_runs[-1][0], hi, s.decay)
             else:
                 b.decay_runs.append((lo, hi, s.decay))
-        b.norm_mask = norm[b.lo:b.hi].clone()
+            if s.counted and b.norm_runs and b.norm_runs[-1][1] == lo:
+                b.norm_runs[-1] = (b.norm_runs[-1][0], hi)
+            elif s.counted:
+                b.norm_runs.append((lo, hi))
         return b
 
     # ------------------------------------------------------------ gradient path
 
     def zero_grad(self) -> None:
+        """Start a step: every slot's first gradient overwrites the bucket (no pass zeroes the buffers)."""
         for b in self.buckets:
-            b.grads.zero_()
             b.arrivals, b.work, b.launched, b.grad_shard = 0, None, False, None
             for s in b.slots:
                 s.param.grad = None
+                s.arrived = False
         self._next_launch = 0
         self.launch_log = []
 
@@ -243,7 +248,12 @@ class DistributedOptimizer:
         """Post-accumulate-grad hook of the bucket's `slot_index`-th parameter: move its gradient into the bucket."""
         bucket = self.buckets[bucket_index]
         slot = bucket.slots[slot_index]
-        bucket.grads[slot.start:slot.start + slot.numel].add_(p.grad.reshape(-1))
+        into = bucket.grads[slot.start:slot.start + slot.numel]
+        if slot.arrived:
+            into.add_(p.grad.reshape(-1))
+        else:
+            into.copy_(p.grad.reshape(-1))
+            slot.arrived = True
         p.grad = None  # the bucket holds the gradient from here on
         bucket.arrivals += 1
         if bucket.arrivals == len(bucket.slots) * self.expected_arrivals:
@@ -258,6 +268,10 @@ class DistributedOptimizer:
             self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
+        for s in b.slots:  # no gradient this step (unused by the forward): zero, as if it had arrived as zeros
+            if not s.arrived:
+                b.grads[s.start:s.start + s.numel].zero_()
+                s.arrived = True
         n = b.axis.size
         if n > 1 and self.shard:
             b.grad_shard = torch.empty(b.hi - b.lo, dtype=b.grads.dtype, device=b.grads.device)
@@ -286,8 +300,9 @@ class DistributedOptimizer:
         """Global L2 norm over all parameters, each element counted once across every group."""
         device = self.buckets[0].grads.device if self.buckets else torch.device("cpu")
         sq = torch.zeros((), dtype=torch.float32, device=device)
-        for b in self.buckets:
-            sq += (b.grad_shard.float().square() * b.norm_mask).sum()
+        for b in self.buckets:  # the counted runs only: no mask pass (the sums stay in the order they had with one)
+            for lo, hi in b.norm_runs:
+                sq += b.grad_shard[lo:hi].square().sum()
         if self.groups.world.size > 1:
             dist.all_reduce(sq, group=self.groups.world.group)
         return sq.sqrt()
