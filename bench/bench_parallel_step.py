@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=8 bench/bench_parallel_step.py --config configs/qwen3_30b_a3b.yaml \
         model.num_layers=2 data.micro_batch_size=2 parallel.ep=8 [--warmup 3] [--steps 8] [--profile-steps 3] \
-        [--json out.jsonl]
+        [--json out.jsonl] [--balanced-routing]
     torchrun --standalone --nproc_per_node=2 bench/bench_parallel_step.py --config configs/tiny.yaml parallel.ep=2
     torchrun --standalone --nproc_per_node=2 bench/bench_parallel_step.py --config configs/qwen3_30b_a3b.yaml \
         model.num_layers=8 data.grad_accum=8 parallel.pp=2 [parallel.pp_virtual=2]   # plain vs interleaved 1F1B
@@ -84,6 +84,14 @@ def synthetic_step(cfg, dp_rank: int, step: int) -> list[dict[str, torch.Tensor]
     return out
 
 
+def balanced_ids(router, args: tuple) -> None:
+    """Router forward pre-hook of `--balanced-routing`: replay ids that give every expert the same load (the router
+    then runs its torch path: its fused kernel does not take replayed ids)."""
+    T, k, E = args[0].shape[0], router.top_k, router.num_experts
+    t = torch.arange(T, device=args[0].device)
+    router.replay_ids = (t[:, None] * k + torch.arange(k, device=t.device)) % E
+
+
 def gloo_comm(events) -> dict[str, float]:
     """CPU/gloo: µs per collective of gloo's worker-thread record_functions, summed over the profiled steps."""
     sums = dict.fromkeys(COMM_CATEGORIES, 0.0)
@@ -149,6 +157,10 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=0,
                     help="save a checkpoint every N timed steps through the trainer's path, to the writer registered "
                          "for run.name in REDIS_URL's Redis (0: no saves)")
+    ap.add_argument("--balanced-routing", action="store_true",
+                    help="every MoE layer sends token t to experts (t*k + j) mod E, j < k (routing replay): the even "
+                         "load a trained router approaches; a model fresh from init routes most tokens to a few "
+                         "experts, and EP ranks then wait for the busiest")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
@@ -160,6 +172,9 @@ def main() -> None:
     model = build_model(cfg, rt, groups)  # this rank's slices only, as the trainer builds them
     build_s = time.perf_counter() - t_build
     apply_model_memory_policy(model, cfg)
+    if args.balanced_routing:
+        for layer in model.moe_layers():
+            layer.router.register_forward_pre_hook(balanced_ids)
     optimizer = build_optimizer(model, cfg, groups) if parallel else build_adamw(model, cfg.optimizer)
     cuda = rt.device.type == "cuda"
     total = args.warmup + args.steps + args.profile_steps
