@@ -88,6 +88,20 @@ _ROW_CONFIGS = [
 ]
 
 
+@triton.jit
+def _row_max_sumexp(row_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One pass over a row of V logits: its max m and Σexp(x - m), rescaled online block by block."""
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    return m, s
+
+
 # restore_value: the kernel overwrites the block, so each config tried must start from the same logits.
 @triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V", "WRITE_GRAD"], restore_value=["logits_ptr"])
 @triton.jit
@@ -99,14 +113,7 @@ def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, V: tl.constexpr, WRITE_GRA
     row_ptr = logits_ptr + row * V
     label = tl.load(labels_ptr + row).to(tl.int64)
     valid = label != IGNORE
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
+    m, s = _row_max_sumexp(row_ptr, V, BLOCK_V)
     lse = m + tl.log(s)
     target = tl.load(row_ptr + tl.where(valid, label, 0)).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
@@ -156,14 +163,7 @@ def ce_slice_grad_reference(logits: torch.Tensor, local_labels: torch.Tensor, ls
 def _ce_slice_stats_kernel(logits_ptr, local_labels_ptr, stats_ptr, C, V: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * V
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
+    m, s = _row_max_sumexp(row_ptr, V, BLOCK_V)
     label = tl.load(local_labels_ptr + row).to(tl.int64)
     target = tl.load(row_ptr + tl.maximum(label, 0)).to(tl.float32)
     tl.store(stats_ptr + row, m)
