@@ -3,16 +3,20 @@ them, then the seeded initial weights read box by box), and they are exactly the
 process initialises.
 
 Four gloo processes per layout: tp2 x ep2 with sequence parallelism and a shared expert; pp2 x etp2 (w13 in its
-[E, h, 2, f] view); cp2 x ep2. On every rank, `train.build_model` against the reference way (the whole model initialised, then
+[E, h, 2, f] view); cp2 x ep2; ep2 x etp2 (each rank one quarter of every expert's f, from the second expert on for
+half of them). On every rank, `train.build_model` against the reference way (the whole model initialised, then
 `parallelize`): the same parameter names, values (exactly), buffers and parallel attributes; then one training step on
 each: the same loss and the same parameters after it (exactly), so the materialised parameters carry everything
-parallelism attached (sequence parallel's gradient hooks included). `checkpoint.init_from` then reads each rank's
-boxes of a single-process checkpoint: the same slices as loading the whole model and cutting it. The seeded values
-are drawn only when nothing will be loaded over them (init_from, or a resume unless the RL reference needs them).
+parallelism attached (sequence parallel's gradient hooks included). The layouts run with blocks of a few rows
+(`BLOCK_ELEMS`), so that the boxes start and end inside blocks, as a large model's do: the tiny model's parameters
+are each one block at the default size. `checkpoint.init_from` then reads each rank's boxes of a single-process
+checkpoint: the same slices as loading the whole model and cutting it. The seeded values are drawn only when nothing
+will be loaded over them (init_from, or a resume unless the RL reference needs them).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from datetime import timedelta
 
@@ -22,12 +26,14 @@ import torch.distributed as dist
 
 from parallel_harness import make_batches, save_step_one, spawn_ranks, tiny_config
 from services.checkpointer.shard import Shard
-from services.trainer.model.initial_weights import Drawn, initial_values
+from services.trainer.model import initial_weights
+from services.trainer.model.initial_weights import SeededInit, block_seed
 from services.trainer.model.transformer import MoETransformer
 
 LAYOUTS = {"tp2-ep2-sp": dict(tp=2, ep=2, sequence_parallel=True), "pp2-etp2": dict(pp=2, etp=2),
-           "cp2-ep2": dict(cp=2, ep=2)}
+           "cp2-ep2": dict(cp=2, ep=2), "ep2-etp2": dict(ep=2, etp=2)}
 ATTRIBUTES = ("tensor_parallel_dim", "expert_box", "sequence_parallel")
+SMALL_BLOCKS = 200  # random numbers per block in the layouts: 6 rows of the [*, 32] matrices, one expert of w13/w2
 
 
 def layout_config(layout: str, init_from: str = ""):
@@ -58,6 +64,7 @@ def _worker(rank: int, world: int, out_dir: str, layout: str, init_from: str) ->
     from services.trainer.train import Runtime, build_model
 
     torch.set_num_threads(1)
+    initial_weights.BLOCK_ELEMS = SMALL_BLOCKS  # a spawned process: for the build and the reference alike
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous-{layout}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
@@ -119,22 +126,38 @@ def test_init_from_reads_each_ranks_boxes_of_a_single_process_checkpoint(tmp_pat
     _check(results)
 
 
-def test_the_initial_values_are_the_whole_models_init_and_read_alike_in_either_view_of_w13():
+@pytest.mark.parametrize("block_elems", [initial_weights.BLOCK_ELEMS, 100], ids=["default", "small"])
+def test_the_seeded_init_reads_any_box_alike_in_either_view_of_w13(block_elems, monkeypatch):
+    monkeypatch.setattr(initial_weights, "BLOCK_ELEMS", block_elems)
     cfg = tiny_config()
     model = MoETransformer(cfg.model)
     model.init_weights(5)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    values = dict(initial_values(cfg.model, 5, shapes))
-    for name, p in model.named_parameters():
-        assert torch.equal(values[name], p.detach()), name
+    init = SeededInit(cfg.model, 5, shapes)
+    whole = {n: p.detach() for n, p in model.named_parameters()}
+    assert all(torch.equal(init.read(n), p) for n, p in whole.items())  # init_weights' values
+    emb = "embed.weight"
+    assert torch.equal(init.read(emb, (5, 3), (50, 7)), whole[emb][5:55, 3:10])  # starts and ends inside blocks
     w13 = "layers.0.mlp.experts.w13"
     E, h, two_f = shapes[w13]
-    drawn = Drawn(values[w13])
-    assert torch.equal(drawn.read(w13, (1, 3, 4), (2, 5, 6)), values[w13][1:3, 3:8, 4:10])
-    four = Drawn(values[w13].view(E, h, 2, two_f // 2))
-    assert torch.equal(four.read(w13, (0, 0, 1, 0), (E, h, 1, two_f // 2)).reshape(E, h, -1),
-                       values[w13][..., two_f // 2:])  # the up half
-    assert not torch.equal(dict(initial_values(cfg.model, 6, shapes))[w13], values[w13])  # the seed matters
+    assert torch.equal(init.read(w13, (1, 3, 4), (2, 5, 6)), whole[w13][1:3, 3:8, 4:10])
+    four = SeededInit(cfg.model, 5, {w13: (E, h, 2, two_f // 2)})
+    assert torch.equal(four.read(w13).reshape(E, h, two_f), whole[w13])
+    assert torch.equal(init.read("norm.weight"), torch.ones(shapes["norm.weight"]))
+    assert not torch.equal(SeededInit(cfg.model, 6, shapes).read(w13), whole[w13])  # the seed matters
+
+
+def test_a_box_draws_only_the_blocks_its_rows_touch(monkeypatch):
+    """An expert-parallel rank draws its own experts' numbers and no others (one expert per block here)."""
+    cfg = tiny_config()
+    with initial_weights.parameters_on_meta():
+        shapes = {n: tuple(p.shape) for n, p in MoETransformer(cfg.model).named_parameters()}
+    w13 = "layers.0.mlp.experts.w13"
+    monkeypatch.setattr(initial_weights, "BLOCK_ELEMS", math.prod(shapes[w13][1:]))
+    drawn = []
+    monkeypatch.setattr(initial_weights, "block_seed", lambda *a: drawn.append(a[1:]) or block_seed(*a))
+    SeededInit(cfg.model, 5, shapes).read(w13, (2, 0, 0), (2, *shapes[w13][1:]))
+    assert drawn == [(w13, 2), (w13, 3)] or drawn == [(w13, 3), (w13, 2)]  # one thread per block
 
 
 @pytest.mark.parametrize("init_from, resume_from, force, drawn", [
@@ -160,7 +183,7 @@ def test_the_initial_values_are_drawn_only_when_nothing_is_loaded_over_them(init
     if resume_from:
         write_checkpoint(tmp_path / "ckpt", state, cfg.model, "resume", "test", "")
     draws = []
-    monkeypatch.setattr(train, "initial_values", lambda *a: draws.append(a) or initial_values(*a))
+    monkeypatch.setattr(train, "SeededInit", lambda *a: draws.append(a) or SeededInit(*a))
     model = train.build_model(cfg, train.Runtime(0, 1, torch.device("cpu"), None), init_groups(cfg, 1, 0),
                               force_init=force)
     assert bool(draws) == drawn

@@ -28,7 +28,7 @@ from services.trainer import checkpointing
 from services.trainer.metrics import (MetricsLog, StepEnd, StepValues, datasheet_peak, flops_per_token,
                                       measure_peak_tflops)
 from services.trainer.model.mtp import mean_per_target
-from services.trainer.model.initial_weights import Drawn, initial_values, materialize, parameters_on_meta
+from services.trainer.model.initial_weights import SeededInit, materialize, parameters_on_meta
 from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import build_adamw, clip_and_step, lr_at, set_lr
@@ -96,26 +96,24 @@ def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bo
     rank's slices of the folded layout, then each slice gets device memory and its values: `checkpoint.init_from`'s,
     unless a resume (from `source`, see `checkpointing.restore`) will overwrite them (`force_init`: load them anyway),
     else the seeded initial weights (model/initial_weights.py: what a single process starts from, whatever the layout;
-    drawn whole one parameter at a time, of which the rank keeps its boxes). Those are drawn only when nothing will be
-    loaded over them: at tens of billions of parameters the draw takes minutes. A resume loads after the optimizer
-    exists, so until then the values of a resuming model are undefined (`force_init`: the RL reference policy copies
-    the model first and draws when there is no init_from). The memory policy is the caller's to apply, last (it wraps
-    the cores parallelize swapped in; RL copies its reference model first)."""
+    the rank draws only the blocks of rows its boxes touch, on all cores). Those are drawn only when nothing will be
+    loaded over them: a rank's share of tens of billions of parameters is still billions of random numbers. A resume
+    loads after the optimizer exists, so until then the values of a resuming model are undefined (`force_init`: the RL
+    reference policy copies the model first and draws when there is no init_from). The memory policy is the caller's
+    to apply, last (it wraps the cores parallelize swapped in; RL copies its reference model first)."""
     with parameters_on_meta():
         model = MoETransformer(cfg.model)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # the whole model's, as saved
-    drawn_in_order = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if rt.world_size > 1:
         parallelize(model, cfg, groups)
     materialize(model, rt.device)
     model.to(rt.device)  # the buffers
     loaded = checkpointing.init_from(cfg, model, rt.rank, force_init, source, groups, shapes)
     if loaded is None and (force_init or checkpointing.resumable(cfg, source) is None):
-        mine = dict(model.named_parameters())
+        init = SeededInit(cfg.model, cfg.run.seed, shapes)
         with torch.no_grad():
-            for name, value in initial_values(cfg.model, cfg.run.seed, drawn_in_order):
-                if name in mine:  # else another pipeline stage's
-                    mine[name].copy_(read_local(Drawn(value), name, mine[name], groups))
+            for name, p in model.named_parameters():
+                p.copy_(read_local(init, name, p, groups))
     return model
 
 

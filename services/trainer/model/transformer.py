@@ -125,7 +125,7 @@ class MoETransformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic init from `seed`, independent of device and of how the model is later sharded: the values of
-        initial_weights.py's `initial_values`, of which a parallel rank keeps only its own slices."""
+        initial_weights.py's `SeededInit`, which a parallel rank reads only its own slices of."""
         initial_state(self, seed)
         for m in self.modules():
             if isinstance(m, MoELayer):
