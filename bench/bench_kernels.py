@@ -43,15 +43,18 @@ class Case:
 HOST_SLACK_CYCLES = 50_000_000
 
 
-def time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
+def time_ms(fn: Callable[[], object], warmup: int, reps: int, before: Callable[[], object] | None = None) -> float:
     """Median device milliseconds of one call of `fn` over `reps`. Each call is queued behind a GPU sleep, so the
     host's time to launch it (Python, autograd, many small torch ops) is not counted: in training the host runs ahead
-    of the device, and a host-bound timing would flatter a kernel against a reference of many small ops."""
+    of the device, and a host-bound timing would flatter a kernel against a reference of many small ops. `before`
+    runs untimed ahead of each call (a barrier, so that the ranks of a collective start together)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(HOST_SLACK_CYCLES)
         start.record()

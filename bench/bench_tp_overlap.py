@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -25,25 +24,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-HOST_SLACK_CYCLES = 50_000_000
+from bench.bench_kernels import time_ms as bench_time_ms  # noqa: E402
 
 
 def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(HOST_SLACK_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor(statistics.median(times), device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower rank's median
+    """The slower rank's median device ms of `fn` (`bench_kernels.time_ms`, the ranks aligned by a barrier)."""
+    t = torch.tensor(bench_time_ms(fn, 3, reps, before=dist.barrier), device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 

@@ -60,3 +60,23 @@ def kernels_on_device(monkeypatch):
     """CPU tensors go through the Triton interpreter for the duration of a kernel test."""
     if not ON_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@contextlib.contextmanager
+def interpreted_gloo_rank(rank: int, world: int, out_dir: str, timeout_s: float = 120.0):
+    """A spawned test rank of a gloo group (file rendezvous in `out_dir`) whose CPU tensors take the Triton kernels
+    through the interpreter, as `kernels_on_device` does for a test in this process; on a CUDA machine the ranks'
+    CPU tensors take the torch path (this process's triton is built for the GPU)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not ON_CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

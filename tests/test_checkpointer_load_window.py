@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.bench_resume_load import SERVE  # the checkpointer's gRPC and load socket in a process of their own
 from proto import checkpointer_pb2 as pb
 from services.checkpointer import remote
 from services.checkpointer.box_server import POLL_MS, BoxServer
@@ -188,18 +189,6 @@ def test_leaving_a_fetch_with_requests_in_flight_leaves_nothing_for_the_next(ser
     assert source._boxes is None
     assert torch.equal(ckpt.read("w"), state["w"]) and torch.equal(ckpt.read("ids"), state["ids"])
 
-
-SERVE = """
-import sys, time
-from services.checkpointer.box_server import BoxServer
-from services.checkpointer.control import serve_grpc
-from services.checkpointer.store import CheckpointStore
-store = CheckpointStore(sys.argv[1], keep_last=0)
-server, address = serve_grpc(store, writer=None)
-boxes = BoxServer(store).start()
-print(address, boxes.endpoint, flush=True)
-time.sleep(3600)
-"""
 
 
 def test_a_service_killed_with_a_window_in_flight_is_a_prompt_error_naming_the_dropped_connection(

@@ -7,13 +7,10 @@ both sides do the same arithmetic up to the order of sums (over the ranks' slice
 atol 1e-6, as for the single-rank kernel (tests/test_kernels_cross_entropy.py).
 """
 
-import os
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-from kernels_interpreter import DEVICE, ON_CUDA, kernels_on_device  # noqa: F401  (first: before triton is imported)
+from kernels_interpreter import DEVICE, ON_CUDA, interpreted_gloo_rank, kernels_on_device  # noqa: F401  (first)
 from parallel_harness import spawn_ranks
 
 from kernels.cross_entropy import (ce_slice_grad_reference, ce_slice_grad_triton, ce_slice_stats_reference,
@@ -44,12 +41,7 @@ def slice_bounds(V: int, world: int) -> list[int]:
 
 
 def _worker(rank, world, case, chunk, out_dir):
-    if not ON_CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with interpreted_gloo_rank(rank, world, out_dir):
         h, w, labels = make_case(*case)
         cuts = slice_bounds(w.shape[0], world)
         start, stop = cuts[rank], cuts[rank + 1]
@@ -61,8 +53,6 @@ def _worker(rank, world, case, chunk, out_dir):
             loss.mul(0.5).backward()  # an incoming gradient other than 1
             out[impl] = (loss.detach(), hh.grad, ww.grad, (start, stop))
         torch.save(out, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 # T, H, V, chunk: several chunks with a ragged tail; a vocabulary over the kernel's first 4096-column block.

@@ -9,13 +9,9 @@ not, and a single process feeds both ranks' tokens to the whole layer. fp32: the
 1e-6 (the experts' gradients against one process: atol 1e-5, see below).
 """
 
-import os
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-from kernels_interpreter import ON_CUDA  # noqa: F401  (first: before triton is imported)
+from kernels_interpreter import ON_CUDA, interpreted_gloo_rank  # first: before triton is imported
 from parallel_harness import spawn_ranks, tiny_config
 
 from services.trainer.model.moe.moe_layer import MoELayer
@@ -57,16 +53,11 @@ def _run(layer: MoELayer, x: torch.Tensor, cotangent: torch.Tensor) -> dict:
 
 
 def _worker(rank, world, capacity_factor, out_dir):
-    if not ON_CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    import kernels.permute
-    from services.trainer.parallel.expert_parallel import apply_expert_parallel
-    from services.trainer.parallel.groups import init_groups
+    with interpreted_gloo_rank(rank, world, out_dir):
+        import kernels.permute
+        from services.trainer.parallel.expert_parallel import apply_expert_parallel
+        from services.trainer.parallel.groups import init_groups
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
         cfg = _layer_config(capacity_factor)
         holder = torch.nn.ModuleDict({"moe": _whole_layer(cfg)})
         apply_expert_parallel(holder, init_groups(cfg))
@@ -80,8 +71,6 @@ def _worker(rank, world, capacity_factor, out_dir):
             layer.dispatcher.fused = fused
             runs[fused] = _run(layer, x, cotangent)
         torch.save({"runs": runs, "fused_calls": len(calls)}, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.75], ids=["dropless", "capacity"])

@@ -98,8 +98,8 @@ class ModelConfig:
     # kernel, backward in one more: 2.28x torch forward + backward at Qwen3 shapes, device time; where it does not
     # apply, e.g. group-limited routing, capacity or the sequence aux loss, the router runs in torch), "cross_entropy" (output
     # layer + loss over chunks of tokens, no [T, vocab] logits: kernels/cross_entropy.py; on an H100 +9% step
-    # throughput and -11 GiB at the Qwen3 shape; under tensor parallelism over each rank's vocabulary slice, 1.22x
-    # the vocab-parallel cross-entropy on logits at TP2·EP2 on two H200s: bench/RESULTS.md).
+    # throughput and -11 GiB at the Qwen3 shape; under tensor parallelism over each rank's vocabulary slice: the
+    # TP2·EP2 step 1.22x as fast as with the vocab-parallel cross-entropy on logits, two H200s; bench/RESULTS.md).
     moe_kernels: list[str] = field(default_factory=lambda: ["permutation", "activation", "router", "cross_entropy"])
     # FP8 GEMMs on CUDA: "" (off), "tensorwise" or "blockwise" (DeepSeek-V3: 1x128 activation, 128x128 weight blocks).
     # Routed experts: our Triton grouped GEMM (kernels/fp8_grouped_mm.py; tensorwise = a scale per activation row and

@@ -133,7 +133,7 @@ class _CountsKnown:
 class _RowOrder(torch.autograd.Function):
     """x[index] for a permutation `index` of x's rows whose inverse is `inverse`. Backward gathers the gradient by
     the inverse: indexing's own backward scatters it with an accumulating index_put, which sorts the indices first
-    (4.6 ms of a 124 ms DP2·EP2 step on H200s, bench/RESULTS.md)."""
+    (4.6 ms per DP2·EP2 step of the 4-layer Qwen3 shape in a trace on H200s, bench/RESULTS.md)."""
 
     @staticmethod
     def forward(ctx, x, index, inverse):
