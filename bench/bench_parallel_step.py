@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=8 bench/bench_parallel_step.py --config configs/qwen3_30b_a3b.yaml \
         model.num_layers=2 data.micro_batch_size=2 parallel.ep=8 [--warmup 3] [--steps 8] [--profile-steps 3] \
-        [--json out.jsonl] [--balanced-routing]
+        [--json out.jsonl] [--balanced-routing] [--trace DIR]
     torchrun --standalone --nproc_per_node=2 bench/bench_parallel_step.py --config configs/tiny.yaml parallel.ep=2
     torchrun --standalone --nproc_per_node=2 bench/bench_parallel_step.py --config configs/qwen3_30b_a3b.yaml \
         model.num_layers=8 data.grad_accum=8 parallel.pp=2 [parallel.pp_virtual=2]   # plain vs interleaved 1F1B
@@ -161,6 +161,9 @@ def main() -> None:
                     help="every MoE layer sends token t to experts (t*k + j) mod E, j < k (routing replay): the even "
                          "load a trained router approaches; a model fresh from init routes most tokens to a few "
                          "experts, and EP ranks then wait for the busiest")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write the profiled steps as DIR/trace_rank<r>.json (Chrome trace, for bench/trace_gaps.py) "
+                         "and DIR/host_ops_rank<r>.txt (operators by host time)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
@@ -227,6 +230,8 @@ def main() -> None:
             for i in range(args.warmup + args.steps, total):
                 step(i)
             wall_us = (time.perf_counter() - t0) * 1e6
+        if args.trace:
+            write_trace(prof, Path(args.trace), rt.rank)
         figures = profile_summary(prof.events(), cuda)
         figures["step"] = {"wall": wall_us}
         # ms per profiled step, mean over ranks (each rank's exposed comm and idle time are its own).
@@ -289,6 +294,14 @@ def main() -> None:
                 fh.write(json.dumps(result) + "\n")
     if parallel:
         dist.destroy_process_group()
+
+
+def write_trace(prof, out: Path, rank: int) -> None:
+    """`--trace`: the profiled steps' Chrome trace and a table of operators by host (self CPU) time."""
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
+    (out / f"host_ops_rank{rank}.txt").write_text(
+        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
 
 
 NO_DATA = SimpleNamespace(state=lambda: {"position": 0})  # synthetic batches: no dataloader position to save
