@@ -164,12 +164,16 @@ def test_a_box_draws_only_the_blocks_its_rows_touch(monkeypatch):
     (False, False, False, True),  # a fresh run
     (True, False, False, False),  # init_from's weights
     (False, True, False, False),  # a resume loads over them after the optimizer exists
+    (True, True, False, False),  # ... and init_from is ignored: the resume wins
     (False, True, True, True),  # the RL reference policy is the initial one: drawn, then the resume loads the policy
     (True, True, True, False),  # ... or init_from's
 ])
 def test_the_initial_values_are_drawn_only_when_nothing_is_loaded_over_them(init_from, resume_from, force, drawn,
-                                                                            tmp_path, monkeypatch):
+                                                                            tmp_path, monkeypatch, capsys):
+    """And build_model asks for the newest checkpoint once (whether init_from loads and whether to draw are both
+    answered by it; the RL reference policy, which loads or draws whatever a resume does later, asks none)."""
     from services.checkpointer.convert import write_checkpoint
+    from services.checkpointer.load import DirectorySource
     from services.trainer import train
     from services.trainer.parallel.groups import init_groups
 
@@ -182,12 +186,17 @@ def test_the_initial_values_are_drawn_only_when_nothing_is_loaded_over_them(init
         cfg.checkpoint.init_from = str(write_checkpoint(tmp_path / "init", state, cfg.model, "init", "test", ""))
     if resume_from:
         write_checkpoint(tmp_path / "ckpt", state, cfg.model, "resume", "test", "")
-    draws = []
+    draws, scans = [], []
     monkeypatch.setattr(train, "SeededInit", lambda *a: draws.append(a) or SeededInit(*a))
+    newest = DirectorySource.newest
+    monkeypatch.setattr(DirectorySource, "newest", lambda self, *a, **k: scans.append(a) or newest(self, *a, **k))
     model = train.build_model(cfg, train.Runtime(0, 1, torch.device("cpu"), None), init_groups(cfg, 1, 0),
                               force_init=force)
     assert bool(draws) == drawn
-    if init_from:
+    assert len(scans) == (0 if force else 1)
+    ignored = f"checkpoint.init_from={cfg.checkpoint.init_from} ignored: resuming from {tmp_path / 'ckpt'}/step_"
+    assert (ignored in capsys.readouterr().err) == (init_from and resume_from and not force)
+    if init_from and (force or not resume_from):
         assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
     elif drawn:
         reference = MoETransformer(cfg.model)

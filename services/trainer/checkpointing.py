@@ -378,19 +378,20 @@ def resumable(cfg: Config, source: CheckpointSource | None = None) -> Path | str
         return ckpt.path  # a remote one's names the checkpointer it is read through
 
 
-def init_from(cfg: Config, model: nn.Module, rank: int = 0, force: bool = False, source: CheckpointSource | None = None,
-              groups: Any = None, shapes: dict[str, tuple[int, ...]] | None = None) -> Path | None:
-    """Loads the *model weights only* of `checkpoint.init_from` into `model`, when set and the run has nothing to
-    resume in `checkpoint.dir`; the optimizer, the step and the data position stay fresh. `force`: load even when a
-    resume will follow and overwrite them (the RL reference policy is the initial one). `source`: where a resume would
-    read (as `restore`). `model` is the whole model, or with `groups` this rank's slices of a folded layout, each read
-    as its own box, and `shapes` the whole model's state (name -> shape). Returns the checkpoint loaded, or None."""
+def init_from(cfg: Config, model: nn.Module, rank: int = 0, resuming: Path | str | None = None, groups: Any = None,
+              shapes: dict[str, tuple[int, ...]] | None = None) -> Path | None:
+    """Loads the *model weights only* of `checkpoint.init_from` into `model`, when set and `resuming` is None; the
+    optimizer, the step and the data position stay fresh. `resuming`: the checkpoint a resume will load over them
+    (`resumable`'s answer, which the caller also needs, so it scans the manifests once), or None to load (nothing to
+    resume, or the RL reference policy, which is the initial one). `model` is the whole model, or with `groups` this
+    rank's slices of a folded layout, each read as its own box, and `shapes` the whole model's state (name -> shape).
+    Returns the checkpoint loaded, or None."""
     from services.trainer.parallel.checkpoint_shards import read_local
 
     spec = cfg.checkpoint.init_from
     if not spec:
         return None
-    if not force and (resuming := resumable(cfg, source)) is not None:
+    if resuming is not None:
         if rank == 0:
             print(f"trainer: checkpoint.init_from={spec} ignored: resuming from {resuming}", file=sys.stderr)
         return None

@@ -108,8 +108,9 @@ def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bo
         parallelize(model, cfg, groups)
     materialize(model, rt.device)
     model.to(rt.device)  # the buffers
-    loaded = checkpointing.init_from(cfg, model, rt.rank, force_init, source, groups, shapes)
-    if loaded is None and (force_init or checkpointing.resumable(cfg, source) is None):
+    resuming = None if force_init else checkpointing.resumable(cfg, source)  # one manifest scan, for both questions
+    loaded = checkpointing.init_from(cfg, model, rt.rank, resuming, groups, shapes)
+    if loaded is None and resuming is None:
         init = SeededInit(cfg.model, cfg.run.seed, shapes)
         with torch.no_grad():
             for name, p in model.named_parameters():
