@@ -135,6 +135,35 @@ def test_aux_loss_gradient_reaches_the_router_through_the_layer_output():
     assert not torch.allclose(with_aux, layer.router.weight.grad)
 
 
+@pytest.mark.parametrize("aux_loss_type", ["micro_batch", "sequence", "global"])
+def test_router_padding_rows_add_nothing_to_the_load_or_the_aux_and_z_losses(aux_loss_type):
+    """Rows named by `Router.padding` (an RL micro-batch padded for SP/CP, with a document of its own) leave the load,
+    the aux loss, the z-loss and their gradient those of the real tokens alone, wherever the padding rows are."""
+    router = make_layer(aux_loss_coeff=1.0, z_loss_coeff=0.5, aux_loss_type=aux_loss_type).router.train()
+    gen = torch.Generator().manual_seed(2)
+    x, seg = torch.randn(9, 16, dtype=torch.float64, generator=gen), torch.tensor([0] * 5 + [1] * 4)
+    order = torch.randperm(12, generator=gen)  # the 3 padding rows (9, 10, 11) land among the tokens
+    padded_x = torch.cat([x, torch.randn(3, 16, dtype=torch.float64, generator=gen)])[order]
+    padded_seg, padding = torch.cat([seg, torch.full((3,), 2)])[order], order >= 9
+
+    def route(x, seg, padding):
+        router.zero_grad()
+        router.tokens_per_expert.zero_()
+        router.reset_step_statistics()
+        router.padding = padding
+        try:
+            aux = router(x, seg).aux_loss
+        finally:
+            router.padding = None
+        aux.backward()
+        return aux.detach(), router.weight.grad.clone(), router.tokens_per_expert.clone()
+
+    real, padded = route(x, seg, None), route(padded_x, padded_seg, padding)
+    for got, want in zip(padded, real, strict=True):
+        torch.testing.assert_close(got, want)
+    assert real[0] > 0 and real[2].sum() == 9 * router.top_k
+
+
 def test_capacity_keeps_the_highest_scoring_tokens_per_expert():
     scores = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.4, 0.6]])
     ids = torch.tensor([[0], [0], [0], [1]])

@@ -347,9 +347,9 @@ def test_rl_steps_on_pp2_with_two_chunks_each_match_one_process(tmp_path):
 
 
 def test_rl_padding_leaves_the_load_only_of_the_layers_a_chunk_ran():
-    """Under sequence parallelism an RL micro-batch is padded; the padding tokens' replayed routing is taken back out
-    of the routers' load after each forward. A chunk's forward may take it out only of its own layers: the stage's
-    other chunk has not seen the padding yet (and takes it out itself when it runs)."""
+    """Under sequence parallelism an RL micro-batch is padded; the routers leave the padding rows out of their load
+    (`Router.padding`, set around each forward). A chunk's forward counts only in its own layers: the stage's other
+    chunk has not seen the micro-batch yet, and counts its real tokens when it runs."""
     from services.trainer.rl.folded import PolicyInput, policy_forward
 
     model = _rl_model()
@@ -358,12 +358,12 @@ def test_rl_padding_leaves_the_load_only_of_the_layers_a_chunk_ran():
     routing = torch.zeros(3, 6, k, dtype=torch.int64)  # [MoE layers of the whole model, tokens, k]
     tokens = torch.arange(6)
     p = PolicyInput(None, tokens, torch.arange(6), torch.tensor([0, 4, 6], dtype=torch.int32), routing,
-                    local_pad=routing[1:2, 4:], filler=False, max_seqlen=4, cp_layout=None)
+                    padding=tokens >= 4, filler=False, max_seqlen=4, cp_layout=None)
     (moe,) = model.moe_layers()
-    with policy_forward(model, p, None, range(0, 1)):  # the chunk of layer 0: no MoE layer ran
+    with policy_forward(model, p, None):  # the chunk of layer 0: no MoE layer ran
         model(p.tokens, p.position_ids, p.cu_seqlens, layers=range(0, 1))
     assert moe.router.tokens_per_expert.sum() == 0
-    with policy_forward(model, p, None, range(2, 3)):  # layer 2's chunk: 4 real tokens x top-k counted
+    with policy_forward(model, p, None):  # layer 2's chunk: 4 real tokens x top-k counted
         moe_in = torch.randn(6, model.cfg.hidden_size)
         model(p.tokens, p.position_ids, p.cu_seqlens, hidden=moe_in, layers=range(2, 3))
     assert moe.router.tokens_per_expert.sum() == 4 * k

@@ -16,10 +16,11 @@ Tolerance (fp32): 1e-5 relative L2 for weights, 1e-5 relative plus 1e-7 absolute
 
 The samples are 9 and 10 tokens long, so micro-batches are padded to 4·k (8·k with TP) and documents straddle the
 zigzag chunks: a query sees keys of its document on the other rank. "replay_kl" (one sample per micro-batch, recomputed
-old log-probs, truncated importance weights, KL to a reference copied from the parallelized policy) and "packed"
-(several samples per micro-batch) both run, with the MoE aux loss off (the padding would join its statistics, as with
-sequence-parallel padding). A rank that ran whole micro-batches, or loss sums not summed over CP, doubles or halves the
-loss and the metrics; per-token tensors cut by another index than the tokens misalign log-probs and advantages.
+old log-probs, truncated importance weights, KL to a reference copied from the parallelized policy, the router's
+micro-batch aux loss and z-loss on: the 2-3 padding tokens of each micro-batch must join neither) and "packed"
+(several samples per micro-batch) both run. A rank that ran whole micro-batches, or loss sums not summed over CP,
+doubles or halves the loss and the metrics; per-token tensors cut by another index than the tokens misalign log-probs
+and advantages.
 The padding's routed load is kept out of the expert load the bias update reads: equal to one process's exactly.
 """
 

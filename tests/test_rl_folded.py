@@ -13,9 +13,10 @@ deals it (`pack_step` for the layout's dp size; the TP ranks of a replica get th
 Pipeline layouts run through the same harness (`run_and_compare`) in tests/test_rl_pipeline.py.
 
 Two scenarios each: "replay_kl" (one sample per micro-batch, recomputed old log-probs with truncated importance
-weights, KL to a reference model copied from the parallelized policy; the MoE aux loss is on where TP is off — with TP
-the padding tokens would join the micro-batch aux statistics, see rl/folded.py) and "packed" (several samples per
-micro-batch, ratio against the rollout log-probs). Compared: every metric of every step and every weight after every
+weights, KL to a reference model copied from the parallelized policy, the router's micro-batch aux loss and z-loss on:
+with TP the odd 9-token samples are padded by one token, which the routers leave out of both, see rl/folded.py) and
+"packed" (several samples per micro-batch, ratio against the rollout log-probs, no aux or z loss: the DP replicas
+pack other micro-batches than one process). Compared: every metric of every step and every weight after every
 step. Tolerance (fp32): 1e-5 relative L2 for weights, 1e-5 relative plus 1e-7 absolute for scalar metrics — the
 parallel sides sum in other orders (TP row-parallel partial sums, all-reduced softmax statistics), nothing more —
 except `logprob_mismatch` before the first update: the mean |log-prob - rollout log-prob| of the very policy that
@@ -49,16 +50,14 @@ SCENARIOS = {
     "replay_kl": dict(micro_batch_tokens=1, recompute_logprobs=True, tis_cap=2.0, kl_coef=0.05),
     "packed": dict(micro_batch_tokens=40, recompute_logprobs=False, kl_coef=0.0),
 }
-
-
-def _aux(layout: dict, scenario: str) -> float:
-    # off where padding tokens join the micro-batch aux statistics: sequence-parallel (TP) and CP padding
-    return 1e-2 if scenario == "replay_kl" and layout.get("tp", 1) == 1 and layout.get("cp", 1) == 1 else 0.0
+# The router's losses of each scenario: on where both sides run the same micro-batches (one sample each), padded or not
+ROUTER_LOSSES = {"replay_kl": dict(aux_loss_coeff=1e-2, z_loss_coeff=1e-2),
+                 "packed": dict(aux_loss_coeff=0.0, z_loss_coeff=0.0)}
 
 
 def _config(layout: dict, scenario: str) -> Config:
     cfg = Config()
-    cfg.model = tiny_model_config(aux_loss_coeff=_aux(layout, scenario))
+    cfg.model = tiny_model_config(**ROUTER_LOSSES[scenario])
     for k, v in SCENARIOS[scenario].items():
         setattr(cfg.rl, k, v)
     cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad, cfg.optimizer.eps = 1e-3, 0.1, 0.05, 1e-6
@@ -68,14 +67,13 @@ def _config(layout: dict, scenario: str) -> Config:
     return cfg
 
 
-def _model(aux: float):
-    return tiny_model(seed=MODEL_SEED, aux_loss_coeff=aux).train()
+def _model(aux: float, z: float = 0.0):
+    return tiny_model(seed=MODEL_SEED, aux_loss_coeff=aux, z_loss_coeff=z).train()
 
 
-def _reference(aux: float, scenario: str, steps: list[list]) -> dict:
+def _reference(scenario: str, steps: list[list]) -> dict:
     cfg = _config(dict(), scenario)
-    cfg.model.aux_loss_coeff = aux
-    model = _model(aux)
+    model = _model(cfg.model.aux_loss_coeff, cfg.model.z_loss_coeff)
     metrics, weights = [], []
     for m in single_process_rl_steps(model, cfg, steps):
         metrics.append(m)
@@ -97,7 +95,7 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
             for scenario in SCENARIOS:
                 cfg = _config(layout, scenario)
                 groups = init_groups(cfg)
-                model = parallelize(_model(cfg.model.aux_loss_coeff), cfg, groups)
+                model = parallelize(_model(cfg.model.aux_loss_coeff, cfg.model.z_loss_coeff), cfg, groups)
                 ref = reference_model(model, cfg, groups)
                 opt = build_optimizer(model, cfg, groups)
                 gather = WeightGather(model, groups)
@@ -134,11 +132,10 @@ def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir:
     """Run `layouts` on `world` gloo ranks (`_worker`) and compare every rank's metrics and rank 0's gathered weights
     with one process."""
     ranks = spawn_ranks(_worker, (world, layouts, steps, out_dir), world, out_dir, timeout_s=TIMEOUT_S)
-    refs = {}
+    refs = {scenario: _reference(scenario, steps) for scenario in SCENARIOS}
     for layout in layouts:
         for scenario in SCENARIOS:
-            aux = _aux(layout, scenario)
-            ref = refs.setdefault((aux, scenario), _reference(aux, scenario, steps))
+            ref = refs[scenario]
             key = (str(layout), scenario)
             for r, rank in enumerate(ranks):
                 for step, (mr, mp_) in enumerate(zip(ref["metrics"], rank[key]["metrics"], strict=True)):

@@ -10,9 +10,9 @@ RL micro-batches are packed without padding (the dataloader's RL source), so the
 equal chunks: a micro-batch is first padded, with one separate padding document at its end (it attends only to
 itself; its targets are ignored), to a multiple of 2·cp·sp (sp: the sequence-parallel size, so that each rank's cut
 also splits evenly over TP; rl/folded.py then adds no padding of its own). The padding tokens' positions among the
-rank's tokens travel with the cut (`RLMicroBatch.padding`) so that their routed load is taken back out of the routers
-(rl/folded.py `_padding_excluded`). As with sequence-parallel padding, the micro-batch aux and z losses, if on, see
-the padding tokens (up to 2·cp·sp - 1 of them).
+rank's tokens travel with the cut (`RLMicroBatch.padding`) so that the routers leave them out, as they do the
+sequence-parallel padding (rl/folded.py `_padding_excluded`): out of the routed load, of the micro-batch aux
+statistics (counts, probabilities and the token count summed over the ranks) and of the z-loss.
 
 Token sums stay exact: each token lives on one CP rank, so the loss and metric sums are summed over DP×CP (rl/step.py)
 and the gradients over DP×CP (dense) and EDP (experts) by the distributed optimizer, as in pre-training.

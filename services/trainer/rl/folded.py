@@ -11,8 +11,9 @@ What changes against one process, and why:
 - **Sequence parallelism** (required for MoE under TP) splits each micro-batch's tokens over TP, so a micro-batch is
   padded to a multiple of tp with a separate padding document (it attends to nothing real, its log-probs are dropped)
   and the replayed expert ids are cut to each rank's token shard, as the MoE layer's input is. The padding tokens pass
-  through the routers: their load is taken back out of `tokens_per_expert` (the bias update sees real tokens only), but
-  the micro-batch aux/z losses, if on, see up to tp-1 padding tokens more than one process would.
+  through the routers, which are told their rows (`Router.padding`, cut to the rank's shard as well) and leave them
+  out of the load (`tokens_per_expert`: the bias update sees real tokens only), of the micro-batch aux statistics
+  all-reduced over the SP/CP ranks and of the z-loss: those losses are one process's.
 - **EP/ETP with routing replay**: replayed ids are global expert ids, exactly what the router's top-k produces, so the
   EP dispatchers route them unchanged to the ranks holding those experts.
 - **Equal forward counts**: when an EP group spans different DP replicas, its all-to-alls pair the ranks' forwards, so
@@ -46,12 +47,11 @@ import torch.distributed as dist
 from torch import nn
 
 from services.trainer.model.loss import IGNORE_INDEX
-from services.trainer.model.moe.router import expert_counts
 from services.trainer.parallel.context_parallel import bind_layout
 from services.trainer.parallel.differentiable import group_size, local_token_shard
 from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
-from services.trainer.rl.replay import owned_routing, recorded_moe_layers, routing_replay
+from services.trainer.rl.replay import recorded_moe_layers, routing_replay
 
 
 def check_layout(groups: ParallelGroups) -> None:
@@ -151,28 +151,25 @@ def _padded(mb, pad: int):
 
 
 @contextmanager
-def _padding_excluded(model: nn.Module, local_pad_ids: torch.Tensor | None, filler: bool, run: range | None = None):
-    """Keep padding and fillers out of the routers' load (and fillers out of the aux loss). `local_pad_ids`: the
-    padding tokens' replayed ids [this model's MoE layers, pad tokens of this rank, k]. `run`: the layer ids the
-    forward runs (a pipeline chunk; None: all), the only ones whose load the padding reached."""
+def _padding_excluded(model: nn.Module, padding: torch.Tensor | None, filler: bool):
+    """Keep padding out of the routers' load and their aux and z losses, and fillers out of the load and the losses.
+    `padding`: [tokens of this rank's MoE layers] bool, True at the padding tokens, whose rows the routers leave out
+    (model/moe/router.py `Router.padding`); a filler's load is restored and its losses scaled by 0."""
     layers = model.moe_layers()
     saved = [(m.router.tokens_per_expert.clone(), m.aux_loss_scale) for m in layers] if filler else None
-    if filler:
-        for m in layers:
+    for m in layers:
+        if filler:
             m.aux_loss_scale = 0.0
+        m.router.padding = padding
     try:
         yield
     finally:
+        for m in layers:
+            m.router.padding = None
         if filler:
             for m, (load, scale) in zip(layers, saved):
                 m.router.tokens_per_expert.copy_(load)
                 m.aux_loss_scale = scale
-        elif local_pad_ids is not None:
-            ran = [run is None or b.layer_id in run for b in model.layers.values() if b.is_moe]
-            with torch.no_grad():
-                for m, ids, counted in zip(layers, local_pad_ids, ran, strict=True):
-                    if counted:
-                        m.router.tokens_per_expert -= expert_counts(ids, m.router.num_experts).float()
 
 
 @dataclass
@@ -185,7 +182,7 @@ class PolicyInput:
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     routing: torch.Tensor  # [MoE layers of the whole model, (T + pad) / sp, k]
-    local_pad: torch.Tensor | None  # the padding tokens' ids among them, for this model's MoE layers
+    padding: torch.Tensor | None  # [(T + pad) / sp] bool: which of those rows are padding tokens (None: none)
     filler: bool
     max_seqlen: int | None  # the longest document, padding included (None: the attention reads it on the device)
     cp_layout: Any  # the micro-batch's CP layout (rl/cp_sharding.py), None when not cut
@@ -198,36 +195,34 @@ def policy_input(model: nn.Module, mb: Any) -> PolicyInput:
     T = mb.tokens.shape[0]
     pad = (-T) % sp
     tokens, pos, cu, routing = _padded(mb, pad)
-    pad_at = _padding_positions(mb, pad)
-    local_pad = None
-    if sp > 1:  # the MoE layers see this rank's token shard: so do the replayed ids
+    padding = _padding_rows(mb, pad)
+    if sp > 1:  # the MoE layers see this rank's token shard: so do the replayed ids and the padding rows
         routing = torch.stack([local_token_shard(ids, group) for ids in routing])
-        if pad_at is not None:
-            is_pad = torch.zeros(T + pad, dtype=torch.bool, device=tokens.device)
-            is_pad[pad_at] = True
-            local_pad = owned_routing(model, routing)[:, local_token_shard(is_pad, group)]
-    elif pad_at is not None:
-        local_pad = owned_routing(model, routing)[:, pad_at]
+        padding = None if padding is None else local_token_shard(padding, group)
     max_seqlen = None if mb.max_seqlen is None else max(mb.max_seqlen, pad)
-    return PolicyInput(mb, tokens, pos, cu, routing, local_pad, getattr(mb, "is_filler", False), max_seqlen,
+    return PolicyInput(mb, tokens, pos, cu, routing, padding, getattr(mb, "is_filler", False), max_seqlen,
                        mb.cp_layout)
 
 
-def _padding_positions(mb: Any, pad: int) -> torch.Tensor | None:
-    """Where the padding tokens of `mb` padded by `pad` are: those the CP cut added (`mb.padding`), then the `pad`
+def _padding_rows(mb: Any, pad: int) -> torch.Tensor | None:
+    """[T + pad] bool: the padding tokens of `mb` padded by `pad`, those the CP cut added (`mb.padding`) and the `pad`
     sequence-parallel ones at the end; None when there are none."""
-    T, dev = mb.tokens.shape[0], mb.tokens.device
-    parts = ([] if mb.padding is None else [mb.padding]) + ([torch.arange(T, T + pad, device=dev)] if pad else [])
-    return torch.cat(parts) if parts else None
+    if mb.padding is None and pad == 0:
+        return None
+    T = mb.tokens.shape[0]
+    rows = torch.zeros(T + pad, dtype=torch.bool, device=mb.tokens.device)
+    rows[T:] = True
+    if mb.padding is not None:
+        rows[mb.padding] = True
+    return rows
 
 
 @contextmanager
-def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype | None, layers: range | None = None):
-    """What the model's forward of `p` (through `layers`, a pipeline chunk; None: all the model holds) runs under:
-    replayed routing, padding kept out of the load, autocast, the attention cores bound to its CP layout (none: local
-    attention)."""
+def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype | None):
+    """What the model's forward of `p` (whole, or a pipeline chunk) runs under: replayed routing, padding kept out of
+    the routers' load and losses, autocast, the attention cores bound to its CP layout (none: local attention)."""
     bind_layout(model, p.cp_layout, p.tokens.device)
-    with routing_replay(model, p.routing), _padding_excluded(model, p.local_pad, p.filler, layers), \
+    with routing_replay(model, p.routing), _padding_excluded(model, p.padding, p.filler), \
             torch.autocast(p.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         yield
 

@@ -43,7 +43,7 @@ def _stage_forward(model: nn.Module, inputs: list[PolicyInput], link: StageLink,
 
     def forward(i: int, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
         p, layers = inputs[i], link.chunks[chunk]
-        with policy_forward(model, p, autocast_dtype, layers):
+        with policy_forward(model, p, autocast_dtype):
             out = model(p.tokens, p.position_ids, p.cu_seqlens, p.max_seqlen, hidden=hidden, layers=layers)
         return last_stage(i, out) if link.holds_loss(chunk) else out
 

@@ -15,6 +15,11 @@ one all-reduce (no gradient flows through them), each rank adds its own tokens' 
 tokens), and the shares sum over the ranks to exactly the single-device loss and gradients. The per-sequence aux loss stays a
 statistic of the rank's token shard.
 
+Rows that are not tokens of the micro-batch (the RL step pads a micro-batch to split it over SP or CP ranks with a
+separate document, rl/folded.py) are named by `padding`, set around that forward: they are left out of the load
+(`tokens_per_expert`), of every aux statistic (counts, probabilities, the token count the ranks sum) and of the
+z-loss, so the losses are those of the real tokens alone. They are still routed (and replayed) as any row.
+
 The global aux loss (`aux_loss_type: global`; Qiu et al. 2025, "Demons in the Detail": balance over the global batch,
 not each micro-batch) takes fᵢ over every token the step has routed so far: the counts of the micro-batch are summed
 over its ranks and over the data-parallel replicas (`dp_group`, set by the parallel code), whose j-th micro-batches run
@@ -78,6 +83,9 @@ class Router(nn.Module):
         self.sp_group: dist.ProcessGroup | None = None
         self.cp_group: dist.ProcessGroup | None = None
         self.dp_group: dist.ProcessGroup | None = None  # the data-parallel replicas (the global aux loss only)
+        # Set around a padded micro-batch's forward (rl/folded.py): [T] bool, True at the rows that are padding, which
+        # the load and the losses leave out (see the module docstring); None: every row is a token.
+        self.padding: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> Routing:
         cfg = self.cfg
@@ -91,13 +99,18 @@ class Router(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         weights = weights * cfg.routed_scaling_factor
         kept = capacity_mask(scores.detach(), expert_ids, cfg.capacity_factor)
-        routed = expert_counts(expert_ids, self.num_experts)  # slots that chose each expert, dropped ones included
-        self._count_load(routed if kept is None else expert_counts(expert_ids, self.num_experts, kept))
+        real = None if self.padding is None else ~self.padding[:, None]  # [T, 1]: the rows that are tokens
+        routed = expert_counts(expert_ids, self.num_experts, real)  # the tokens' slots per expert, dropped ones too
+        counted = kept if real is None or kept is None else kept & real  # the load: the tokens' kept slots
+        self._count_load(routed if kept is None else expert_counts(expert_ids, self.num_experts, counted))
         aux, tokens = logits.new_zeros(()), None  # tokens: the micro-batch's token count, once a loss needs it
         if self._aux_applies():
             probs = scores if cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+            if real is not None:
+                probs = probs * real
             if cfg.aux_loss_type == "sequence" and segment_ids is not None:
-                aux = aux + cfg.aux_loss_coeff * load_balancing_loss(probs, expert_ids, self.num_experts, segment_ids)
+                aux = aux + cfg.aux_loss_coeff * load_balancing_loss(probs, expert_ids, self.num_experts, segment_ids,
+                                                                     real)
             else:
                 aux, tokens = self._balance_loss(routed, probs.sum(0), logits)
         capacity = None
@@ -128,7 +141,7 @@ class Router(nn.Module):
     def _global_stats(self, counts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Adds this micro-batch's routing, summed over its ranks and the DP replicas (one all-reduce per group, on the
         device), to the step's statistics. Returns (f of the step so far, the micro-batch's tokens per replica)."""
-        stats = torch.cat([counts.detach().long(), logits.new_full((1,), logits.shape[0], dtype=torch.long)])
+        stats = torch.cat([counts.detach().long(), self._local_tokens(logits, torch.long)])
         for group in (*self._token_groups(), self.dp_group):
             if group is not None:
                 dist.all_reduce(stats, group=group)
@@ -145,13 +158,20 @@ class Router(nn.Module):
     def _token_groups(self) -> list:
         return [g for g in (self.sp_group, self.cp_group) if g is not None]
 
+    def _local_tokens(self, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[1]: this rank's tokens of the micro-batch, its rows less the padding ones (counted on the device)."""
+        if self.padding is None:
+            return logits.new_full((1,), logits.shape[0], dtype=dtype)
+        return (~self.padding).sum(dtype=dtype).reshape(1)
+
     def _micro_batch_stats(self, counts: torch.Tensor | None, logits: torch.Tensor):
-        """(per-expert routed slots, tokens) of the whole micro-batch, without gradient. On one rank: the local counts
-        and token count (a Python number: nothing to allocate); spread over ranks: both summed in one all-reduce."""
+        """(per-expert routed slots, tokens) of the whole micro-batch, without gradient. On one rank without padding:
+        the local counts and token count (a Python number: nothing to allocate); else the token count is counted on
+        the device and, spread over ranks, both are summed in one all-reduce."""
         groups = self._token_groups()
-        if not groups:
+        if not groups and self.padding is None:
             return (None if counts is None else counts.float()), float(logits.shape[0])
-        local = logits.new_full((1,), float(logits.shape[0]))
+        local = self._local_tokens(logits, logits.dtype)
         stats = local if counts is None else torch.cat([counts.detach().float(), local])
         for group in groups:
             dist.all_reduce(stats, group=group)
@@ -160,7 +180,7 @@ class Router(nn.Module):
     def _fused_applies(self, logits: torch.Tensor) -> bool:
         cfg = self.cfg
         return (triton_applies(logits) and not cfg.num_groups and cfg.capacity_factor <= 0
-                and self.replay_ids is None and cfg.aux_loss_type != "sequence")
+                and self.replay_ids is None and self.padding is None and cfg.aux_loss_type != "sequence")
 
     def _forward_fused(self, logits: torch.Tensor) -> Routing:
         from kernels.router import router as fused_router
@@ -180,7 +200,7 @@ class Router(nn.Module):
         if self.cfg.z_loss_coeff > 0 and self.training:
             if tokens is None:
                 tokens = self._micro_batch_stats(None, logits)[1]
-            return aux + self.cfg.z_loss_coeff * z_loss(logits) * (logits.shape[0] / tokens)
+            return aux + self.cfg.z_loss_coeff * z_loss(logits, self.padding) * (logits.shape[0] / tokens)
         return aux
 
     @torch.no_grad()
@@ -204,9 +224,9 @@ class Router(nn.Module):
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """[num_experts] int64: how many (kept) slots chose each expert. A scatter-add, unlike `bincount`, whose CUDA
-    kernel reads the largest id back to the host to size its output."""
-    ones = torch.ones_like(expert_ids) if kept is None else kept.to(expert_ids.dtype)
+    """[num_experts] int64: how many (kept) slots chose each expert; `kept` [T, k] or [T, 1] (whole rows). A
+    scatter-add, unlike `bincount`, whose CUDA kernel reads the largest id back to the host to size its output."""
+    ones = torch.ones_like(expert_ids) if kept is None else kept.to(expert_ids.dtype).expand_as(expert_ids)
     counts = torch.zeros(num_experts, dtype=expert_ids.dtype, device=expert_ids.device)
     return counts.scatter_add_(0, expert_ids.reshape(-1), ones.reshape(-1))
 
@@ -245,11 +265,12 @@ def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, capacity_facto
 
 
 def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
-                        segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                        segment_ids: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
     """E·Σₑ fₑ·Pₑ, fₑ = share of routed slots that chose e, Pₑ = mean router probability of e.
 
     With `segment_ids` the statistic is taken per sequence and averaged over sequences (DeepSeek-V3's sequence-wise loss),
-    otherwise over the whole micro-batch.
+    otherwise over the whole micro-batch. `real` ([T, 1] bool, with `segment_ids`): the rows that are tokens; the others
+    (padding, their `probs` zeroed by the caller) count in no sequence.
     """
     T, k = expert_ids.shape
     if segment_ids is None:
@@ -257,16 +278,20 @@ def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_exper
         return num_experts * (f * probs.mean(0)).sum()
     # Segment ids are < T (each segment has a token), so T rows hold every segment without asking the device for the
     # count; rows of ids no token has are left out of the mean.
-    flat = (segment_ids[:, None] * num_experts + expert_ids).reshape(-1)
-    counts = expert_counts(flat, T * num_experts).view(T, num_experts).to(probs.dtype)
-    tokens = torch.zeros(T, device=probs.device, dtype=probs.dtype).index_add_(0, segment_ids, probs.new_ones(T))
+    flat = segment_ids[:, None] * num_experts + expert_ids
+    counts = expert_counts(flat, T * num_experts, real).view(T, num_experts).to(probs.dtype)
+    ones = probs.new_ones(T) if real is None else real[:, 0].to(probs.dtype)
+    tokens = torch.zeros(T, device=probs.device, dtype=probs.dtype).index_add_(0, segment_ids, ones)
     present = tokens > 0
     f = counts / (tokens.clamp_min(1)[:, None] * k)
     p = torch.zeros(T, num_experts, device=probs.device, dtype=probs.dtype).index_add_(0, segment_ids, probs)
     p = p / tokens.clamp_min(1)[:, None]
     per_segment = num_experts * (f * p).sum(-1)
-    return torch.where(present, per_segment, 0.0).sum() / present.sum()
+    return torch.where(present, per_segment, 0.0).sum() / present.sum().clamp_min(1)  # none: a shard of padding
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(logits, dim=-1).square().mean()
+def z_loss(logits: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over the rows of logsumexp(logits)², a `padding` row ([T] bool) adding 0 (the caller scales by the rows'
+    share of the micro-batch's tokens)."""
+    lse2 = torch.logsumexp(logits, dim=-1).square()
+    return (lse2 if padding is None else lse2.masked_fill(padding, 0.0)).mean()
