@@ -7,11 +7,14 @@ Specification:
   pieces and boxes that leave a sub-box of a single element;
 - answers are matched to requests by id: a service that answers a window in reverse order gives the same boxes, and the
   rank really had WINDOW requests outstanding;
+- the window runs across boxes: boxes asked for in one `read_boxes`, each of one request, come back in order with
+  WINDOW requests outstanding, and so do a rank's boxes when `load_shards` restores a model and its optimizer through
+  the checkpointer (which restores them as the directory does);
 - a failed request among several in flight raises its named error (KeyError for a missing tensor, CheckpointError
-  naming a truncated file), and the next read on the same source is served right;
-- a caller that leaves a fetch with requests in flight leaves no answer behind for the next one;
-- a service that is killed while a window is in flight is a CheckpointError within seconds naming the dropped
-  connection; one that stops answering is a CheckpointError naming the timeout.
+  naming a truncated file, and among several boxes the box), and the next read on the same source is served right;
+- a caller that leaves a fetch or a `read_boxes` with requests in flight leaves no answer behind for the next one;
+- a service that is killed while a window is in flight (of one box's parts, or of many boxes) is a CheckpointError
+  within seconds naming the dropped connection; one that stops answering is a CheckpointError naming the timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -161,6 +165,56 @@ def test_answers_out_of_order_are_matched_to_their_requests_by_id(tmp_path, smal
         boxes.close()
 
 
+ROWS = [("w", (i, 0), (1, 33)) for i in range(40)]  # 132 bytes each: one request per box, even in small_chunks
+
+
+def test_boxes_asked_for_together_keep_a_window_in_flight_across_boxes(tmp_path):
+    store, server, boxes, source = serve(tmp_path, Reversing)
+    try:
+        commit(store)
+        ckpt = source.newest()
+        got = list(ckpt.read_boxes(BOXES + ROWS))
+        with load_checkpoint(store.final_dir(1)) as local:
+            for (name, offsets, shape), box in zip(BOXES + ROWS, got, strict=True):
+                want = local.read(name, offsets, shape)
+                assert box.dtype == want.dtype and torch.equal(box, want), (name, offsets, shape)
+        assert all(len(ckpt._plan(*box).parts) == 1 for box in BOXES + ROWS)  # each box one request
+        assert max(boxes.batches) == remote.WINDOW  # small boxes, answered last to first, a full window at a time
+    finally:
+        source.close()
+        grpc_server.stop(server, grace=0.5)
+        boxes.close()
+
+
+def test_a_restore_through_the_checkpointer_keeps_a_window_across_its_boxes_and_equals_the_directorys(tmp_path):
+    from parallel_harness import save_step_one, tiny_config, trained_one_step
+
+    from services.trainer.parallel.checkpoint_shards import load_shards, training_shards
+    from services.trainer.parallel.groups import single_process
+
+    cfg = tiny_config()
+    one = single_process(cfg)
+    model, opt = trained_one_step(cfg, one, seed=5)
+    store, server, boxes, source = serve(tmp_path, Reversing)
+    try:
+        save_step_one(str(store.root), 0, 1, training_shards(model, opt, one))
+        restored = []
+        for ckpt in (load_checkpoint(store.final_dir(1)), source.newest()):
+            fresh, fresh_opt = trained_one_step(cfg, one, seed=11)
+            load_shards(ckpt, fresh, fresh_opt, one)
+            restored.append((fresh, fresh_opt))
+        for fresh, fresh_opt in restored:
+            assert fresh_opt.step_count == opt.step_count
+            for b, c in zip(opt.buckets, fresh_opt.buckets, strict=True):
+                for key in ("params", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(getattr(b, key), getattr(c, key)), key
+        assert max(boxes.batches) == remote.WINDOW  # every tensor of the tiny model is one request
+    finally:
+        source.close()
+        grpc_server.stop(server, grace=0.5)
+        boxes.close()
+
+
 def test_a_failed_request_among_several_in_flight_names_its_cause_and_the_next_read_works(served, small_chunks):
     store, source = served
     state = commit(store)
@@ -177,6 +231,14 @@ def test_a_failed_request_among_several_in_flight_names_its_cause_and_the_next_r
         ckpt.read("w", (20, 0), (20, 33))
     assert torch.equal(ckpt.read("w", (0, 0), (25, 33)), state["w"][:25])
     assert torch.equal(ckpt.read("half"), state["half"])
+    # among boxes asked for together: the box whose file is corrupt is named, the boxes before it came through
+    got = []
+    with pytest.raises(CheckpointError, match=r"reading 'w' \(box 26 of 40\) of step 1 failed: .*rank00001.*corrupt"):
+        got.extend(ckpt.read_boxes(ROWS))
+    assert torch.equal(torch.cat(got), state["w"][:25])
+    with pytest.raises(KeyError, match="'nope' is not in checkpoint"):  # before any request
+        next(ckpt.read_boxes(ROWS[:3] + [("nope", None, None)]))
+    assert torch.equal(torch.cat(list(ckpt.read_boxes(ROWS[:25] + [("half", None, None)]))[:25]), state["w"][:25])
 
 
 def test_leaving_a_fetch_with_requests_in_flight_leaves_nothing_for_the_next(served, small_chunks):
@@ -188,11 +250,16 @@ def test_leaving_a_fetch_with_requests_in_flight_leaves_nothing_for_the_next(ser
         break  # three requests still in flight: the fetch closes its socket
     assert source._boxes is None
     assert torch.equal(ckpt.read("w"), state["w"]) and torch.equal(ckpt.read("ids"), state["ids"])
+    with closing(ckpt.read_boxes(ROWS)) as rows:
+        assert torch.equal(next(rows), state["w"][:1])  # the rows after it in flight: closing closes the socket
+    assert source._boxes is None
+    assert torch.equal(ckpt.read("w"), state["w"]) and torch.equal(ckpt.read("ids"), state["ids"])
 
 
 
+@pytest.mark.parametrize("reading", ["one box in parts", "many boxes"])
 def test_a_service_killed_with_a_window_in_flight_is_a_prompt_error_naming_the_dropped_connection(
-        tmp_path, small_chunks):
+        tmp_path, small_chunks, reading):
     store = CheckpointStore(tmp_path / "ckpt", keep_last=0)
     commit(store)
     service = subprocess.Popen([sys.executable, "-c", SERVE, str(store.root)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -204,7 +271,8 @@ def test_a_service_killed_with_a_window_in_flight_is_a_prompt_error_naming_the_d
             ckpt.read("count")  # connected
             os.kill(service.pid, signal.SIGSTOP)  # the window's requests wait in its socket, unanswered
             failed: list[BaseException] = []
-            reader = threading.Thread(target=lambda: _catch(failed, ckpt.read, "w"))
+            read = (lambda: ckpt.read("w")) if reading == "one box in parts" else (lambda: list(ckpt.read_boxes(ROWS)))
+            reader = threading.Thread(target=lambda: _catch(failed, read))
             reader.start()
             time.sleep(0.5)
             assert reader.is_alive()
@@ -235,7 +303,8 @@ class Silent(BoxServer):
                 self.sock.recv_multipart()
 
 
-def test_a_service_that_stops_answering_is_an_error_naming_the_timeout(tmp_path, small_chunks, monkeypatch):
+@pytest.mark.parametrize("reading", ["one box in parts", "many boxes"])
+def test_a_service_that_stops_answering_is_an_error_naming_the_timeout(tmp_path, small_chunks, monkeypatch, reading):
     store, server, boxes, source = serve(tmp_path, Silent)
     monkeypatch.setattr(remote, "CALL_TIMEOUT_S", 1.0)
     try:
@@ -244,7 +313,7 @@ def test_a_service_that_stops_answering_is_an_error_naming_the_timeout(tmp_path,
         t0 = time.monotonic()
         with pytest.raises(CheckpointError, match=r"load socket tcp://.* did not answer within 1s \(4 request\(s\) "
                                                   r"in flight\); is the checkpointer running"):
-            ckpt.read("w")
+            ckpt.read("w") if reading == "one box in parts" else list(ckpt.read_boxes(ROWS))
         assert time.monotonic() - t0 < 5
     finally:
         source.close()

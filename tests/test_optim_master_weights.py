@@ -186,6 +186,9 @@ class ShardCheckpoint:
             return t
         return t[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
 
+    def read_boxes(self, boxes):
+        return (self.read(*box) for box in boxes)
+
 
 @pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
 def test_bucketed_checkpoints_hold_and_restore_the_fp32_master_weights(moment_dtype):

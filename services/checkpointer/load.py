@@ -7,6 +7,7 @@ a new parallel layout asks for exactly its own piece, whatever layout wrote the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -141,6 +142,9 @@ class DirectorySource:
         self.close()
 
 
+Box = tuple[str, tuple[int, ...] | None, tuple[int, ...] | None]  # (name, offsets, shape): `read`'s arguments
+
+
 class CheckpointReader:
     """What an opened checkpoint tells before any read: its tensors' names, global shapes and dtypes. `Checkpoint`
     reads the box of a tensor from the files, remote.py's `RemoteCheckpoint` through the checkpointer's load socket;
@@ -164,6 +168,13 @@ class CheckpointReader:
 
     def dtype(self, name: str) -> torch.dtype:
         return DTYPE_NAMES[self._entry(name).dtype]
+
+    def read_boxes(self, boxes: Iterable[Box]) -> Iterator[torch.Tensor]:
+        """Each of `boxes` ((name, offsets, shape), as `read` takes them), in order. A restore asks for all of its boxes
+        in one call: read from the files here, they come one after another; the checkpointer's reader keeps requests
+        for the next ones in flight meanwhile. Close the iterator (or exhaust it) when done."""
+        for box in boxes:
+            yield self.read(*box)
 
     def close(self) -> None:
         pass

@@ -8,8 +8,8 @@ rank's own pieces crosses the network.
 
 A box larger than CHUNK_BYTES is asked for as sub-boxes of at most that size, WINDOW requests in flight at a time
 (`ServiceSource.fetch`), so that the socket is not idle while the service reads the next piece and this rank copies the
-last. A restore reads box after box through `read`, so every box of more than a few MiB (the bulk of any model's
-bytes) streams through the window; a smaller box is one request, answered before the next box is asked for.
+last. A restore asks for all of its boxes in one `read_boxes` (services/trainer/parallel/checkpoint_shards.py
+`load_shards`), whose parts share one window: a box of a few KiB does not wait for the answer to the box before it.
 Answers are matched to requests by the `id` each carries (proto/checkpointer.proto). One DEALER-ROUTER connection does
 deliver them in the order the service answered, and the service answers in arrival order today; the id makes that an
 assumption nothing relies on, and a late answer (to a request of a fetch that failed) one that cannot be taken for
@@ -22,9 +22,9 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import closing
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import grpc
 import torch
@@ -34,7 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 from proto import checkpointer_pb2 as pb
 from proto import checkpointer_pb2_grpc as pb_grpc
 from services.checkpointer.layout import CheckpointError
-from services.checkpointer.load import CheckpointReader, resolve_box
+from services.checkpointer.load import Box, CheckpointReader, resolve_box
 from services.common import net, wire
 
 CALL_TIMEOUT_S = 600.0  # one call: opening (verifying every checksum of a checkpoint), or waiting for one box's answer
@@ -67,13 +67,14 @@ class ServiceSource:
         self._disconnects: zmq.Socket | None = None  # the load socket's monitor: tells when the service drops it
         self._ids = itertools.count(1)  # never reused, so an answer to an abandoned request can match no other
 
-    def fetch(self, requests: Sequence[pb.LoadRequest]) -> Iterator[tuple[int, torch.Tensor]]:
+    def fetch(self, requests: Iterable[pb.LoadRequest]) -> Iterator[tuple[int, torch.Tensor]]:
         """Every request's box from the load socket, as (its index in `requests`, the box) in the order the answers
-        arrive, with at most WINDOW requests in flight (each request's `id` is set here). A failed answer raises what
-        a local read raises (KeyError: no such step or tensor; ValueError: a box outside its tensor) or a
-        CheckpointError naming the cause, as does a service that drops the connection with requests unanswered or does
-        not answer within CALL_TIMEOUT_S. Ending a fetch with requests in flight (an error, or the caller leaving the
-        loop) closes the socket, so that their late answers reach no later fetch; the next one opens a new socket."""
+        arrive, with at most WINDOW requests in flight (each request's `id` is set here; `requests` is iterated only as
+        the window has room). A failed answer raises what a local read raises (KeyError: no such step or tensor;
+        ValueError: a box outside its tensor) or a CheckpointError naming the cause, as does a service that drops the
+        connection with requests unanswered or does not answer within CALL_TIMEOUT_S. Ending a fetch with requests in
+        flight (an error, or the caller leaving the loop) closes the socket, so that their late answers reach no later
+        fetch; the next one opens a new socket."""
         sock = self._socket()
         while self._disconnects.poll(0):  # a drop while idle lost nothing: ZMQ has reconnected or keeps trying
             recv_monitor_message(self._disconnects)
@@ -193,32 +194,70 @@ class RemoteCheckpoint(CheckpointReader):
     def read(self, name: str, offsets: tuple[int, ...] | None = None,
              shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """The box of global tensor `name` starting at `offsets` (default: origin) of `shape` (default: to the end)."""
+        with closing(self.read_boxes([(name, offsets, shape)])) as boxes:
+            return next(boxes)
+
+    def read_boxes(self, boxes: Iterable[Box]) -> Iterator[torch.Tensor]:
+        """Each of `boxes` ((name, offsets, shape), as `read` takes them), in order. Their parts (`_Plan`) go through
+        one fetch, so the window runs across boxes: it does not drain at the end of each box, and a restore's many
+        boxes of a few KiB or MiB (norms, routers, a rank's slices) keep WINDOW requests in flight as a large box's
+        parts do. Every box is checked before any request (KeyError, ValueError: as `read`); a box is yielded once all
+        its parts are in, so what is held besides it is at most the WINDOW parts in flight."""
+        plans = [self._plan(*box) for box in boxes]
+        owner = [(i, j) for i, plan in enumerate(plans) for j in range(len(plan.parts))]  # request -> (box, part)
+        requests = (pb.LoadRequest(step=self.step, name=plans[i].name, offsets=plans[i].parts[j][0],
+                                   shape=plans[i].parts[j][1]) for i, j in owner)
+        outs: dict[int, torch.Tensor] = {}  # box -> the box, assembled as its parts arrive
+        left = [len(plan.parts) for plan in plans]
+        ready = 0  # the boxes before it are yielded
+        with closing(self.source.fetch(requests)) as answers:
+            while ready < len(plans):
+                try:  # KeyError (no such tensor) and ValueError (a box outside it) pass, as a local read raises them
+                    index, part = next(answers)
+                except (zmq.ZMQError, wire.WireError, CheckpointError) as e:  # WireError before the ValueErrors
+                    what = repr(plans[ready].name) + (f" (box {ready + 1} of {len(plans)})" if len(plans) > 1 else "")
+                    raise CheckpointError(f"{self.source.where}: reading {what} of step {self.step} failed: "
+                                          f"{e}") from None
+                i, j = owner[index]
+                self._place(outs, i, plans[i], j, part)
+                left[i] -= 1
+                while ready < len(plans) and left[ready] == 0:
+                    yield outs.pop(ready)
+                    ready += 1
+
+    def _plan(self, name: str, offsets: tuple[int, ...] | None, shape: tuple[int, ...] | None) -> _Plan:
         lo, size = resolve_box(name, self.global_shape(name), offsets, shape)
         dtype = self.dtype(name)
         parts = split_box(lo, size, dtype.itemsize, CHUNK_BYTES)
-        requests = [pb.LoadRequest(step=self.step, name=name, offsets=o, shape=s) for o, s in parts]
-        out = torch.empty(size, dtype=dtype) if len(parts) > 1 else None  # one part is returned as it arrives
-        # Each part is copied into `out` with one memcpy on this thread (numpy), not torch's `copy_`, which splits a
-        # copy of a few MiB over its intra-op threads: with the host's cores busy (the socket's I/O thread, other
-        # ranks) that ran at 0.5 GB/s where one thread copies 11.7 (the 2-core development machine, loaded).
-        flat = None if out is None else out.view(-1).view(torch.uint8).numpy()
-        ends = list(itertools.accumulate(math.prod(s) * dtype.itemsize for _, s in parts))  # in `flat`
-        with closing(self._fetch(name, requests)) as answers:
-            for index, box in answers:
-                if box.dtype != dtype or tuple(box.shape) != parts[index][1]:
-                    raise CheckpointError(f"{self.source.where} sent {box.dtype} {list(box.shape)} for {name!r} "
-                                          f"offsets={list(parts[index][0])} shape={list(parts[index][1])} of step "
-                                          f"{self.step}, which is {dtype} {list(parts[index][1])}")
-                if out is None:
-                    return box
-                flat[ends[index] - box.nbytes:ends[index]] = box.view(-1).view(torch.uint8).numpy()
-        return out
+        ends = list(itertools.accumulate(math.prod(s) * dtype.itemsize for _, s in parts))  # in the box's bytes
+        return _Plan(name, dtype, size, parts, ends)
 
-    def _fetch(self, name: str, requests: list[pb.LoadRequest]) -> Iterator[tuple[int, torch.Tensor]]:
-        try:  # KeyError (no such tensor) and ValueError (a box outside it) pass, as a local read raises them
-            yield from self.source.fetch(requests)
-        except (zmq.ZMQError, wire.WireError, CheckpointError) as e:  # WireError before the ValueErrors that pass
-            raise CheckpointError(f"{self.source.where}: reading {name!r} of step {self.step} failed: {e}") from None
+    def _place(self, outs: dict[int, torch.Tensor], i: int, plan: _Plan, j: int, part: torch.Tensor) -> None:
+        """Part `j` of box `i` (planned as `plan`) into `outs[i]`; a box of one part is that part."""
+        offsets, shape = plan.parts[j]
+        if part.dtype != plan.dtype or tuple(part.shape) != shape:
+            raise CheckpointError(f"{self.source.where} sent {part.dtype} {list(part.shape)} for {plan.name!r} "
+                                  f"offsets={list(offsets)} shape={list(shape)} of step {self.step}, which is "
+                                  f"{plan.dtype} {list(shape)}")
+        if len(plan.parts) == 1:
+            outs[i] = part
+            return
+        if i not in outs:
+            outs[i] = torch.empty(plan.size, dtype=plan.dtype)
+        # One memcpy on this thread (numpy), not torch's `copy_`, which splits a copy of a few MiB over its intra-op
+        # threads: with the host's cores busy (the socket's I/O thread, other ranks) that ran at 0.5 GB/s where one
+        # thread copies 11.7 (the 2-core development machine, loaded).
+        flat = outs[i].view(-1).view(torch.uint8).numpy()
+        flat[plan.ends[j] - part.nbytes:plan.ends[j]] = part.view(-1).view(torch.uint8).numpy()
+
+
+class _Plan(NamedTuple):
+    """One box of a `read_boxes`: its parts (`split_box`) and where each part's bytes end in the box."""
+    name: str
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    parts: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    ends: list[int]
 
 
 def split_box(offsets: tuple[int, ...], shape: tuple[int, ...], itemsize: int,

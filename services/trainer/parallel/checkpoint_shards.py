@@ -16,13 +16,17 @@ and the save's stall is each rank's own device-to-host copy; any layout still re
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from functools import partial
 
 import torch
 from torch import nn
 
 from kernels.adamw import split_master
+from services.checkpointer.load import Box
 from services.checkpointer.shard import Shard, piece_key
-from services.trainer.checkpointing import saved_value
+from services.trainer.checkpointing import REMAINDER, saved_value
 from services.trainer.parallel.distributed_optimizer import DistributedOptimizer
 from services.trainer.parallel.groups import ParallelGroups
 
@@ -144,53 +148,108 @@ def optimizer_shards(opt: DistributedOptimizer, groups: ParallelGroups) -> dict[
     return out
 
 
-def read_local(ckpt, name: str, p: nn.Parameter, groups: ParallelGroups) -> torch.Tensor:
-    """This rank's piece of `name` for parameter `p`, shaped like `p`, from `ckpt` (anything with `global_shape` and
-    `read(name, offsets, shape)`: a checkpoint, or the initial weights); w13 may be saved in either layout."""
+def local_boxes(ckpt, name: str, p: nn.Parameter, groups: ParallelGroups) -> list[Box]:
+    """The boxes of `name` that hold this rank's piece of it for parameter `p` (`local_piece` joins them): the
+    parameter's box, or for w13 saved without an FFN split ([E, h, 2f]) its gate and up column blocks."""
     if hasattr(p, "expert_box") and len(p.expert_box[0]) == 4:  # w13: [El, h, 2·fl] = gate | up column blocks
         (E, h, _, f), (e0, _, _, f0) = p.expert_box
         El, fl = p.shape[0], p.shape[2] // 2
         if len(ckpt.global_shape(name)) == 4:
-            return ckpt.read(name, (e0, 0, 0, f0), (El, h, 2, fl)).reshape(p.shape)
-        gate = ckpt.read(name, (e0, 0, f0), (El, h, fl))
-        up = ckpt.read(name, (e0, 0, f + f0), (El, h, fl))
-        return torch.cat([gate, up], dim=-1)
-    shape, offsets, _, _ = _box(p, groups)
-    return ckpt.read(name, offsets, tuple(p.shape))
+            return [(name, (e0, 0, 0, f0), (El, h, 2, fl))]
+        return [(name, (e0, 0, f0), (El, h, fl)), (name, (e0, 0, f + f0), (El, h, fl))]
+    _, offsets, _, _ = _box(p, groups)
+    return [(name, offsets, tuple(p.shape))]
+
+
+def local_piece(boxes: list[torch.Tensor], p: nn.Parameter) -> torch.Tensor:
+    """The boxes `local_boxes` named, read, as one piece shaped like `p`."""
+    return torch.cat(boxes, dim=-1) if len(boxes) == 2 else boxes[0].reshape(p.shape)
+
+
+def read_local(ckpt, name: str, p: nn.Parameter, groups: ParallelGroups) -> torch.Tensor:
+    """This rank's piece of `name` for parameter `p`, shaped like `p`, from `ckpt` (anything with `global_shape` and
+    `read(name, offsets, shape)`: a checkpoint, or the initial weights); w13 may be saved in either layout."""
+    return local_piece([ckpt.read(*box) for box in local_boxes(ckpt, name, p, groups)], p)
+
+
+# What `load_shards` reads and does with it: boxes, and what puts them in place once read (given them by name).
+Load = tuple[list[Box], Callable[[dict[str, list[torch.Tensor]]], None]]
 
 
 @torch.no_grad()
 def load_shards(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: ParallelGroups) -> None:
-    """Read this rank's boxes of every parameter, buffer and moment from `ckpt` (a `load.Checkpoint`)."""
+    """Read this rank's boxes of every parameter, buffer and moment from `ckpt` (a `load.Checkpoint` or a
+    `remote.RemoteCheckpoint`). Every box is asked for in one `read_boxes`, so that through the checkpointer the next
+    boxes are on their way while one is put in place; each is put in place as it arrives (what is held at a time is one
+    parameter's boxes and the requests in flight, not the rank's state)."""
     # A step's parameter all-gathers still in flight would land after (and over) what is read here.
     opt.wait_params()
     saved = set(ckpt.names())
+    for bucket in opt.buckets:  # a moment not saved, and the padding, restore as zeros (as a fresh optimizer's)
+        bucket.exp_avg.zero_()
+        bucket.exp_avg_sq.zero_()
+    loads = [*_parameter_loads(ckpt, model, opt, groups, saved), *_buffer_loads(model, saved),
+             *_optimizer_loads(ckpt, opt, groups, saved)]
+    with closing(ckpt.read_boxes([box for boxes, _ in loads for box in boxes])) as read:
+        for boxes, put in loads:
+            got: dict[str, list[torch.Tensor]] = {}
+            for name, _, _ in boxes:
+                got.setdefault(name, []).append(next(read))
+            put(got)
 
+
+def _parameter_loads(ckpt, model: nn.Module, opt: DistributedOptimizer, groups: ParallelGroups,
+                     saved: set[str]) -> Iterator[Load]:
     slot_of = {s.name: (b, s) for b in opt.buckets for s in b.slots}
     for name, p in model.named_parameters():
-        value = saved_value(lambda n: read_local(ckpt, n, p, groups), name, saved).float()  # the fp32 master weight
-        if p.dtype != torch.bfloat16:
-            p.data.copy_(value)
-            continue
-        # the rounding its remainder is kept against (every replica the same), not torch's; the remainder's part in
-        # this rank's owned range of the bucket comes from the same split (one read of the checkpoint per parameter)
-        rounded, remainder = split_master(value)
-        p.data.copy_(rounded)
-        b, s = slot_of[name]
-        lo, hi = max(s.start, b.lo), min(s.start + s.numel, b.hi)
-        if lo < hi:
-            b.remainder[lo - b.lo:hi - b.lo] = remainder.reshape(-1)[lo - s.start:hi - s.start]
+        names = [f"model/{name}"] + [n for n in [REMAINDER.format(name)] if n in saved]
+        yield ([box for n in names for box in local_boxes(ckpt, n, p, groups)],
+               partial(_put_parameter, p, name, slot_of.get(name), saved))
+
+
+def _put_parameter(p: nn.Parameter, name: str, slot, saved: set[str], got: dict[str, list[torch.Tensor]]) -> None:
+    value = saved_value(lambda n: local_piece(got[n], p), name, saved).float()  # the fp32 master weight
+    if p.dtype != torch.bfloat16:
+        p.data.copy_(value)
+        return
+    # the rounding its remainder is kept against (every replica the same), not torch's; the remainder's part in this
+    # rank's owned range of the bucket comes from the same split (one read of the checkpoint per parameter)
+    rounded, remainder = split_master(value)
+    p.data.copy_(rounded)
+    b, s = slot
+    lo, hi = max(s.start, b.lo), min(s.start + s.numel, b.hi)
+    if lo < hi:
+        b.remainder[lo - b.lo:hi - b.lo] = remainder.reshape(-1)[lo - s.start:hi - s.start]
+
+
+def _buffer_loads(model: nn.Module, saved: set[str]) -> Iterator[Load]:
     for name, b in model.named_buffers():
         if f"model/{name}" in saved:
-            b.copy_(ckpt.read(f"model/{name}"))
+            yield [(f"model/{name}", None, None)], partial(_put_whole, b, f"model/{name}")
+
+
+def _put_whole(t: torch.Tensor, name: str, got: dict[str, list[torch.Tensor]]) -> None:
+    t.copy_(got[name][0])
+
+
+def _optimizer_loads(ckpt, opt: DistributedOptimizer, groups: ParallelGroups, saved: set[str]) -> Iterator[Load]:
+    """Each moment's part in the range of its bucket this rank owns (a slot outside it is not read), and the step."""
     for bucket in opt.buckets:
         for key in ("exp_avg", "exp_avg_sq"):
-            full = torch.zeros(bucket.size, dtype=torch.float32, device=bucket.params.device)
             for s in bucket.slots:
                 name = f"optim/{s.name}/{key}"
-                if name in saved:
-                    full[s.start:s.start + s.numel] = read_local(ckpt, name, s.param, groups).reshape(-1)
-            getattr(bucket, key).copy_(full[bucket.lo:bucket.hi])
+                if name in saved and max(s.start, bucket.lo) < min(s.start + s.numel, bucket.hi):
+                    yield (local_boxes(ckpt, name, s.param, groups),
+                           partial(_put_moment, getattr(bucket, key), bucket, s, name))
         step_name = f"optim/{bucket.slots[0].name}/step"
         if step_name in saved:
-            opt.step_count = int(ckpt.read(step_name).reshape(-1)[0])
+            yield [(step_name, None, None)], partial(_put_step, opt, step_name)
+
+
+def _put_moment(moment: torch.Tensor, bucket, s, name: str, got: dict[str, list[torch.Tensor]]) -> None:
+    lo, hi = max(s.start, bucket.lo), min(s.start + s.numel, bucket.hi)
+    moment[lo - bucket.lo:hi - bucket.lo] = local_piece(got[name], s.param).reshape(-1)[lo - s.start:hi - s.start]
+
+
+def _put_step(opt: DistributedOptimizer, name: str, got: dict[str, list[torch.Tensor]]) -> None:
+    opt.step_count = int(got[name][0].reshape(-1)[0])
