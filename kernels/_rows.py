@@ -5,6 +5,10 @@ dropped copy (capacity overflow); it holds `~r` (= -r-1), the row reserved for i
 Every one of the T*k rows is therefore the target of exactly one slot, so scattering writes each row exactly once
 (a dropped slot writes zeros) and the output needs no memset.
 
+Pad-to-capacity buffers (`scatter_rows(..., rows=E*capacity)`) are the exception: every expert owns `capacity` rows,
+its kept copies first, and rows no slot targets are padding. There the output starts as zeros and a negative entry
+targets no row (a dropped copy has no place in a full expert's rows).
+
 The row width h is a compile-time constant: a model has one or two of them, and a constant trip count keeps the
 column loop a plain Python loop in Triton 3.6's interpreter (a runtime bound there fails under numpy >= 2.4).
 
@@ -35,8 +39,9 @@ _ROW_CONFIGS = [
 @triton.jit
 def _scatter_rows_kernel(src_ptr, row_id_map_ptr, weights_ptr, dot_src_ptr, out_ptr, dots_ptr, h: tl.constexpr,
                          K: tl.constexpr, K_PAD: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_DOT: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+                         DROPPED_WRITE: tl.constexpr, BLOCK_H: tl.constexpr):
     # out[row(t, j)] = weights[t, j] * src[t];  dots[t, j] = <src[t], dot_src[row(t, j)]>  (0 for a dropped slot)
+    # DROPPED_WRITE: a dropped slot writes zeros to its tail row ~row; else (padded buffers) it writes nothing.
     t = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, K_PAD)
     dots = tl.zeros([K_PAD], dtype=tl.float32)
@@ -52,7 +57,8 @@ def _scatter_rows_kernel(src_ptr, row_id_map_ptr, weights_ptr, dot_src_ptr, out_
             if HAS_WEIGHTS:
                 value = value * tl.load(weights_ptr + t * K + j).to(tl.float32)
             value = tl.where(routed, value, 0.0)
-            tl.store(out_ptr + target * h + cols, value.to(out_ptr.dtype.element_ty), mask=cmask)
+            tl.store(out_ptr + target * h + cols, value.to(out_ptr.dtype.element_ty),
+                     mask=cmask & (routed | DROPPED_WRITE))
             if HAS_DOT:
                 y = tl.load(dot_src_ptr + row * h + cols, mask=cmask & routed, other=0.0).to(tl.float32)
                 dots = tl.where(slots == j, dots + tl.sum(x * y, axis=0), dots)
@@ -79,11 +85,14 @@ def _gather_rows_kernel(src_ptr, row_id_map_ptr, weights_ptr, out_ptr, h: tl.con
 
 
 def scatter_rows(src: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor | None = None,
-                 dot_src: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token order -> expert order: returns (out [T*k, h], dots [T, k] fp32 or None). Contiguous inputs only."""
+                 dot_src: torch.Tensor | None = None, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token order -> expert order: returns (out [T*k, h], dots [T, k] fp32 or None). Contiguous inputs only.
+    `rows`: a pad-to-capacity buffer of that many rows instead (zeros where no slot writes; dropped slots write
+    nothing)."""
     T, h = src.shape
     K = row_id_map.shape[1]
-    out = torch.empty((T * K, h), dtype=src.dtype, device=src.device)
+    padded = rows is not None
+    out = (torch.zeros if padded else torch.empty)((rows if padded else T * K, h), dtype=src.dtype, device=src.device)
     dots = torch.empty((T, K), dtype=torch.float32, device=src.device) if dot_src is not None else None
     if T == 0 or h == 0:
         if dots is not None:
@@ -92,7 +101,8 @@ def scatter_rows(src: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Ten
     _scatter_rows_kernel[(T,)](
         src, row_id_map, weights if weights is not None else src, dot_src if dot_src is not None else src,
         out, dots if dots is not None else out, h,
-        K=K, K_PAD=next_power_of_2(K), HAS_WEIGHTS=weights is not None, HAS_DOT=dot_src is not None)
+        K=K, K_PAD=next_power_of_2(K), HAS_WEIGHTS=weights is not None, HAS_DOT=dot_src is not None,
+        DROPPED_WRITE=not padded)
     return out, dots
 
 

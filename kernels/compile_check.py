@@ -85,11 +85,17 @@ def _variants():
            {"K": 28672, "BLOCKWISE": False, "BLOCK_M": 8, "BLOCK_K": 1024, "FP8_MAX": 448.0, "EPS": 1e-12,
             "ROUND_FIRST": False}, 4)
     yield (fp8q._transpose_bytes_kernel, {"q_ptr": "*u8", "qt_ptr": "*u8", "K": "i32", "N": "i32"}, {"BLOCK": 128}, 8)
+    yield (rows._scatter_rows_kernel,  # a capacity layout's rows (dropped copies write nothing)
+           {"src_ptr": "*bf16", "row_id_map_ptr": "*i32", "weights_ptr": "*bf16", "dot_src_ptr": "*bf16",
+            "out_ptr": "*bf16", "dots_ptr": "*bf16"},
+           {"h": 2048, "K": 8, "K_PAD": 8, "HAS_WEIGHTS": False, "HAS_DOT": False, "DROPPED_WRITE": False,
+            "BLOCK_H": 1024}, 4)
     for dt in ("bf16", "fp32"):
         yield (rows._scatter_rows_kernel,
                {"src_ptr": f"*{dt}", "row_id_map_ptr": "*i32", "weights_ptr": "*fp32", "dot_src_ptr": f"*{dt}",
                 "out_ptr": f"*{dt}", "dots_ptr": "*fp32"},
-               {"h": 2048, "K": 8, "K_PAD": 8, "HAS_WEIGHTS": True, "HAS_DOT": True, "BLOCK_H": 1024}, 4)
+               {"h": 2048, "K": 8, "K_PAD": 8, "HAS_WEIGHTS": True, "HAS_DOT": True, "DROPPED_WRITE": True,
+                "BLOCK_H": 1024}, 4)
         yield (rows._gather_rows_kernel,
                {"src_ptr": f"*{dt}", "row_id_map_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": f"*{dt}"},
                {"h": 2048, "K": 8, "HAS_WEIGHTS": True, "BLOCK_H": 1024}, 4)

@@ -16,6 +16,12 @@ Kernels (all int32 metadata, O(T*k) work) before the one data pass:
 3. per (token block, expert block) again: each copy's row = block base + copies of earlier tokens of the block in the
    same bucket + earlier slots of the same token in it (only dropped slots can share a bucket within a token);
 4. the row scatter in `kernels/_rows.py`: one program per token, the token's row read once and written k times.
+
+`permute(..., capacity=c)` (pad-to-capacity, `model.pad_to_capacity`) lays the rows out as E blocks of c rows instead:
+expert e's kept copies at rows [e*c, e*c + count_e), in token order, the rest of its block zero rows (probs 0), and
+dropped copies have no row (row_id_map -1). The same kernels place the copies (step 3's rows moved into the blocks by
+one elementwise pass over the [T, k] map); every size is then known on the host (E*c rows, offsets e*c). The router's
+capacity guarantees count_e <= c; it is not checked here (that would need a host sync).
 """
 
 from __future__ import annotations
@@ -36,9 +42,14 @@ class Permutation(NamedTuple):
     tokens_per_expert: torch.Tensor  # [E] int32, on the device
     offsets: torch.Tensor  # [E+1] int32: expert e owns rows [offsets[e], offsets[e+1]); grouped_mm takes offsets[1:]
     permuted_probs: torch.Tensor | None  # [T*k] probs in permuted order (0 on dropped rows), when probs were given
+    # With `capacity`: permuted [E*capacity, h], row_id_map -1 for a dropped copy, tokens_per_expert capacity each (the
+    # expert's rows, padding included), offsets e*capacity, permuted_probs [E*capacity] (0 on padding).
 
 
-def _check(hidden: torch.Tensor, indices: torch.Tensor, num_experts: int, probs: torch.Tensor | None) -> None:
+def _check(hidden: torch.Tensor, indices: torch.Tensor, num_experts: int, probs: torch.Tensor | None,
+           capacity: int | None = None) -> None:
+    if capacity is not None and capacity < 1:
+        raise ValueError(f"permute's capacity must be >= 1 rows per expert, got {capacity}")
     if hidden.dim() != 2 or indices.dim() != 2 or hidden.shape[0] != indices.shape[0]:
         raise ValueError(f"permute wants hidden [T, h] and indices [T, k] with the same T; got hidden "
                          f"{tuple(hidden.shape)} and indices {tuple(indices.shape)}")
@@ -57,9 +68,11 @@ def _check(hidden: torch.Tensor, indices: torch.Tensor, num_experts: int, probs:
 # ----------------------------------------------------------------------------------------------------------------------
 
 def permute_reference(hidden: torch.Tensor, indices: torch.Tensor, num_experts: int,
-                      probs: torch.Tensor | None = None) -> Permutation:
+                      probs: torch.Tensor | None = None, capacity: int | None = None) -> Permutation:
     """Same contract as `permute`, in plain (differentiable) torch ops and without host synchronisation."""
-    _check(hidden, indices, num_experts, probs)
+    _check(hidden, indices, num_experts, probs, capacity)
+    if capacity is not None:
+        return _padded_reference(hidden, indices, num_experts, probs, capacity)
     T, k = indices.shape
     flat = indices.reshape(-1).long()
     bucket = torch.where(flat < 0, num_experts, flat)  # dropped copies sort after every expert
@@ -77,6 +90,41 @@ def permute_reference(hidden: torch.Tensor, indices: torch.Tensor, num_experts: 
     if probs is not None:
         permuted_probs = probs.reshape(-1)[order] * routed_row.squeeze(1).to(probs.dtype)
     return Permutation(permuted, row_id_map, tokens_per_expert, offsets, permuted_probs)
+
+
+def _padded_reference(hidden, indices, num_experts: int, probs, capacity: int) -> Permutation:
+    """`permute_reference` with `capacity`: the dropless layout's row map moved into capacity blocks, rows copied
+    there (a spare row past the buffer takes the dropped copies' zero rows and is cut off)."""
+    T, k = indices.shape
+    plain = permute_reference(hidden, indices, num_experts)
+    row_id_map = _into_capacity(plain.row_id_map, indices, plain.offsets, capacity)
+    n = num_experts * capacity
+    rows, routed = _slot_rows(row_id_map, spare=n)
+    token = torch.arange(T * k, device=hidden.device) // k
+    copies = hidden.index_select(0, token) * routed.unsqueeze(1).to(hidden.dtype)
+    permuted = hidden.new_zeros(n + 1, hidden.shape[1]).index_copy(0, rows, copies)[:n]
+    permuted_probs = None
+    if probs is not None:
+        values = probs.reshape(-1) * routed.to(probs.dtype)
+        permuted_probs = probs.new_zeros(n + 1).index_copy(0, rows, values)[:n]
+    return Permutation(permuted, row_id_map, *_capacity_sizes(num_experts, capacity, hidden.device), permuted_probs)
+
+
+def _into_capacity(row_id_map: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                   capacity: int) -> torch.Tensor:
+    """A dropless row map (rows grouped by expert from `offsets`) moved into capacity blocks: a kept copy's row is
+    expert * capacity + its place among the expert's copies; a dropped copy's is -1 (none). Elementwise on [T, k]."""
+    routed = row_id_map >= 0
+    expert = indices.clamp_min(0).long()
+    place = row_id_map.long() - offsets.long()[expert]
+    return torch.where(routed, expert * capacity + place, -1).to(torch.int32)
+
+
+def _capacity_sizes(num_experts: int, capacity: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens_per_expert, offsets) of a capacity layout: every expert owns `capacity` rows."""
+    tokens_per_expert = torch.full((num_experts,), capacity, dtype=torch.int32, device=device)
+    offsets = torch.arange(num_experts + 1, dtype=torch.int32, device=device) * capacity
+    return tokens_per_expert, offsets
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -175,23 +223,30 @@ def _row_id_map_triton(indices: torch.Tensor, num_experts: int) -> tuple[torch.T
     return row_id_map, tokens_per_expert, offsets
 
 
-def _slot_rows(row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per slot (flattened [T*k]): the row it owns (a dropped slot's tail row too) and whether it is routed."""
+def _slot_rows(row_id_map: torch.Tensor, spare: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slot (flattened [T*k]): the row it owns and whether it is routed. A dropped slot owns its tail row, or in a
+    capacity layout none: there it gets `spare`, one past the buffer (the caller's row to throw away)."""
     flat = row_id_map.reshape(-1).long()
     routed = flat >= 0
-    return torch.where(routed, flat, -flat - 1), routed
+    dropped = -flat - 1 if spare is None else torch.full_like(flat, spare)
+    return torch.where(routed, flat, dropped), routed
 
 
 class _PermuteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, row_id_map, probs):
-        permuted, _ = scatter_rows(hidden.contiguous(), row_id_map)
+    def forward(ctx, hidden, row_id_map, probs, rows):
+        """`rows`: None, or a capacity layout's row count (zeros where no copy goes)."""
+        permuted, _ = scatter_rows(hidden.contiguous(), row_id_map, rows=rows)
         permuted_probs = None
         if probs is not None:
             # T*k scalars: one torch scatter is as good as a kernel here.
-            rows, routed = _slot_rows(row_id_map)
+            slot_rows, routed = _slot_rows(row_id_map, spare=rows)
             values = torch.where(routed, probs.reshape(-1), torch.zeros((), dtype=probs.dtype, device=probs.device))
-            permuted_probs = torch.empty_like(values).scatter_(0, rows, values)
+            if rows is None:  # every row is some slot's
+                permuted_probs = torch.empty_like(values).scatter_(0, slot_rows, values)
+            else:
+                permuted_probs = values.new_zeros(rows + 1).scatter_(0, slot_rows, values)[:rows]
+        ctx.rows = rows
         ctx.save_for_backward(row_id_map)
         return permuted, permuted_probs
 
@@ -202,32 +257,41 @@ class _PermuteFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] and grad_permuted is not None:
             grad_hidden = gather_rows(grad_permuted.contiguous(), row_id_map)
         if ctx.needs_input_grad[2] and grad_permuted_probs is not None:
-            rows, routed = _slot_rows(row_id_map)
+            rows, routed = _slot_rows(row_id_map, spare=None if ctx.rows is None else 0)  # spare: any row in range
             # `where`, not a product with the mask: a dropped copy's row lies past the grouped GEMMs' last group, where
             # the gradient is unspecified (possibly inf/NaN), and NaN * 0 is NaN.
             grad_probs = torch.where(routed, grad_permuted_probs[rows], 0.0).view(row_id_map.shape)
-        return grad_hidden, None, grad_probs
+        return grad_hidden, None, grad_probs, None
 
 
-def permute_rows_again(hidden: torch.Tensor, row_id_map: torch.Tensor) -> torch.Tensor:
-    """The `permuted` rows of an earlier `permute` whose `row_id_map` is given: its data pass alone, no autograd (to
-    rebuild a dispatch in backward rather than keep it, `model.recompute: [moe_dispatch]`)."""
+def permute_rows_again(hidden: torch.Tensor, row_id_map: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """The `permuted` rows of an earlier `permute` whose `row_id_map` is given (and, for a capacity layout, its
+    `rows` = E*capacity): its data pass alone, no autograd (to rebuild a dispatch in backward rather than keep it,
+    `model.recompute: [moe_dispatch]`)."""
     with torch.no_grad():
         if use_triton(hidden):
-            return scatter_rows(hidden.contiguous(), row_id_map)[0]
+            return scatter_rows(hidden.contiguous(), row_id_map, rows=rows)[0]
         T, k = row_id_map.shape
-        rows, routed = _slot_rows(row_id_map)
+        slot_rows, routed = _slot_rows(row_id_map, spare=rows)
         token = torch.arange(T * k, device=hidden.device) // k
         copies = hidden.index_select(0, token) * routed.unsqueeze(1).to(hidden.dtype)  # as permute_reference
-        return torch.empty_like(copies).index_copy_(0, rows, copies)
+        if rows is None:
+            return torch.empty_like(copies).index_copy_(0, slot_rows, copies)
+        return copies.new_zeros(rows + 1, copies.shape[1]).index_copy_(0, slot_rows, copies)[:rows]
 
 
 def permute(hidden: torch.Tensor, indices: torch.Tensor, num_experts: int,
-            probs: torch.Tensor | None = None) -> Permutation:
-    """Group token copies by expert (see the module docstring). Triton on CUDA, the torch reference on CPU."""
-    _check(hidden, indices, num_experts, probs)
+            probs: torch.Tensor | None = None, capacity: int | None = None) -> Permutation:
+    """Group token copies by expert (see the module docstring), into blocks of `capacity` rows per expert if given.
+    Triton on CUDA, the torch reference on CPU."""
+    _check(hidden, indices, num_experts, probs, capacity)
     if not use_triton(hidden):
-        return permute_reference(hidden, indices, num_experts, probs)
+        return permute_reference(hidden, indices, num_experts, probs, capacity)
     row_id_map, tokens_per_expert, offsets = _row_id_map_triton(indices, num_experts)
-    permuted, permuted_probs = _PermuteFunction.apply(hidden, row_id_map, probs)
+    rows = None
+    if capacity is not None:
+        row_id_map = _into_capacity(row_id_map, indices, offsets, capacity)
+        tokens_per_expert, offsets = _capacity_sizes(num_experts, capacity, hidden.device)
+        rows = num_experts * capacity
+    permuted, permuted_probs = _PermuteFunction.apply(hidden, row_id_map, probs, rows)
     return Permutation(permuted, row_id_map, tokens_per_expert, offsets, permuted_probs)

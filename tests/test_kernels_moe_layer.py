@@ -47,7 +47,7 @@ CASES = {
     "capacity_drops": {"capacity_factor": 0.5},
     "sequence_aux_loss": {"aux_loss_type": "sequence"},
     "global_aux_loss": {"aux_loss_type": "global", "z_loss_coeff": 0.001},  # the Triton router's counts and means
-    "pad_to_capacity": {"capacity_factor": 0.5, "pad_to_capacity": True},  # padding bypasses the permute kernels
+    "pad_to_capacity": {"capacity_factor": 0.5, "pad_to_capacity": True},  # the permute kernels' capacity blocks
 }
 
 
@@ -79,6 +79,26 @@ def test_the_kernels_are_what_runs_when_chosen():
     assert dispatched.hidden.shape[0] == 5 * 2  # the fixed T·k-row buffer
     out = fused.dispatcher.combine(dispatched.hidden, dispatched)
     assert type(out.grad_fn).__name__ == "_UnpermuteFunctionBackward"
+
+
+@pytest.mark.parametrize("recompute_dispatch", [False, True], ids=["", "recompute_moe_dispatch"])
+def test_pad_to_capacity_runs_the_permute_kernels_into_capacity_blocks(recompute_dispatch):
+    """Pad-to-capacity on the kernels: E·capacity rows from the Triton permutation (rebuilt by its data pass alone
+    under `model.recompute: [moe_dispatch]`), the same output and gradients as the torch path's padded rows."""
+    fused, plain = make_layers(["permutation"], capacity_factor=0.5, pad_to_capacity=True)
+    for layer in (fused, plain):
+        layer.recompute_dispatch = recompute_dispatch
+    gen = torch.Generator().manual_seed(2)
+    x, g = torch.randn(13, 16, generator=gen).to(DEVICE), torch.randn(13, 16, generator=gen).to(DEVICE)
+    routing = fused.router(x)
+    dispatched = fused.dispatcher.dispatch(x, routing)
+    assert type(dispatched.hidden.grad_fn).__name__ == "_PermuteFunctionBackward"
+    assert dispatched.hidden.shape[0] == 6 * routing.capacity
+    got, want = run(fused, x, g), run(plain, x, g)
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="host-device synchronisation exists only with a CUDA device")

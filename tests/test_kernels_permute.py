@@ -173,3 +173,90 @@ def test_permute_rows_again_reference_path_matches_permute_reference(monkeypatch
     indices[::3, 0] = -1
     perm = permute_reference(hidden, indices, 5)
     assert torch.equal(permute_rows_again(hidden, perm.row_id_map), perm.permuted)
+
+
+# ---------------------------------------------------------------- capacity layout (model.pad_to_capacity)
+
+
+def within_capacity(indices: torch.Tensor, E: int, capacity: int) -> torch.Tensor:
+    """`indices` with every expert's copies past its first `capacity` (in token order) dropped, as the router's
+    capacity does (which copies it keeps does not matter here)."""
+    out, seen = indices.clone(), [0] * E
+    for t in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            e = int(out[t, j])
+            if e >= 0:
+                seen[e] += 1
+                if seen[e] > capacity:
+                    out[t, j] = -1
+    return out
+
+
+def test_capacity_layout_is_each_experts_kept_rows_then_zero_rows_and_dropped_copies_have_no_row():
+    T, k, E, h, c = 23, 3, 6, 5, 11
+    hidden, probs = torch.randn(T, h), torch.rand(T, k)
+    indices = within_capacity(random_routing(T, k, E, seed=1, drop_every=4).cpu(), E, c)
+    got = permute_reference(hidden, indices, E, probs, capacity=c)
+    plain = permute_reference(hidden, indices, E, probs)  # dropless layout: expert e at rows offsets[e]..
+    assert got.permuted.shape == (E * c, h) and got.permuted_probs.shape == (E * c,)
+    assert got.tokens_per_expert.tolist() == [c] * E and got.offsets.tolist() == [e * c for e in range(E + 1)]
+    counts = plain.tokens_per_expert.tolist()
+    assert max(counts) == c and min(counts) < c, "an expert exactly full and one padded"
+    for e, n in enumerate(counts):
+        a = int(plain.offsets[e])
+        assert torch.equal(got.permuted[e * c:e * c + n], plain.permuted[a:a + n]), f"expert {e}: its kept rows"
+        assert torch.equal(got.permuted_probs[e * c:e * c + n], plain.permuted_probs[a:a + n])
+        assert not got.permuted[e * c + n:(e + 1) * c].any() and not got.permuted_probs[e * c + n:(e + 1) * c].any()
+    for t in range(T):
+        for j in range(k):
+            r = int(got.row_id_map[t, j])
+            assert (r == -1) if indices[t, j] < 0 else torch.equal(got.permuted[r], hidden[t])
+
+
+@pytest.mark.parametrize("T,k,E,h,c", [(37, 3, 7, 20, 12), (70, 4, 21, 12, 11), (9, 1, 3, 16, 2), (1, 2, 5, 3, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capacity_layout_kernel_matches_reference(T, k, E, h, c, dtype):
+    hidden = torch.randn(T, h, device=DEVICE).to(dtype)
+    indices = within_capacity(random_routing(T, k, E, seed=T * 100 + E, drop_every=5).cpu(), E, c)
+    indices[0] = -1  # a token with every copy dropped
+    indices = indices.to(DEVICE)
+    probs = torch.rand(T, k, device=DEVICE)
+    assert_same(permute(hidden, indices, E, probs, capacity=c), permute_reference(hidden, indices, E, probs, c))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capacity_layout_gradients_match_reference_and_padding_rows_send_none(dtype):
+    T, k, E, h, c = 33, 3, 7, 10, 13
+    indices = within_capacity(random_routing(T, k, E, seed=5, drop_every=5).cpu(), E, c).to(DEVICE)
+    hidden = torch.randn(T, h, device=DEVICE).to(dtype)
+    probs = torch.rand(T, k, device=DEVICE)
+    grad_rows = torch.randn(E * c, h, device=DEVICE).to(dtype)  # nonzero on padding rows too
+    grad_probs = torch.randn(E * c, device=DEVICE)
+
+    def grads(fn, x_dtype, g_rows=grad_rows, g_probs=grad_probs):
+        x, p = hidden.to(x_dtype).requires_grad_(), probs.clone().requires_grad_()
+        out = fn(x, indices, E, p, capacity=c)
+        loss = (out.permuted * g_rows.to(x_dtype)).sum() + (out.permuted_probs * g_probs).sum()
+        return torch.autograd.grad(loss, (x, p))
+
+    got, want = grads(permute, dtype), grads(permute_reference, torch.float32)
+    torch.testing.assert_close(got[0], want[0].to(dtype))
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    padding = torch.ones(E * c, dtype=torch.bool, device=DEVICE)
+    rows = permute(hidden, indices, E, capacity=c).row_id_map.reshape(-1)
+    padding[rows[rows >= 0].long()] = False
+    assert padding.any()
+    noise = grads(permute, dtype, grad_rows + 100 * padding[:, None].to(dtype), grad_probs + 100 * padding)
+    assert torch.equal(noise[0], got[0]) and torch.equal(noise[1], got[1]), "padding rows reached a gradient"
+
+
+def test_capacity_layout_rows_again_and_bad_capacity():
+    from kernels.permute import permute_rows_again
+
+    T, k, E, h, c = 20, 3, 6, 16, 8
+    hidden = torch.randn(T, h, device=DEVICE)
+    indices = within_capacity(random_routing(T, k, E, seed=3, drop_every=4).cpu(), E, c).to(DEVICE)
+    perm = permute(hidden, indices, E, capacity=c)
+    assert torch.equal(permute_rows_again(hidden, perm.row_id_map, E * c), perm.permuted)
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        permute(hidden, indices, E, capacity=0)

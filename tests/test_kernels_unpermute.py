@@ -87,3 +87,29 @@ def test_the_kernel_runs_on_cuda_or_in_the_interpreter_and_plain_cpu_runs_the_re
 def test_a_buffer_that_does_not_match_the_map_is_rejected():
     with pytest.raises(ValueError, match="full permuted buffer"):
         unpermute(torch.randn(5, 2), torch.zeros(3, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capacity_layout_combine_matches_reference_and_padding_rows_get_zero_gradient(dtype):
+    """`permute(..., capacity=c)`'s E*c rows (kept copies, then padding no slot owns): the combine reads only the
+    kept rows, and its backward leaves every padding row's gradient at zero (the experts' weight gradients sum over
+    their padding rows too)."""
+    T, k, E, h, c = 29, 3, 6, 33, 17
+    indices = routing(T, k, E, seed=4, drop_every=3)
+    perm = permute(torch.zeros(T, h, device=DEVICE), indices, E, capacity=c)
+    expert_out = torch.randn(E * c, h, device=DEVICE).to(dtype)
+    probs, grad_out = torch.rand(T, k, device=DEVICE), torch.randn(T, h, device=DEVICE).to(dtype)
+
+    def run(fn, x_dtype):
+        x, p = expert_out.to(x_dtype).requires_grad_(), probs.clone().requires_grad_()
+        out = fn(x, perm.row_id_map, p, padded=True)
+        return out, torch.autograd.grad(out, (x, p), grad_out.to(x_dtype))
+
+    (got, (gx, gp)), (want, (wx, wp)) = run(unpermute, dtype), run(unpermute_reference, torch.float32)
+    torch.testing.assert_close(got, want.to(dtype))
+    torch.testing.assert_close(gx, wx.to(dtype))
+    torch.testing.assert_close(gp, wp, rtol=1e-5, atol=1e-5)
+    owned = torch.zeros(E * c, dtype=torch.bool, device=DEVICE)
+    rows = perm.row_id_map.reshape(-1)
+    owned[rows[rows >= 0].long()] = True
+    assert (~owned).any() and not gx[~owned].any(), "a padding row got a gradient"

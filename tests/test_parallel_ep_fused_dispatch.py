@@ -1,6 +1,7 @@
 """The all-to-all expert-parallel dispatcher over the Triton permutation (`model.moe_kernels: [permutation]`, on CUDA)
-computes what the torch permutation computes, dropless and with dropped copies (capacity factor), and what one
-process with every expert computes.
+computes what the torch permutation computes, dropless, with dropped copies (capacity factor) and padded to capacity
+(`model.pad_to_capacity`: the Triton permutation into capacity blocks), and what one process with every expert
+computes.
 
 Two gloo ranks on CPU run the kernels in Triton's CPU interpreter (on a CUDA machine their own tests run them; these
 ranks then take the torch path both ways). Each rank feeds its own tokens to the same EP2 MoE layer twice, fused and
@@ -19,10 +20,10 @@ from services.trainer.model.moe.moe_layer import MoELayer
 T = 12  # tokens per rank
 
 
-def _layer_config(capacity_factor: float):
+def _layer_config(capacity_factor: float, pad: bool = False):
     cfg = tiny_config(ep=2)
     cfg.model.num_experts, cfg.model.top_k = 4, 2
-    cfg.model.capacity_factor = capacity_factor
+    cfg.model.capacity_factor, cfg.model.pad_to_capacity = capacity_factor, pad
     cfg.model.aux_loss_coeff = 0.0
     cfg.model.moe_kernels = ["permutation"]
     return cfg
@@ -52,13 +53,13 @@ def _run(layer: MoELayer, x: torch.Tensor, cotangent: torch.Tensor) -> dict:
     return {"out": out.detach(), "x_grad": x.grad, "grads": grads}
 
 
-def _worker(rank, world, capacity_factor, out_dir):
+def _worker(rank, world, capacity_factor, pad, out_dir):
     with interpreted_gloo_rank(rank, world, out_dir):
         import kernels.permute
         from services.trainer.parallel.expert_parallel import apply_expert_parallel
         from services.trainer.parallel.groups import init_groups
 
-        cfg = _layer_config(capacity_factor)
+        cfg = _layer_config(capacity_factor, pad)
         holder = torch.nn.ModuleDict({"moe": _whole_layer(cfg)})
         apply_expert_parallel(holder, init_groups(cfg))
         layer = holder["moe"]
@@ -73,15 +74,16 @@ def _worker(rank, world, capacity_factor, out_dir):
         torch.save({"runs": runs, "fused_calls": len(calls)}, f"{out_dir}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, 0.75], ids=["dropless", "capacity"])
-def test_ep2_all_to_all_over_the_fused_permutation_matches_torch_and_one_process(tmp_path, capacity_factor):
-    cfg = _layer_config(capacity_factor)
+@pytest.mark.parametrize("capacity_factor, pad", [(0.0, False), (0.75, False), (0.75, True)],
+                         ids=["dropless", "capacity", "pad_to_capacity"])
+def test_ep2_all_to_all_over_the_fused_permutation_matches_torch_and_one_process(tmp_path, capacity_factor, pad):
+    cfg = _layer_config(capacity_factor, pad)
     whole = _whole_layer(cfg)
     inputs = [_inputs(r, cfg.model.hidden_size) for r in range(2)]
     # One process, both ranks' tokens. With a capacity factor each rank decides drops over its own tokens (the router
     # runs before the dispatch), so the reference routes the two ranks' tokens one rank at a time.
     ref = [_run(whole, x, c) for x, c in inputs]
-    ranks = spawn_ranks(_worker, (2, capacity_factor, str(tmp_path)), 2, str(tmp_path))
+    ranks = spawn_ranks(_worker, (2, capacity_factor, pad, str(tmp_path)), 2, str(tmp_path))
     for r, got in enumerate(ranks):
         assert got["fused_calls"] == (0 if ON_CUDA else 1)  # the Triton permutation ran once, in the fused run
         fused, plain = got["runs"][True], got["runs"][False]

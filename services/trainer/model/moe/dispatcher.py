@@ -10,16 +10,17 @@ Two implementations of the permutation (`permute_by_expert` / `unpermute_by_toke
 dispatcher uses too), chosen by `fused` (config `model.moe_kernels: [permutation]`):
 - the Triton kernels (`kernels/permute.py`, `kernels/unpermute.py`) on CUDA: a fixed buffer of T·k rows (dropped copies
   are zero rows past the last expert's), per-expert counts computed and kept on the device, so neither the dropless
-  nor the capacity case makes the host wait;
-- torch ops (`permute`/`unpermute` below; also the all-gather dispatcher's): rows of dropped copies are removed,
-  which needs their number on the host in the capacity case.
+  nor the capacity case makes the host wait; with pad-to-capacity, E blocks of capacity rows (below);
+- torch ops (`permute`/`unpermute`/`permute_padded` below; also the all-gather dispatcher's): rows of dropped copies
+  are removed, which needs their number on the host in the capacity case.
 
 Pad-to-capacity (`model.pad_to_capacity`, with a capacity factor; Megatron-Core's moe_pad_expert_input_to_capacity):
 `permute_padded` gives every expert exactly its capacity of rows — its kept copies, then zero rows of router weight 0 —
 so every size (the grouped GEMM's groups, the expert-parallel all-to-all's splits) is known on the host from the
 config and the token count: nothing waits for the device to count. A padding row is a copy of a zero row appended to
 the input, and `unpermute(..., padded=True)` sums its output into a spare row that it drops: it reaches no output and,
-through it, no gradient. Padding takes precedence over the fused kernels (its torch ops are sync-free too).
+through it, no gradient. The Triton permutation lays out the same rows (`kernels.permute.permute(..., capacity=)`:
+padding rows zero, weight 0, no slot's; their output reaches no token and their gradient is zero).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def unpermute(expert_out: torch.Tensor, token_idx: torch.Tensor, num_tokens: int
 @dataclass
 class _FusedState:
     row_id_map: torch.Tensor  # [T, k] int32 from kernels.permute
+    padded_rows: int | None = None  # pad-to-capacity: the buffer's E·capacity rows
 
 
 class LocalDispatcher:
@@ -125,7 +127,7 @@ class LocalDispatcher:
             if isinstance(state, _FusedState):
                 from kernels.permute import permute_rows_again
 
-                return permute_rows_again(hidden, state.row_id_map)
+                return permute_rows_again(hidden, state.row_id_map, state.padded_rows)
             token_idx, _, padded = state
             return (with_zero_row(hidden) if padded else hidden)[token_idx]
 
@@ -133,17 +135,19 @@ class LocalDispatcher:
 
 def permute_by_expert(hidden: torch.Tensor, routing: Routing, num_experts: int, fused: bool):
     """(rows grouped by expert, their router weights, tokens per expert, the state `unpermute_by_token` undoes it
-    with): the Triton permutation where it applies (`fused`, and not pad-to-capacity), else torch ops. Dropped copies:
-    zero rows past the last expert's (Triton; their number is not known on the host) or no rows (torch)."""
+    with): the Triton permutation where it applies (`fused`), else torch ops. Dropped copies: zero rows past the last
+    expert's (Triton; their number is not known on the host), no rows (torch), or with pad-to-capacity no rows and
+    every expert padded to its capacity (both)."""
     padded = routing.capacity is not None
-    if fused and triton_applies(hidden) and not padded:
+    if fused and triton_applies(hidden):
         from kernels.permute import permute as permute_rows
 
         indices = routing.expert_ids
         if routing.kept is not None:  # a dropped copy is a negative index to the kernel
             indices = indices.masked_fill(~routing.kept, -1)
-        perm = permute_rows(hidden, indices, num_experts, routing.weights)
-        return perm.permuted, perm.permuted_probs, perm.tokens_per_expert, _FusedState(perm.row_id_map)
+        perm = permute_rows(hidden, indices, num_experts, routing.weights, capacity=routing.capacity)
+        state = _FusedState(perm.row_id_map, num_experts * routing.capacity if padded else None)
+        return perm.permuted, perm.permuted_probs, perm.tokens_per_expert, state
     x, w, counts, token_idx = (permute_padded if padded else permute)(hidden, routing, num_experts)
     return x, w, counts, (token_idx, hidden.shape[0], padded)
 
@@ -153,6 +157,7 @@ def unpermute_by_token(expert_out: torch.Tensor, state: object) -> torch.Tensor:
     if isinstance(state, _FusedState):
         from kernels.unpermute import unpermute as unpermute_rows
 
-        return unpermute_rows(expert_out, state.row_id_map)  # weights already folded in: a plain sum
+        # weights already folded in: a plain sum
+        return unpermute_rows(expert_out, state.row_id_map, padded=state.padded_rows is not None)
     token_idx, num_tokens, padded = state
     return unpermute(expert_out, token_idx, num_tokens, padded)
