@@ -68,9 +68,10 @@ class ServiceSource:
         self._ids = itertools.count(1)  # never reused, so an answer to an abandoned request can match no other
 
     def fetch(self, requests: Iterable[pb.LoadRequest]) -> Iterator[tuple[int, torch.Tensor]]:
-        """Every request's box from the load socket, as (its index in `requests`, the box) in the order the answers
-        arrive, with at most WINDOW requests in flight (each request's `id` is set here; `requests` is iterated only as
-        the window has room). A failed answer raises what a local read raises (KeyError: no such step or tensor;
+        """Every request's box from the load socket, as (its index in `requests`, the box: a view of its answer's frame,
+        to be copied, not kept or written; `wire.decode(copy=False)`) in the order the answers arrive, with at most
+        WINDOW requests in flight (each request's `id` is set here; `requests` is iterated only as the window has
+        room). A failed answer raises what a local read raises (KeyError: no such step or tensor;
         ValueError: a box outside its tensor) or a CheckpointError naming the cause, as does a service that drops the
         connection with requests unanswered or does not answer within CALL_TIMEOUT_S. Ending a fetch with requests in
         flight (an error, or the caller leaving the loop) closes the socket, so that their late answers reach no later
@@ -122,7 +123,7 @@ class ServiceSource:
             if recv_monitor_message(self._disconnects)["event"] == zmq.EVENT_DISCONNECTED:
                 raise CheckpointError(f"{self.where}: its load socket {self.load} closed the connection with "
                                       f"{len(pending)} request(s) unanswered; the checkpointer stopped or restarted")
-        kind, reply, tensors = wire.decode(self._boxes.recv_multipart(copy=False), pb.LoadReply)
+        kind, reply, tensors = wire.decode(self._boxes.recv_multipart(copy=False), pb.LoadReply, copy=False)
         if kind == "ckpt.load_failed":
             errors = {"NOT_FOUND": KeyError, "INVALID_ARGUMENT": ValueError}
             raise errors.get(reply.code, CheckpointError)(reply.message)
@@ -233,15 +234,13 @@ class RemoteCheckpoint(CheckpointReader):
         return _Plan(name, dtype, size, parts, ends)
 
     def _place(self, outs: dict[int, torch.Tensor], i: int, plan: _Plan, j: int, part: torch.Tensor) -> None:
-        """Part `j` of box `i` (planned as `plan`) into `outs[i]`; a box of one part is that part."""
+        """Part `j` of box `i` (planned as `plan`) copied into `outs[i]`: the one copy of its bytes on this host, from
+        the frame it arrived in."""
         offsets, shape = plan.parts[j]
         if part.dtype != plan.dtype or tuple(part.shape) != shape:
             raise CheckpointError(f"{self.source.where} sent {part.dtype} {list(part.shape)} for {plan.name!r} "
                                   f"offsets={list(offsets)} shape={list(shape)} of step {self.step}, which is "
                                   f"{plan.dtype} {list(shape)}")
-        if len(plan.parts) == 1:
-            outs[i] = part
-            return
         if i not in outs:
             outs[i] = torch.empty(plan.size, dtype=plan.dtype)
         # One memcpy on this thread (numpy), not torch's `copy_`, which splits a copy of a few MiB over its intra-op

@@ -55,9 +55,12 @@ def encode(kind: str, body: Message | None, tensors: dict[str, torch.Tensor] | N
     return [env.SerializeToString(), *frames]
 
 
-def decode(frames: list, body_type: type[M] | None = None,
-           token: str = "") -> tuple[str, M | None, dict[str, torch.Tensor]]:
-    """Inverse of `encode`: returns (kind, body, tensors). `token`: the one the sender must have put in the header."""
+def decode(frames: list, body_type: type[M] | None = None, token: str = "",
+           copy: bool = True) -> tuple[str, M | None, dict[str, torch.Tensor]]:
+    """Inverse of `encode`: returns (kind, body, tensors). `token`: the one the sender must have put in the header.
+    `copy=False`: the tensors view the frames' memory (each keeps its frame alive) instead of a writable copy, for a
+    receiver that only copies them on; they are not to be written or kept, as over inproc a frame is the sender's
+    tensor itself."""
     if not frames:
         raise WireError("empty message")
     header = frames[0].buffer if isinstance(frames[0], zmq.Frame) else frames[0]
@@ -92,8 +95,12 @@ def decode(frames: list, body_type: type[M] | None = None,
             raise WireError(f"tensor {meta.name!r} has dimensions {list(meta.shape)} beyond {MAX_FRAME_BYTES} bytes")
         if nbytes > MAX_FRAME_BYTES or len(buf) != nbytes:
             raise WireError(f"tensor {meta.name!r} {list(meta.shape)} {meta.dtype} needs {nbytes} bytes, frame has {len(buf)}")
-        # One copy into writable memory: received frames are read-only and receivers may modify batches in place.
-        flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        # One copy into memory of the receiver's own: a frame may be the sender's memory (inproc) and receivers may
+        # modify batches in place.
+        if not nbytes:
+            flat = torch.empty(0, dtype=torch.uint8)
+        else:
+            flat = torch.frombuffer(bytearray(buf) if copy else buf, dtype=torch.uint8)
         tensors[meta.name] = flat.view(dtype).reshape(tuple(meta.shape))
     body = None
     if body_type is not None:
