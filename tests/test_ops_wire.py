@@ -28,6 +28,32 @@ def test_well_formed_messages_round_trip():
     assert set(got) == set(sent) and all(torch.equal(got[k], sent[k]) for k in sent)
 
 
+def test_decoded_tensors_are_the_receivers_own_copy_unless_asked_to_view_the_frames():
+    """Over inproc a frame is the sender's tensor itself: by default the receiver gets a copy of its own; with
+    copy=False a view of the frame, which the tensor keeps alive."""
+    import gc
+
+    import zmq
+
+    sender, receiver = zmq.Context.instance().socket(zmq.PAIR), zmq.Context.instance().socket(zmq.PAIR)
+    sender.bind("inproc://wire-copy")
+    receiver.connect("inproc://wire-copy")
+    try:
+        sent = torch.zeros(1 << 18)  # 1 MiB: sent without a copy
+        for _ in range(2):
+            wire.send(sender, "k", tensors={"t": sent})
+        _, _, own = wire.recv(receiver)
+        _, _, view = wire.decode(receiver.recv_multipart(copy=False), copy=False)
+        sent[0] = 7
+        assert own["t"][0] == 0 and view["t"][0] == 7
+        del sent
+        gc.collect()
+        assert view["t"][0] == 7 and view["t"].shape == (1 << 18,)
+    finally:
+        sender.close(linger=0)
+        receiver.close(linger=0)
+
+
 @pytest.mark.parametrize("frames, reason", [
     ([], "empty message"),
     ([b"\xff\xff\xff"], "not an Envelope"),
