@@ -42,13 +42,23 @@ def full_forward(model: MoETransformer, tokens: list[int]) -> tuple[torch.Tensor
     return logits.float().cpu(), torch.stack(taps) if taps else torch.zeros(0, len(tokens), 0, dtype=torch.int64)
 
 
-def micro_batches(groups, dp_size: int = 1, max_tokens: int = 4096, std_normalize: bool = True) -> list[list[dict]]:
-    """Trajectory groups (proto messages) as the dataloader serves them: per dp rank, its micro-batch dicts."""
-    from services.dataloader.rollout_source import pack_step
+def micro_batches(groups, dp_size: int = 1, max_tokens: int = 4096, std_normalize: bool = True,
+                  cp_cfg=None) -> list[list[dict]]:
+    """Trajectory groups (proto messages) as the dataloader serves them: per dp rank, its micro-batch dicts. With
+    `cp_cfg` (a Config) each carries the CP size the RL source gives it for `parallel.cp`/`cp_sizes` and the
+    `data.cp_max_*` budget, as the client hands it over (`cp_size`, an int64 0-dim tensor); without, none (the trainer
+    then cuts over its whole CP group)."""
+    from services.dataloader.cp_sizing import CPBudget, allowed_cp_sizes
+    from services.dataloader.rollout_source import pack_step, size_for_cp
 
     layers, top_k = groups[0].moe_layers, groups[0].top_k
     per_rank = pack_step(groups, dp_size, max_tokens, std_normalize, layers, top_k)
-    return [[dict(mb.tensors) for mb in rank] for rank in per_rank]
+    if cp_cfg is None:
+        return [[dict(mb.tensors) for mb in rank] for rank in per_rank]
+    budget = CPBudget(cp_cfg.data.cp_max_tokens_per_rank, cp_cfg.data.cp_max_attn_per_rank)
+    size_for_cp(per_rank, allowed_cp_sizes(cp_cfg.parallel), budget)
+    return [[{**mb.tensors, "cp_size": torch.tensor(mb.cp_size, dtype=torch.int64)} for mb in rank]
+            for rank in per_rank]
 
 
 def single_process_rl_steps(model: MoETransformer, cfg, steps):

@@ -4,9 +4,9 @@ Specification: a step is `rl.groups_per_step` whole groups fresh enough for it (
 the step, never above it); the others are dropped and counted once, the counters travelling with the position; every
 completion token of every sample is an action exactly once, with its rollout log-prob, reward, advantage, version and
 routing; prompt positions are never actions; the step's samples are dealt to the dp ranks and packed into micro-batches
-of at most `rl.micro_batch_tokens`; a step is built only when a rank asks for it; a position resumes exactly on a new
-service; entries are trimmed once every rank is past them, and a position whose entries are gone reads on from the
-oldest one left.
+of at most `rl.micro_batch_tokens`, each with the CP size the pre-training budget gives it; a step is built only when
+a rank asks for it; a position resumes exactly on a new service; entries are trimmed once every rank is past them, and
+a position whose entries are gone reads on from the oldest one left.
 """
 
 from __future__ import annotations
@@ -262,10 +262,26 @@ def test_a_position_whose_trajectories_were_trimmed_reads_on_from_the_oldest_ent
     assert actions(mb.tensors for mb in step.per_rank[0]) == expected_actions(groups[10:14])
 
 
-def test_static_context_parallel_is_served_and_dynamic_refused_with_the_fix(stream_key):
-    """RL micro-batches are served whole to the CP peers of a dp rank, which cut them (rl/cp_sharding.py); sizes that
-    change per micro-batch are not made for RL."""
-    cfg = rl_cfg(stream_key)
-    RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1, cp_sizes=[2])
-    with pytest.raises(DataError, match="dynamic context parallelism .* drop parallel.cp_sizes"):
-        RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1, cp_sizes=[1, 2])
+def test_each_micro_batch_gets_the_smallest_cp_size_under_the_budget_and_static_cp_its_one_size(stream_key):
+    """As the corpus stream sizes them (cp_sizing.choose_cp_size): tokens per CP rank <= data.cp_max_tokens_per_rank
+    and Σ l² per CP rank <= data.cp_max_attn_per_rank, else the largest size; sizing leaves the tensors alone. Under
+    static CP (one size) every micro-batch carries `parallel.cp`: the trainer cuts it over the whole group."""
+    rng = np.random.default_rng(8)
+    tokens, attn = 24, 300  # per CP rank: the samples here are 2-24 tokens, micro-batches 24-48
+    cfg = rl_cfg(stream_key, f"data.cp_max_tokens_per_rank={tokens}", f"data.cp_max_attn_per_rank={attn}")
+    publish(stream_key, [make_group(rng, f"g{i}") for i in range(8)])
+    dynamic = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 2, cp_sizes=[1, 2, 4])
+    static = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 2, cp_sizes=[2])
+    sizes, by_attention = Counter(), 0
+    for _ in range(2):
+        step, same_step = dynamic.next_step(), static.next_step()
+        for mb, twin in zip((m for r in step.per_rank for m in r), (m for r in same_step.per_rank for m in r),
+                            strict=True):
+            cu = mb.tensors["cu_seqlens"].tolist()
+            lengths = [b - a for a, b in zip(cu, cu[1:])]
+            fits = [c for c in (1, 2, 4) if sum(lengths) <= tokens * c and sum(n * n for n in lengths) <= attn * c]
+            assert mb.cp_size == (fits[0] if fits else 4), (lengths, mb.cp_size)
+            sizes[mb.cp_size] += 1
+            by_attention += sum(lengths) <= tokens * mb.cp_size // 2  # its tokens alone would fit a smaller size
+            assert twin.cp_size == 2 and same(mb.tensors, twin.tensors)
+    assert set(sizes) == {1, 2, 4} and by_attention, (sizes, by_attention)  # every size occurs, both limits decide

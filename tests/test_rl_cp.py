@@ -1,4 +1,4 @@
-"""RL steps under static context parallelism reproduce one process on the same trajectories.
+"""RL steps under static and dynamic context parallelism reproduce one process on the same trajectories.
 
 The harness is tests/test_rl_folded.py's (`run_and_compare`): the same fixed trajectory groups (completions, recorded
 routing and log-probs of the rollout engine, seeded rewards), two `rl_step`s per layout with the pre-training
@@ -14,6 +14,19 @@ Tolerance (fp32): 1e-5 relative L2 for weights, 1e-5 relative plus 1e-7 absolute
   (the cut padded to 2·cp·tp, then split over TP by sequence parallelism; vocab-parallel log-probs) and PP2·CP2 (each
   stage's attention bound to the cut's layout inside the pipeline schedules, rl/pipelined.py).
 
+Dynamic CP (`parallel.cp_sizes`): each micro-batch carries the CP size the dataloader's RL source gives it by the
+pre-training budget (`data.cp_max_tokens_per_rank`), and the trainer's CP blocks split a dp rank's micro-batches as in
+pre-training (`cp_share`):
+- 2 ranks, CP2 with sizes [1, 2] and 9 tokens per rank: in "replay_kl" the 10-token samples run on both ranks, the
+  9-token ones on one rank each (half on each), so a rank runs uncut micro-batches right after cut ones (the attention
+  cores and routers must drop the previous layout); in "packed" every micro-batch needs both ranks;
+- 4 ranks, CP2·EP2 with sizes [1, 2] and 18 tokens per rank (DP2): every "replay_kl" micro-batch runs on one rank,
+  while the EP all-to-alls pair the two CP ranks, which now run different micro-batches; in "packed" each replica's
+  one two-sample micro-batch of size 1 is left over after equal shares and runs on the whole group instead; and
+  PP2·CP2 as the 2-rank case, each stage's CP ranks splitting the micro-batches alike inside the pipeline schedules.
+`test_dynamic_cp_layouts_give_micro_batches_both_sizes` proves those sizes, and each rank records the CP group size of
+every micro-batch it ran (`DYNAMIC_CUTS`): running every micro-batch over the whole group would match one process too.
+
 The samples are 9 and 10 tokens long, so micro-batches are padded to 4·k (8·k with TP) and documents straddle the
 zigzag chunks: a query sees keys of its document on the other rank. "replay_kl" (one sample per micro-batch, recomputed
 old log-probs, truncated importance weights, KL to a reference copied from the parallelized policy, the router's
@@ -27,13 +40,14 @@ The padding's routed load is kept out of the expert load the bias update reads: 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from services.common.config import Config, ConfigError
+from services.common.config import Config
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.parallel.context_parallel import zigzag_index
 from services.trainer.parallel.groups import Axis
@@ -45,9 +59,13 @@ from tests.rl_helpers import micro_batches, single_process_rl_steps
 from tests.test_rl_folded import TIMEOUT_S, _config, _model, run_and_compare
 from tests.test_rl_parallel import _steps
 
-LAYOUTS = {2: [dict(cp=2, cp_comm="ring"), dict(cp=2, cp_comm="allgather")],
+# dynamic CP: the sizes, and the token budget per CP rank that the RL source sizes micro-batches by (data.cp_max_*)
+DYNAMIC_CP2 = dict(cp=2, cp_sizes=[1, 2], cp_max_tokens_per_rank=9, cp_comm="ring")
+DYNAMIC_CP2_EP2 = dict(cp=2, ep=2, cp_sizes=[1, 2], cp_max_tokens_per_rank=18, cp_comm="allgather")
+DYNAMIC_PP2_CP2 = dict(pp=2, **DYNAMIC_CP2)
+LAYOUTS = {2: [dict(cp=2, cp_comm="ring"), dict(cp=2, cp_comm="allgather"), DYNAMIC_CP2],
            4: [dict(cp=2, ep=2, cp_comm="ring"), dict(cp=2, tp=2, cp_comm="allgather"),
-               dict(cp=2, pp=2, cp_comm="ring")]}
+               dict(cp=2, pp=2, cp_comm="ring"), DYNAMIC_CP2_EP2, DYNAMIC_PP2_CP2]}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +73,21 @@ def steps():
     return _steps()
 
 
+# Dynamic CP: the CP group sizes each rank runs its micro-batches on over the two steps (`_sizes` below gives the
+# dataloader's sizes). DP1 (CP2, PP2·CP2): per step 4 micro-batches of size 2 on both CP ranks and 16 of size 1 shared
+# 8 / 8. DP2 (CP2·EP2): per step and replica 10 of size 1 shared 5 / 5, and in "packed" two of size 2 plus the
+# left-over one of size 1, which runs on both CP ranks (size 2) instead.
+DP1_CUTS = {"replay_kl": {1: 16, 2: 8}, "packed": {2: 10}}
+DYNAMIC_CUTS = {2: {str(DYNAMIC_CP2): DP1_CUTS},
+                4: {str(DYNAMIC_CP2_EP2): {"replay_kl": {1: 10}, "packed": {2: 6}}, str(DYNAMIC_PP2_CP2): DP1_CUTS}}
+
+
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_context_parallel_rl_steps_match_one_process_metrics_and_published_weights(world, steps, tmp_path):
-    run_and_compare(world, LAYOUTS[world], steps, str(tmp_path))
+    ranks = run_and_compare(world, LAYOUTS[world], steps, str(tmp_path))
+    for layout, by_scenario in DYNAMIC_CUTS[world].items():  # each micro-batch ran on the CP group of its size
+        for scenario, cuts in by_scenario.items():
+            assert all(Counter(rank[(layout, scenario)]["cuts"]) == cuts for rank in ranks), (layout, scenario)
 
 
 def test_the_cp_cut_takes_every_per_token_tensor_at_the_tokens_index_and_pads_a_separate_ignored_document(steps):
@@ -86,15 +116,28 @@ def test_the_cp_cut_takes_every_per_token_tensor_at_the_tokens_index_and_pads_a_
         assert int(c.cu_seqlens[-1]) == total // cp
 
 
-def test_rl_config_accepts_static_context_parallelism_and_refuses_dynamic_cp():
+def _sizes(layout: dict, dp: int, scenario: str, steps: list[list]) -> list[int]:
+    """The CP sizes of every micro-batch of every dp rank of every step, as the dynamic `layout` gets them."""
+    cfg = _config(layout, scenario)
+    return [int(mb["cp_size"]) for groups in steps
+            for rank in micro_batches(groups, dp, cfg.rl.micro_batch_tokens, cp_cfg=cfg) for mb in rank]
+
+
+def test_dynamic_cp_layouts_give_micro_batches_both_sizes(steps):
+    """What the dynamic-CP parity cases above run: micro-batches of size 1 and of size 2 in one step (2 ranks), and a
+    size-1 micro-batch left over after equal shares (4 ranks, "packed": one per replica and step)."""
+    assert Counter(_sizes(DYNAMIC_CP2, 1, "replay_kl", steps)) == {1: 32, 2: 8}  # the 9- and 10-token samples
+    assert set(_sizes(DYNAMIC_CP2, 1, "packed", steps)) == {2}
+    assert set(_sizes(DYNAMIC_CP2_EP2, 2, "replay_kl", steps)) == {1}
+    assert Counter(_sizes(DYNAMIC_CP2_EP2, 2, "packed", steps)) == {2: 8, 1: 4}  # 2 replicas x 2 steps x [38, 36 | 18]
+
+
+def test_rl_config_accepts_static_and_dynamic_context_parallelism():
     cfg = Config()
     cfg.rl.enabled, cfg.run.nproc, cfg.parallel.cp = True, 2, 2
     validate_rl(cfg)
-    cfg.parallel.cp_sizes = [2]  # the static size only: the same layout
-    validate_rl(cfg)
     cfg.parallel.cp_sizes = [1, 2]
-    with pytest.raises(ConfigError, match="does not run dynamic context parallel"):
-        validate_rl(cfg)
+    validate_rl(cfg)
 
 
 def _load_worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:

@@ -3,7 +3,8 @@
 The trajectory groups are fixed: generated once by the rollout engine from the tiny model (completions, the routing it
 chose for every token, its log-probs) with seeded rewards, as in tests/test_rl_parallel.py. Every layout runs two
 `rl_step`s with the pre-training DistributedOptimizer, each DP replica on the micro-batches the dataloader's RL source
-deals it (`pack_step` for the layout's dp size; the TP ranks of a replica get the same), against one process running
+deals it (`pack_step` for the layout's dp size, each micro-batch with the CP size the source gives it: `cp_size`;
+the TP ranks of a replica get the same), against one process running
 `rl_step` with torch's AdamW on the dp_size=1 micro-batches of the same groups, and after each step the full weights are gathered to rank 0 by `WeightGather` (the publish path). Layouts:
 
 - 2 ranks: TP2 (vocab-parallel log-probs, sequence-parallel padding: the samples' 9- and 10-token sequences are odd and
@@ -62,8 +63,8 @@ def _config(layout: dict, scenario: str) -> Config:
         setattr(cfg.rl, k, v)
     cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad, cfg.optimizer.eps = 1e-3, 0.1, 0.05, 1e-6
     cfg.parallel.grad_bucket_mb = 0.05
-    for k, v in layout.items():
-        setattr(cfg.parallel, k, v)
+    for k, v in layout.items():  # `parallel.*` keys, and the dynamic CP budget's `data.cp_max_*`
+        setattr(cfg.data if k.startswith("cp_max_") else cfg.parallel, k, v)
     return cfg
 
 
@@ -81,6 +82,19 @@ def _reference(scenario: str, steps: list[list]) -> dict:
     return {"metrics": metrics, "weights": weights}
 
 
+def _record_cuts(cuts: list[int]) -> None:
+    """Append the CP group size of every micro-batch `rl_step` cuts on this rank to `cuts` (1: run uncut)."""
+    import services.trainer.rl.step as step_module
+
+    cp_shard = step_module.cp_shard
+
+    def recorded(mb, cp, *args):
+        cuts.append(cp.size)
+        return cp_shard(mb, cp, *args)
+
+    step_module.cp_shard = recorded
+
+
 def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_dir: str) -> None:
     from services.trainer.parallel.gather_weights import WeightGather
     from services.trainer.parallel.groups import init_groups
@@ -89,10 +103,12 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
-    out = {}
+    out, cuts = {}, []
+    _record_cuts(cuts)
     try:
         for layout in layouts:
             for scenario in SCENARIOS:
+                cuts.clear()
                 cfg = _config(layout, scenario)
                 groups = init_groups(cfg)
                 model = parallelize(_model(cfg.model.aux_loss_coeff, cfg.model.z_loss_coeff), cfg, groups)
@@ -101,13 +117,13 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
                 gather = WeightGather(model, groups)
                 metrics, weights = [], []
                 for step, step_groups in enumerate(steps):
-                    data = micro_batches(step_groups, dp_size=groups.dp.size,
-                                         max_tokens=cfg.rl.micro_batch_tokens)[groups.dp.rank]
+                    data = micro_batches(step_groups, dp_size=groups.dp.size, max_tokens=cfg.rl.micro_batch_tokens,
+                                         cp_cfg=cfg)[groups.dp.rank]
                     metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
                                            ref, version=step, lr=cfg.optimizer.lr,
                                            cp_comm=cfg.parallel.cp_comm).read())
                     weights.append(gather.state_dict())
-                out[(str(layout), scenario)] = {"metrics": metrics, "weights": weights}
+                out[(str(layout), scenario)] = {"metrics": metrics, "weights": weights, "cuts": list(cuts)}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -128,9 +144,10 @@ def _close(a, b, metric: str = "") -> bool:
     return abs(a - b) <= ATOL_OF.get(metric, ATOL) + RTOL * abs(b) if b is not None else a is None
 
 
-def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir: str) -> None:
+def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir: str) -> list[dict]:
     """Run `layouts` on `world` gloo ranks (`_worker`) and compare every rank's metrics and rank 0's gathered weights
-    with one process."""
+    with one process. Returns each rank's results by (str(layout), scenario): "metrics", "weights" and "cuts" (the CP
+    group size of every micro-batch the rank ran, in order, over the steps)."""
     ranks = spawn_ranks(_worker, (world, layouts, steps, out_dir), world, out_dir, timeout_s=TIMEOUT_S)
     refs = {scenario: _reference(scenario, steps) for scenario in SCENARIOS}
     for layout in layouts:
@@ -151,6 +168,7 @@ def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir:
             assert all(m["grad_norm"] > 0.05 for m in ref["metrics"])
             if scenario == "replay_kl":
                 assert ref["metrics"][1]["kl"] > 0 and ref["metrics"][1]["logprob_mismatch"] > 1e-4
+    return ranks
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))

@@ -93,17 +93,6 @@ def test_one_command_runs_grpo_with_two_workers_checkpoints_and_resumes(tmp_path
         forget_stream(run)
 
 
-def test_an_rl_run_with_dynamic_context_parallelism_is_refused_before_any_process_starts(tmp_path, capsys):
-    from services.cli import main
-
-    code = main(["train", "--config", "configs/rl_tiny.yaml", "run.nproc=2", "parallel.cp=2", "parallel.cp_sizes=[1,2]",
-                 f"run.dir={tmp_path / 'run'}", f"data.corpus=[{tmp_path / 'no-such-corpus'}]"])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "RL training does not run dynamic context parallel (`parallel.cp_sizes=[1, 2]`" in err
-    assert not (tmp_path / "run").exists()  # nothing was started
-
-
 def test_an_rl_run_with_fewer_groups_per_step_than_data_parallel_replicas_is_refused(tmp_path, capsys):
     from services.cli import main
 
@@ -133,12 +122,17 @@ def test_an_rl_run_on_two_expert_parallel_trainer_ranks_publishes_gathered_weigh
         forget_stream(run)
 
 
-@pytest.mark.parametrize("layout", ["parallel.pp=2", "parallel.cp=2"])
+# dynamic CP: micro-batches of one sample (at most 9 positions here), each of CP size 1, so each runs on one of the two
+# CP ranks (tests/test_rl_cp.py mixes the sizes)
+DYNAMIC_CP = ("parallel.cp=2", "parallel.cp_sizes=[1,2]", "data.cp_max_tokens_per_rank=9", "rl.micro_batch_tokens=10")
+
+
+@pytest.mark.parametrize("layout", [("parallel.pp=2",), ("parallel.cp=2",), DYNAMIC_CP])
 def test_an_rl_run_on_two_pipeline_stages_or_cp_ranks_with_a_reference_trains_and_publishes_what_workers_reproduce(
         layout, tmp_path):
-    run = f"rl-{layout[9:11]}2-{uuid.uuid4().hex[:8]}"
+    run = f"rl-{layout[0][9:11]}2-{uuid.uuid4().hex[:8]}"
     try:
-        done = rl_train(tmp_path, run, 3, "run.nproc=2", layout, "rl.kl_coef=0.01")
+        done = rl_train(tmp_path, run, 3, "run.nproc=2", *layout, "rl.kl_coef=0.01")
         assert done.rc == 0, done.stderr[-3000:]
         assert done.strays == []
         logged = records(tmp_path)

@@ -25,6 +25,15 @@ to the dp ranks longest first, each to the rank with the fewest tokens so far, a
 best-fit-decreasing into micro-batches of at most `rl.micro_batch_tokens` positions (a longer sample gets one of its
 own): the number of micro-batches of a rank varies from step to step, and there is no padding.
 
+CP size of a micro-batch (`MicroBatch.cp_size`, as in the corpus stream, services/dataloader/stream.py): with one
+allowed size (`parallel.cp`) every micro-batch carries it; with several (dynamic CP, `parallel.cp_sizes`) each gets the
+smallest size whose per-rank tokens and attention cost fit `data.cp_max_tokens_per_rank` / `data.cp_max_attn_per_rank`
+(`cp_sizing.choose_cp_size` over its samples' lengths). The CP peers of a dp rank all receive its micro-batches and the
+trainer's CP blocks split them as in pre-training (context_parallel.py `cp_share`); the trainer pads each cut to
+2·c·sp equal chunks itself (services/trainer/rl/cp_sharding.py), so no size constrains a micro-batch's length. Unlike
+the corpus stream, micro-batches are not re-dealt to the dp ranks by work after sizing: whole samples are dealt by
+tokens (`deal`), and each rank's micro-batch count already varies.
+
 The position is the id of the last entry the previous steps consumed (accepted or dropped) plus the step and the drop
 counters; a restarted service resumes after that id and replays exactly while the entries are there. Entries are
 trimmed `max_buffered` steps after every rank has passed the step that read them; a trainer that restarts from an older
@@ -56,6 +65,7 @@ from torchdata.nodes import BaseNode
 
 from proto import rollout_pb2
 from services.common import rollout_stream
+from services.dataloader.cp_sizing import CPBudget, choose_cp_size, segment_lengths
 from services.dataloader.errors import DataError
 from services.dataloader.packing import best_fit_decreasing
 from services.dataloader.stream import MicroBatch, Step, StepStream
@@ -271,16 +281,20 @@ def pack_step(groups: list[rollout_pb2.TrajectoryGroup], dp_size: int, max_token
     return out
 
 
+def size_for_cp(per_rank: list[list[MicroBatch]], cp_sizes: list[int], budget: CPBudget) -> None:
+    """Give every micro-batch its CP size (the module docstring): the smallest of `cp_sizes` under `budget`."""
+    for mb in (mb for rank in per_rank for mb in rank):
+        mb.cp_size = choose_cp_size(segment_lengths(mb.tensors["cu_seqlens"]), cp_sizes, budget)
+
+
 class RolloutStepStream(StepStream):
-    """Steps of trajectory groups; the state layout, `check` and `reset` of the corpus stream."""
+    """Steps of trajectory groups; the state layout, `check` and `reset` of the corpus stream. `cp_sizes`: the CP
+    sizes a micro-batch may be given (`cp_sizing.allowed_cp_sizes`); None: [1]."""
 
     def __init__(self, log: TrajectoryLog, cfg, dp_size: int, cp_sizes: list[int] | None = None):
-        if len(set(cp_sizes or [1])) > 1:
-            raise DataError(f"RL micro-batches are not sized for dynamic context parallelism (CP sizes {cp_sizes}): "
-                            "the RL trainer cuts each whole micro-batch over its CP group (rl/cp_sharding.py); drop "
-                            "parallel.cp_sizes")
         self.log, self.cfg, self.rl, self.dp_size = log, cfg.data, cfg.rl, dp_size
-        self.cp_sizes = [1]
+        self.cp_sizes = sorted(set(cp_sizes or [1]))
+        self.budget = CPBudget(cfg.data.cp_max_tokens_per_rank, cfg.data.cp_max_attn_per_rank)
         self.layers, self.top_k = cfg.model.num_layers - cfg.model.first_k_dense, cfg.model.top_k
         self.node = StepGroups(log, cfg.rl.groups_per_step, cfg.rl.max_staleness)
         self.node.reset(None)
@@ -301,6 +315,7 @@ class RolloutStepStream(StepStream):
         groups = next(self.node)
         per_rank = pack_step(groups, self.dp_size, self.rl.micro_batch_tokens, self.rl.std_normalize, self.layers,
                              self.top_k, self.dp_ranks)
+        size_for_cp(per_rank, self.cp_sizes, self.budget)
         self.tokens += sum(mb.real_tokens for rank in per_rank for mb in rank)
         self.log.mark_read(self.node.after, self.node.step)
         step = Step(self.step, per_rank, before)

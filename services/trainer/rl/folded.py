@@ -26,13 +26,17 @@ What changes against one process, and why:
   sums exist on the last stage only and are summed over the pp group, so every rank reports the same metrics. The
   reference model is `frozen_copy` of the stage: the same layers, the same (shared) process groups.
 
-- **Context parallelism** (static): each CP rank runs its zigzag cut of every micro-batch, every per-token tensor cut
-  by the tokens' index (rl/cp_sharding.py, padded to 2·cp·sp equal chunks), so log-probs, losses and metric sums are
-  per rank and summed over DP×CP; `policy_forward` binds the cut's layout to the attention cores (fillers run
-  unbound: local attention over their own tokens).
-
-Not supported (`check_layout` refuses it): dynamic CP (`parallel.cp_sizes`): the RL source does not size micro-batches
-per CP group, and every micro-batch is cut over the whole group.
+- **Context parallelism**: each micro-batch runs on the CP group of its size, every per-token tensor cut by the
+  tokens' zigzag index (rl/cp_sharding.py, padded to 2·c·sp equal chunks for a group of c ranks), so log-probs, losses
+  and metric sums are per rank and summed over DP×CP; `policy_forward` binds the cut's layout to the attention cores
+  (fillers and micro-batches of CP size 1 run unbound: local attention over their own tokens, the routers' statistics
+  local too). Static CP (`parallel.cp`) cuts every micro-batch over the whole group. Dynamic CP
+  (`parallel.cp_sizes`): the dataloader's RL source sizes each micro-batch by the pre-training budget, and the CP
+  blocks of a dp rank split its micro-batches as in pre-training (context_parallel.py `cp_share`: a micro-batch sized
+  c < cp runs on one aligned block of c ranks; the ones left over after equal shares on the whole group), so the CP
+  ranks of a dp rank run equally many passes and the EP fillers above still pair every rank's forwards.
+  A micro-batch of a size the trainer's `parallel.cp_sizes` lacks (a dataloader run with other ones) is refused by
+  `ParallelGroups.cp_of`, naming the key.
 """
 
 from __future__ import annotations
@@ -47,27 +51,19 @@ import torch.distributed as dist
 from torch import nn
 
 from services.trainer.model.loss import IGNORE_INDEX
-from services.trainer.parallel.context_parallel import bind_layout
+from services.trainer.parallel.context_parallel import ContextParallelAttention, bind_layout
 from services.trainer.parallel.differentiable import group_size, local_token_shard
 from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
 from services.trainer.rl.replay import recorded_moe_layers, routing_replay
 
 
-def check_layout(groups: ParallelGroups) -> None:
-    """Raise ValueError naming the axis when the RL step cannot run on `groups`' layout (see the module docstring)."""
-    layout = groups.layout
-    if set(layout.cp_sizes) - {layout.cp}:
-        raise ValueError(f"the RL step does not run dynamic context parallel (cp_sizes={list(layout.cp_sizes)}): "
-                         f"every RL micro-batch is cut over the whole CP group (cp={layout.cp}); drop cp_sizes")
-
-
 def step_layout(optimizer: Any) -> ParallelGroups:
-    """The layout the step runs on: the DistributedOptimizer's groups (checked), else one process."""
+    """The layout the step runs on: the DistributedOptimizer's groups, else one process. Every folded layout runs (what
+    an RL run cannot, `train_rl.validate_rl` refuses before any process starts)."""
     groups = getattr(optimizer, "groups", None)
     if not isinstance(groups, ParallelGroups) or groups.world.size == 1:
         return single_process()
-    check_layout(groups)
     return groups
 
 
@@ -133,8 +129,14 @@ def sp_size(model: nn.Module) -> int:
 
 
 def needs_folded_forward(model: nn.Module, mb: Any) -> bool:
+    """Whether `mb` runs through `folded_token_logprobs`: under TP, for fillers, and on a context-parallel model even
+    uncut (CP size 1), whose attention cores and routers must be unbound from the previous micro-batch's layout."""
     return (getattr(model, "tensor_parallel_group", None) is not None or getattr(mb, "is_filler", False)
-            or mb.cp_layout is not None)
+            or mb.cp_layout is not None or _context_parallel(model))
+
+
+def _context_parallel(model: nn.Module) -> bool:
+    return any(isinstance(m, ContextParallelAttention) for m in model.modules())
 
 
 def _padded(mb, pad: int):

@@ -11,11 +11,12 @@ up (routing replay, as in GSPO/R3).
 Over several trainer ranks the step is data parallel (see `rl_step`): each replica runs the micro-batches the dataloader
 dealt it and the distributed optimizer of pre-training sums the gradients, with the loss normalised by the whole step's
 tokens.
-On folded layouts (TP with sequence parallelism, EP, ETP, PP, static CP) the replicas are the attention layout's DP
-axis and the policy forward is `folded.py`'s (vocab-parallel log-probs, replayed ids cut to each SP shard, fillers that
-keep an EP group's forwards paired); with pipeline stages it runs through the pipeline schedules and the policy loss
-in the last stage (`pipelined.py`). Under CP each rank runs its zigzag cut of every micro-batch, every per-token
-tensor cut alike (`cp_sharding.py`), and the loss sums are summed over DP×CP.
+On folded layouts (TP with sequence parallelism, EP, ETP, PP, static and dynamic CP) the replicas are the attention
+layout's DP axis and the policy forward is `folded.py`'s (vocab-parallel log-probs, replayed ids cut to each SP shard,
+fillers that keep an EP group's forwards paired); with pipeline stages it runs through the pipeline schedules and the
+policy loss in the last stage (`pipelined.py`). Under CP each rank runs its zigzag cut of every micro-batch of its CP
+block's share, over the CP group of the micro-batch's size (static CP: every micro-batch over the whole group), every
+per-token tensor cut alike (`cp_sharding.py`), and the loss sums are summed over DP×CP.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.moe.experts import fp8_weights_held
 from services.trainer.optim import clip_and_step
 from services.trainer.parallel.groups import ParallelGroups, sum_over
-from services.trainer.parallel.context_parallel import CPComm
+from services.trainer.parallel.context_parallel import CPComm, cp_share
 from services.trainer.rl.cp_sharding import cp_shard
 from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, sp_size, step_layout, with_fillers
 from services.trainer.rl.losses import PolicyLoss, ppo_clip_loss
@@ -127,14 +128,15 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     `version` is the version of the trainer's weights before this step, i.e. the step index: every sample must be
     within `cfg.max_staleness` versions of it (`step_sums`).
 
-    Data parallel: when `optimizer` is the DistributedOptimizer of a layout (`folded.check_layout`), `data` is this
+    Data parallel: when `optimizer` is the DistributedOptimizer of a layout (`folded.step_layout`), `data` is this
     rank's share of the step (the dataloader deals whole samples to the dp ranks; the TP ranks of a replica get the
     same). The step's response-token count and the sums behind the data metrics are all-reduced over dp before any
     backward, so every rank divides its token-loss sums by the same global count; the optimizer sums the gradients
     over the replicas, clips by the global norm (its `clip_grad`) and steps with `lr`; the token sums behind the loss
     metrics are all-reduced (over pp too: with pipeline stages they are computed on the last one). Under context
-    parallelism the CP ranks of a replica receive the same `data`; each runs its zigzag cut of every micro-batch
-    (`cp_comm`: `parallel.cp_comm`), the loss sums are all-reduced over DP×CP and the dense gradients summed there.
+    parallelism the CP ranks of a replica receive the same `data`; each runs its zigzag cut of every micro-batch of its
+    CP block's share over the CP group of the micro-batch's `cp_size` (`_cp_local`; `cp_comm`: `parallel.cp_comm`),
+    the loss sums are all-reduced over DP×CP and the dense gradients summed there.
     The result equals one process running every rank's micro-batches (tests/test_rl_parallel.py, test_rl_folded.py,
     test_rl_pipeline.py, test_rl_cp.py).
     The MoE aux loss, if the model is in training mode, is a per-micro-batch term here as in one process (each
@@ -145,7 +147,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     temperature = _step_temperature(model, data, dp.size)
     packed = [RLMicroBatch.from_data(mb) for mb in data]
     data_sums = _global_data_sums(packed, version, cfg.max_staleness, dp, device)  # whole: CP peers hold the same
-    local = [cp_shard(mb, layout.cp, cp_comm, sp_size(model)) for mb in packed]  # this CP rank's tokens of each
+    local = _cp_local(data, layout, cp_comm, sp_size(model))  # this CP rank's tokens of each micro-batch it runs
     micro_batches = with_fillers([mb.to(device) for mb in local], model, layout, device)  # EP pairs forwards
     step_tokens = int(data_sums[0])
 
@@ -193,6 +195,19 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     else:
         grad_norm = clip_and_step(optimizer, model.parameters(), clip_grad)
     return RLStepMetrics(_data_metrics(data_sums, version, cfg.max_staleness), step_tokens, sums, grad_norm)
+
+
+def _cp_local(data: list[dict[str, torch.Tensor]], layout: ParallelGroups, cp_comm: CPComm, sp: int
+              ) -> list[RLMicroBatch]:
+    """The micro-batches this rank runs, each its cut over the CP group of the micro-batch's size, as pre-training's
+    `forward_backward_parallel`: `cp_share` picks this CP block's share of the dp rank's micro-batches (dynamic CP:
+    a micro-batch sized c < cp runs on one aligned block of c ranks; static: all of them, on the whole group), and
+    `cp_shard` cuts each over `layout.cp_of(cp_size)` (no `cp_size`: the whole group)."""
+    out = []
+    for mb in cp_share(data, layout.cp.size, layout.cp.rank):
+        axis = layout.cp_of(int(mb["cp_size"])) if "cp_size" in mb else layout.cp
+        out.append(cp_shard(RLMicroBatch.from_data(mb), axis, cp_comm, sp))
+    return out
 
 
 def _step_temperature(model: nn.Module, data: list[dict[str, torch.Tensor]], replicas: int) -> float:

@@ -13,8 +13,9 @@ a resumed trainer publishes from there. The data comes from the dataloader servi
 version s is published); the dataloader's position is part of every checkpoint, as in pre-training.
 
 `run.nproc=N` ranks train on a folded layout: data parallel, with `parallel.tp` (sequence parallel), `ep`, `etp`,
-`pp` (the policy loss in the pipeline's last stage: rl/pipelined.py) and static `cp` (each micro-batch zigzag-cut over
-the CP group: rl/cp_sharding.py) as in pre-training; dynamic CP (`parallel.cp_sizes`) is refused (`validate_rl`).
+`pp` (the policy loss in the pipeline's last stage: rl/pipelined.py) and `cp` (each micro-batch zigzag-cut over the
+CP group of its size: rl/cp_sharding.py; with dynamic CP, `parallel.cp_sizes`, the dataloader sizes each one by the
+pre-training budget and the CP blocks split them as in pre-training: rl/folded.py) as in pre-training.
 Each DP replica pulls its own share of the step from the dataloader (the TP and CP ranks and pipeline stages of a
 replica the same one); the pre-training DistributedOptimizer reduces the gradients (`step.py`); every rank sends its
 shards of the updated weights to rank 0 (`parallel/gather_weights.py`: full tensors, in the sync dtype, one at a time),
@@ -60,10 +61,6 @@ def validate_rl(cfg: Config, world_size: int | None = None) -> None:
     trainer's ranks (None: `run.nproc`, what `foldmoe train` starts)."""
     rl, p = cfg.rl, cfg.parallel
     world_size = cfg.run.nproc if world_size is None else world_size
-    if set(p.cp_sizes) - {p.cp}:
-        raise ConfigError(f"RL training does not run dynamic context parallel (`parallel.cp_sizes={p.cp_sizes}`): the "
-                          f"RL step cuts every micro-batch over the whole CP group (rl/cp_sharding.py); keep "
-                          f"`parallel.cp={p.cp}` and set `parallel.cp_sizes=[]`")
     if p.ep_overlap:
         raise ConfigError("`parallel.ep_overlap` pairs pre-training micro-batches; the RL step (rl/step.py) runs its "
                           "micro-batches one at a time: set parallel.ep_overlap=false")
