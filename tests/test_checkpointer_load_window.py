@@ -215,6 +215,33 @@ def test_a_restore_through_the_checkpointer_keeps_a_window_across_its_boxes_and_
         boxes.close()
 
 
+def test_a_one_process_restore_through_the_checkpointer_keeps_a_window_across_its_tensors(tmp_path):
+    """One rank (no parallel groups; `checkpointing._restore_whole`): the model's tensors and then the optimizer's,
+    each group in one `read_boxes`, restore what the directory restores, bf16 parameters' remainders included."""
+    from parallel_harness import save_step_one
+    from test_checkpointer_glue import tiny, train_step
+
+    from services.trainer import checkpointing
+
+    model, opt = tiny("bf16")
+    train_step(model, opt, 0)
+    store, server, boxes, source = serve(tmp_path, Reversing)
+    try:
+        save_step_one(str(store.root), 0, 1, checkpointing.state_shards(model, opt, rank=0))
+        for ckpt in (load_checkpoint(store.final_dir(1)), source.newest()):
+            fresh, fresh_opt = tiny("bf16")
+            checkpointing._restore_whole(ckpt, "step 1", set(ckpt.names()), fresh, fresh_opt)
+            for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+                assert torch.equal(fresh_opt.master_value(q), opt.master_value(p)), name
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(fresh_opt.state[q][key].float(), opt.state[p][key].float()), (name, key)
+        assert max(boxes.batches) == remote.WINDOW  # every tensor of the tiny model is one request
+    finally:
+        source.close()
+        grpc_server.stop(server, grace=0.5)
+        boxes.close()
+
+
 def test_a_failed_request_among_several_in_flight_names_its_cause_and_the_next_read_works(served, small_chunks):
     store, source = served
     state = commit(store)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -229,8 +231,12 @@ def save(saver: Snapshotter, cfg: Config, model: nn.Module, optimizer: Any, data
 
 
 def _read_whole(ckpt, name: str, like: torch.Tensor) -> torch.Tensor:
-    """`name` whole, shaped like `like`: w13 saved by an ETP layout as [E, h, 2, f] is the same bytes as [E, h, 2f]."""
-    t = ckpt.read(name)
+    return _as_whole(name, ckpt.read(name), like)
+
+
+def _as_whole(name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`name`'s saved value `t` shaped like `like`: w13 saved by an ETP layout as [E, h, 2, f] is the same bytes as
+    [E, h, 2f]."""
     if t.numel() != like.numel():
         raise CheckpointLoadError(f"{name!r} is saved as {list(t.shape)} but this run holds it as {list(like.shape)}")
     return t.reshape(like.shape)
@@ -241,27 +247,41 @@ def _mismatch(path, cause: Exception) -> CheckpointLoadError:
                                "point checkpoint.dir elsewhere (or move its checkpoints away)")
 
 
+def _read_all(ckpt, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for each of `names`, in order, asked for in one `read_boxes`: through the checkpointer
+    the requests keep a window in flight across tensors instead of one round trip each."""
+    with closing(ckpt.read_boxes([(n, None, None) for n in names])) as tensors:
+        yield from zip(names, tensors, strict=True)
+
+
 def _restore_whole(ckpt, path, saved: set[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One rank (or plain data parallel): the whole model, then the optimizer state tensor by tensor as it arrives
+    (held on the host at once: the model's values, as `load_state_dict` takes them, not the moments)."""
+    state = model.state_dict()
+    names = [f"model/{k}" for k in state] + [REMAINDER.format(k) for k in state if REMAINDER.format(k) in saved]
     try:
-        model_state = {k: saved_value(lambda n, t=t: _read_whole(ckpt, n, t), k, saved)
-                       for k, t in model.state_dict().items()}
+        values = dict(_read_all(ckpt, names))
+        model_state = {k: saved_value(lambda n, t=t: _as_whole(n, values.pop(n), t), k, saved)
+                       for k, t in state.items()}
         model.load_state_dict(model_state)
     except (KeyError, RuntimeError, ValueError, CheckpointError) as e:
         raise _mismatch(path, e) from None
-    for name, p in model.named_parameters():
-        state = optimizer.state[p]
-        if "remainder" in state:  # a bf16 parameter: it and its remainder from the (fp32) master value
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if "remainder" in optimizer.state[p]:  # a bf16 parameter: it and its remainder from the (fp32) master value
             optimizer.set_master(p, model_state[name])
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            full = f"optim/{name}/{key}"
-            if full in saved:
-                t = ckpt.read(full).reshape(()) if key == "step" else _read_whole(ckpt, full, p)
-                if key in state:  # created with the optimizer (MasterWeightAdamW): keep its device and dtype
-                    state[key].copy_(t)
-                    continue
-                # fused AdamW keeps `step` on the parameter's device, the default one on the host
-                on_device = key != "step" or optimizer.defaults.get("fused")
-                state[key] = t.to(p.device if on_device else "cpu", torch.float32 if key == "step" else p.dtype)
+    moments = [f"optim/{name}/{key}" for name in params for key in ("exp_avg", "exp_avg_sq", "step")
+               if f"optim/{name}/{key}" in saved]
+    for full, t in _read_all(ckpt, moments):
+        name, key = full[len("optim/"):].rsplit("/", 1)
+        p, state_p = params[name], optimizer.state[params[name]]
+        t = t.reshape(()) if key == "step" else _as_whole(full, t, p)
+        if key in state_p:  # created with the optimizer (MasterWeightAdamW): keep its device and dtype
+            state_p[key].copy_(t)
+            continue
+        # fused AdamW keeps `step` on the parameter's device, the default one on the host
+        on_device = key != "step" or optimizer.defaults.get("fused")
+        state_p[key] = t.to(p.device if on_device else "cpu", torch.float32 if key == "step" else p.dtype)
 
 
 def checkpoint_source(registry: Registry, cfg: Config, rank: int, timeout: float = 120.0) -> CheckpointSource:
