@@ -9,7 +9,9 @@ the TP ranks of a replica get the same), against one process running
 
 - 2 ranks: TP2 (vocab-parallel log-probs, sequence-parallel padding: the samples' 9- and 10-token sequences are odd and
   even) and EP2 (= DP2: the EP all-to-alls pair two replicas with different shares, so one adds filler micro-batches);
-- 4 ranks: TP2·EP2 (DP2; EP inside each TP pair) and EP2·ETP2 (DP4: fillers again, and ETP's partial sums).
+- 4 ranks: TP2·EP2 (DP2; EP inside each TP pair) and EP2·ETP2 (DP4: fillers again, and ETP's partial sums);
+- EP2 with `parallel.ep_overlap`: the policy-loss micro-batches in interleaved pairs, counted (each rank records the
+  units it interleaves), with fillers in a pair and alone (the second replica packs its share finer: `UNEVEN`).
 
 Pipeline layouts run through the same harness (`run_and_compare`) in tests/test_rl_pipeline.py.
 
@@ -17,8 +19,9 @@ Two scenarios each: "replay_kl" (one sample per micro-batch, recomputed old log-
 weights, KL to a reference model copied from the parallelized policy, the router's micro-batch aux loss and z-loss on:
 with TP the odd 9-token samples are padded by one token, which the routers leave out of both, see rl/folded.py) and
 "packed" (several samples per micro-batch, ratio against the rollout log-probs, no aux or z loss: the DP replicas
-pack other micro-batches than one process). Compared: every metric of every step and every weight after every
-step. Tolerance (fp32): 1e-5 relative L2 for weights, 1e-5 relative plus 1e-7 absolute for scalar metrics — the
+pack other micro-batches than one process). Compared: every metric of every step, every weight after every
+step, and exactly, each MoE layer's load (`Router.tokens_per_expert`, summed over the ranks) after both steps.
+Tolerance (fp32): 1e-5 relative L2 for weights, 1e-5 relative plus 1e-7 absolute for scalar metrics — the
 parallel sides sum in other orders (TP row-parallel partial sums, all-reduced softmax statistics), nothing more —
 except `logprob_mismatch` before the first update: the mean |log-prob - rollout log-prob| of the very policy that
 generated, i.e. fp32 rounding alone (~4e-7 here), which a different summation order changes by as much as itself. It
@@ -35,9 +38,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.common.config import Config
+from services.common.config import Config, ConfigError, validate
 from services.trainer.rl.step import rl_step
-from services.trainer.rl.train_rl import reference_model
+from services.trainer.rl.train_rl import reference_model, validate_rl
 from tests.parallel_harness import spawn_ranks
 from tests.rl_helpers import micro_batches, single_process_rl_steps, tiny_model, tiny_model_config
 from tests.test_rl_parallel import METRICS, MODEL_SEED, _steps
@@ -56,14 +59,27 @@ ROUTER_LOSSES = {"replay_kl": dict(aux_loss_coeff=1e-2, z_loss_coeff=1e-2),
                  "packed": dict(aux_loss_coeff=0.0, z_loss_coeff=0.0)}
 
 
+# A test-only layout key: the last dp rank packs its share into micro-batches of half `rl.micro_batch_tokens` (where a
+# micro-batch holds several samples: "packed"), so it runs more of them and the others add fillers to match its count
+UNEVEN = "uneven_packing"
+
+
+def _packing_tokens(cfg: Config, layout: dict, dp) -> int:
+    tokens = cfg.rl.micro_batch_tokens
+    return max(1, tokens // 2) if layout.get(UNEVEN) and dp.rank == dp.size - 1 else tokens
+
+
 def _config(layout: dict, scenario: str) -> Config:
     cfg = Config()
+    cfg.rl.enabled = True  # an RL run's config (validated as one: e.g. `parallel.ep_overlap` without data.grad_accum)
     cfg.model = tiny_model_config(**ROUTER_LOSSES[scenario])
     for k, v in SCENARIOS[scenario].items():
         setattr(cfg.rl, k, v)
     cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad, cfg.optimizer.eps = 1e-3, 0.1, 0.05, 1e-6
     cfg.parallel.grad_bucket_mb = 0.05
     for k, v in layout.items():  # `parallel.*` keys, and the dynamic CP budget's `data.cp_max_*`
+        if k == UNEVEN:
+            continue
         setattr(cfg.data if k.startswith("cp_max_") else cfg.parallel, k, v)
     return cfg
 
@@ -79,7 +95,13 @@ def _reference(scenario: str, steps: list[list]) -> dict:
     for m in single_process_rl_steps(model, cfg, steps):
         metrics.append(m)
         weights.append({n: t.clone() for n, t in model.state_dict().items()})
-    return {"metrics": metrics, "weights": weights}
+    return {"metrics": metrics, "weights": weights, "load": _router_loads(model)}
+
+
+def _router_loads(model) -> dict[int, torch.Tensor]:
+    """Every MoE layer's accumulated load (`Router.tokens_per_expert`, what the bias update reads), by layer id."""
+    ids = [block.layer_id for block in model.layers.values() if block.is_moe]
+    return {i: m.router.tokens_per_expert.clone() for i, m in zip(ids, model.moe_layers(), strict=True)}
 
 
 def _record_cuts(cuts: list[int]) -> None:
@@ -95,7 +117,22 @@ def _record_cuts(cuts: list[int]) -> None:
     step_module.cp_shard = recorded
 
 
+def _record_units(units: list[int]) -> None:
+    """Append the size of every unit of interleaved forwards (`parallel.ep_overlap`: 2 for a pair, 1 for a lone last
+    micro-batch) this rank's steps run to `units`."""
+    import services.trainer.parallel.micro_batch_pairs as pairs_module
+
+    interleave = pairs_module.interleave
+
+    def recorded(stages, *args):
+        units.append(len(stages))
+        return interleave(stages, *args)
+
+    pairs_module.interleave = recorded
+
+
 def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_dir: str) -> None:
+    from services.trainer.parallel.expert_parallel import sync_expert_load
     from services.trainer.parallel.gather_weights import WeightGather
     from services.trainer.parallel.groups import init_groups
     from services.trainer.parallel.parallelize import build_optimizer, parallelize
@@ -103,12 +140,14 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
-    out, cuts = {}, []
+    out, cuts, units = {}, [], []
     _record_cuts(cuts)
+    _record_units(units)
     try:
         for layout in layouts:
             for scenario in SCENARIOS:
                 cuts.clear()
+                units.clear()
                 cfg = _config(layout, scenario)
                 groups = init_groups(cfg)
                 model = parallelize(_model(cfg.model.aux_loss_coeff, cfg.model.z_loss_coeff), cfg, groups)
@@ -117,13 +156,15 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
                 gather = WeightGather(model, groups)
                 metrics, weights = [], []
                 for step, step_groups in enumerate(steps):
-                    data = micro_batches(step_groups, dp_size=groups.dp.size, max_tokens=cfg.rl.micro_batch_tokens,
-                                         cp_cfg=cfg)[groups.dp.rank]
+                    data = micro_batches(step_groups, dp_size=groups.dp.size,
+                                         max_tokens=_packing_tokens(cfg, layout, groups.dp), cp_cfg=cfg)[groups.dp.rank]
                     metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
                                            ref, version=step, lr=cfg.optimizer.lr,
-                                           cp_comm=cfg.parallel.cp_comm).read())
+                                           cp_comm=cfg.parallel.cp_comm, ep_overlap=cfg.parallel.ep_overlap).read())
                     weights.append(gather.state_dict())
-                out[(str(layout), scenario)] = {"metrics": metrics, "weights": weights, "cuts": list(cuts)}
+                sync_expert_load(model, groups)  # the stage's load over TP and DP×CP, as train_rl sums it
+                out[(str(layout), scenario)] = {"metrics": metrics, "weights": weights, "cuts": list(cuts),
+                                                "units": list(units), "load": _router_loads(model)}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -146,8 +187,9 @@ def _close(a, b, metric: str = "") -> bool:
 
 def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir: str) -> list[dict]:
     """Run `layouts` on `world` gloo ranks (`_worker`) and compare every rank's metrics and rank 0's gathered weights
-    with one process. Returns each rank's results by (str(layout), scenario): "metrics", "weights" and "cuts" (the CP
-    group size of every micro-batch the rank ran, in order, over the steps)."""
+    with one process. Returns each rank's results by (str(layout), scenario): "metrics", "weights", "cuts" (the CP
+    group size of every micro-batch the rank ran, in order, over the steps) and "units" (the size of every unit of
+    interleaved forwards it ran, `parallel.ep_overlap`)."""
     ranks = spawn_ranks(_worker, (world, layouts, steps, out_dir), world, out_dir, timeout_s=TIMEOUT_S)
     refs = {scenario: _reference(scenario, steps) for scenario in SCENARIOS}
     for layout in layouts:
@@ -164,6 +206,9 @@ def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir:
                     err = _rel_err(wp[name], t)
                     assert err <= RTOL, f"{key} step {step}: weight {name} differs by {err:.2e} (relative)"
             assert all(rank[key]["weights"] == [None] * len(steps) for rank in ranks[1:])
+            for r, rank in enumerate(ranks):  # the routers' load over both steps (fillers' and padding left out)
+                for layer, load in rank[key]["load"].items():
+                    assert torch.equal(load, ref["load"][layer]), f"{key} rank {r}: layer {layer}'s load differs"
             # the scenario exercises what it claims: clipping, and (replay_kl) a KL term and stale old log-probs
             assert all(m["grad_norm"] > 0.05 for m in ref["metrics"])
             if scenario == "replay_kl":
@@ -174,3 +219,29 @@ def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir:
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_folded_rl_steps_match_one_process_metrics_and_published_weights(world, steps, tmp_path):
     run_and_compare(world, LAYOUTS[world], steps, str(tmp_path))
+
+
+def test_ep2_with_ep_overlap_pairs_the_policy_loss_micro_batches_and_matches_one_process(steps, tmp_path):
+    """`parallel.ep_overlap` on EP2 (= DP2): each rank's policy-loss micro-batches go through interleaved pairs
+    (rl/pipelined.py), an odd last one alone, with every metric, every weight and the routers' load as one process's
+    within the module's tolerance. "replay_kl": 10 one-sample micro-batches per rank, five pairs per step; "packed": the
+    second rank packs its share finer (5 micro-batches to the first rank's 3), so the first pairs a micro-batch with a
+    filler and runs a lone filler, whose load must stay out while the other micro-batch's counts. The old and reference
+    log-prob passes stay unpaired."""
+    layout = {"ep": 2, "ep_overlap": True, UNEVEN: True}
+    ranks = run_and_compare(2, [layout], steps, str(tmp_path))
+    want = {"replay_kl": [2] * 5 * len(steps), "packed": [2, 2, 1] * len(steps)}
+    for scenario in SCENARIOS:
+        for r, rank in enumerate(ranks):
+            units = rank[(str(layout), scenario)]["units"]
+            assert units == want[scenario], f"{scenario} rank {r}: interleaved units {units}, not {want[scenario]}"
+
+
+def test_rl_config_accepts_ep_overlap_with_expert_parallelism_whatever_grad_accum_says():
+    cfg = Config()
+    cfg.rl.enabled, cfg.run.nproc, cfg.parallel.ep, cfg.parallel.ep_overlap = True, 2, 2, True
+    validate(cfg, 2)  # an RL step's micro-batch count is the dataloader's packing, not data.grad_accum (1 here)
+    validate_rl(cfg)
+    cfg.parallel.ep = 1
+    with pytest.raises(ConfigError, match="needs `parallel.ep` > 1"):
+        validate(cfg, 2)

@@ -178,7 +178,8 @@ class ParallelConfig:
     ep_overlap: bool = False  # micro-batches in pairs, interleaved layer by layer, so one's expert all-to-alls are in
     #                           flight while the other computes (parallel/micro_batch_pairs.py); two micro-batches'
     #                           activations alive at once (per pipeline stage: pairs are the 1F1B schedule's units);
-    #                           needs ep > 1 and data.grad_accum >= 2; not with recompute/offload of 'norm'/'moe'/'layer'
+    #                           RL pairs its policy-loss passes (rl/pipelined.py); needs ep > 1 and (pre-training)
+    #                           data.grad_accum >= 2; not with recompute/offload of 'norm'/'moe'/'layer'
 
 
 @dataclass
@@ -614,9 +615,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                                    f"chunks exceed `model.num_layers={m.num_layers}` (each chunk needs a layer); "
                                    "lower parallel.pp_virtual")
     if p.ep_overlap:
-        _check(p.ep > 1 and d.grad_accum >= 2,
-               f"`parallel.ep_overlap` pairs micro-batches to hide the expert all-to-all: it needs `parallel.ep` > 1 "
-               f"(got {p.ep}) and `data.grad_accum` >= 2 micro-batches per step (got {d.grad_accum})")
+        _check(p.ep > 1, f"`parallel.ep_overlap` pairs micro-batches to hide the expert all-to-all: it needs "
+                         f"`parallel.ep` > 1 (got {p.ep}); set parallel.ep or parallel.ep_overlap=false")
+        # (RL steps have as many micro-batches as the dataloader packs, whatever data.grad_accum says)
+        _check(d.grad_accum >= 2 or cfg.rl.enabled,
+               f"`parallel.ep_overlap` pairs micro-batches: it needs `data.grad_accum` >= 2 micro-batches per step "
+               f"(got {d.grad_accum})")
         # These wrap a MoE layer's or block's whole forward, which the interleaved (paused and resumed) forward bypasses.
         wrapped = [f"recompute {n!r}" for n in m.recompute if n in ("norm", "moe", "layer")] + [
             f"offload {n!r}" for n in m.offload if n in ("moe", "layer")]

@@ -20,18 +20,19 @@ goes through each of the stage's chunks together).
 
 The step is the same as without pairing: each micro-batch keeps its own routing, aux statistics and loss, and
 gradients are summed. The price is two micro-batches' activations alive at once. An odd last micro-batch runs alone.
+
+Pre-training (`pipeline.forward_backward_pipeline`) and the RL policy loss (rl/pipelined.py `pipeline_policy_backward`,
+with its replayed routing rebound at every switch: rl/folded.py `PolicyBinding`) both pair through `pair_forward`.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
-from torch import nn
 
 from services.trainer.model.stages import interleave
-from services.trainer.parallel.context_parallel import bind_micro_batch
 
 if TYPE_CHECKING:
     from services.trainer.parallel.pipeline import UnitForward
@@ -42,18 +43,16 @@ def backward_passes(num_micro_batches: int) -> int:
     return (num_micro_batches + 1) // 2
 
 
-def pair_forward(model_stage: nn.Module, micro_batches: list[dict], stage_forward, autocast) -> UnitForward:
+def pair_forward(stage_forward, autocast, rebind: Callable[[int], None] | None = None) -> UnitForward:
     """The pipeline schedule's forward of a unit of micro-batches through one of the stage's chunks
     (`pipeline.one_f_one_b`, unit size 2): each one's `stage_forward(i, hidden, chunk, staged=True)` generator, advanced
-    in turn (a lone last micro-batch simply runs alone)."""
+    in turn (a lone last micro-batch simply runs alone). The modules read per-micro-batch state set on them (a
+    context-parallel layout; RL's replayed expert ids) while a forward runs, so `rebind(i)`, where given, sets
+    micro-batch i's before every resumption of its forward."""
 
     def forward(unit: list[int], hiddens: list[torch.Tensor | None], chunk: int) -> list[torch.Tensor]:
         with autocast():
-            # stage_forward binds its micro-batch's context-parallel layout when called; the modules read it while the
-            # forward runs, so every switch rebinds it (only when some micro-batch has one: it walks the modules).
             forwards = [stage_forward(i, h, chunk, staged=True) for i, h in zip(unit, hiddens)]
-            cp = any(micro_batches[i].get("cp_layout") is not None for i in unit)
-            rebind = [partial(bind_micro_batch, model_stage, micro_batches[i]) for i in unit] if cp else None
-            return interleave(forwards, rebind)
+            return interleave(forwards, None if rebind is None else [partial(rebind, i) for i in unit])
 
     return forward

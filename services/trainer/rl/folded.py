@@ -19,6 +19,9 @@ What changes against one process, and why:
 - **Equal forward counts**: when an EP group spans different DP replicas, its all-to-alls pair the ranks' forwards, so
   every rank must run as many micro-batches as the busiest one; the others add *filler* micro-batches (one token per SP
   rank, no response token, aux loss off, load restored), whose gradient is exactly zero.
+- **EP overlap** (`parallel.ep_overlap`): the policy-loss micro-batches, fillers included, go in pairs whose forwards
+  take turns layer by layer (rl/pipelined.py, as pre-training's parallel/micro_batch_pairs.py); the state a policy
+  forward sets on the modules is rebound at every switch (`PolicyBinding`).
 - **Pipeline parallelism** runs the policy forward of each micro-batch through the pre-training schedules
   (rl/pipelined.py): forward-only passes for the old and reference log-probs, which stay on the last stage, then 1F1B
   with the policy loss as the last stage's loss. Each stage's MoE layers replay the recorded rows of their own layer ids
@@ -55,7 +58,7 @@ from services.trainer.parallel.context_parallel import ContextParallelAttention,
 from services.trainer.parallel.differentiable import group_size, local_token_shard
 from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
-from services.trainer.rl.replay import recorded_moe_layers, routing_replay
+from services.trainer.rl.replay import owned_routing, recorded_moe_layers, routing_replay
 
 
 def step_layout(optimizer: Any) -> ParallelGroups:
@@ -227,6 +230,43 @@ def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype
     with routing_replay(model, p.routing), _padding_excluded(model, p.padding, p.filler), \
             torch.autocast(p.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         yield
+
+
+class PolicyBinding:
+    """`policy_forward`'s per-micro-batch state for forwards that take turns (`parallel.ep_overlap`: a pair's policy
+    forwards interleaved layer by layer, rl/pipelined.py): `bind(i)` before every resumption of input i's forward sets
+    its replayed ids, padding rows, aux scale (0 for a filler) and CP layout on the modules; `release()` after the pair
+    clears them. A filler's load is snapshotted when it is bound and restored at the next `bind`/`release`, i.e. right
+    after each of its segments: the load the other micro-batch counts between its segments stays."""
+
+    def __init__(self, model: nn.Module, inputs: list[PolicyInput]):
+        self.model, self.inputs, self.layers = model, inputs, model.moe_layers()
+        self.scales = [m.aux_loss_scale for m in self.layers]
+        self.routing = [owned_routing(model, p.routing) for p in inputs]
+        self.cp = _context_parallel(model)
+        self.load: list[torch.Tensor] | None = None  # the load before a filler's segment
+
+    def bind(self, i: int) -> None:
+        self._restore_load()
+        p = self.inputs[i]
+        for m, ids, scale in zip(self.layers, self.routing[i], self.scales, strict=True):
+            m.router.replay_ids, m.router.padding = ids, p.padding
+            m.aux_loss_scale = 0.0 if p.filler else scale
+        if p.filler:
+            self.load = [m.router.tokens_per_expert.clone() for m in self.layers]
+        if self.cp:
+            bind_layout(self.model, p.cp_layout, p.tokens.device)
+
+    def release(self) -> None:
+        self._restore_load()
+        for m, scale in zip(self.layers, self.scales):
+            m.router.replay_ids, m.router.padding, m.aux_loss_scale = None, None, scale
+
+    def _restore_load(self) -> None:
+        if self.load is not None:
+            for m, load in zip(self.layers, self.load):
+                m.router.tokens_per_expert.copy_(load)
+            self.load = None
 
 
 def logits_to_logprobs(model: nn.Module, logits: torch.Tensor, p: PolicyInput, temperature: float) -> torch.Tensor:

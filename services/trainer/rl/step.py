@@ -36,6 +36,7 @@ from services.trainer.model.moe.experts import fp8_weights_held
 from services.trainer.optim import clip_and_step
 from services.trainer.parallel.groups import ParallelGroups, sum_over
 from services.trainer.parallel.context_parallel import CPComm, cp_share
+from services.trainer.parallel.micro_batch_pairs import backward_passes
 from services.trainer.rl.cp_sharding import cp_shard
 from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forward, sp_size, step_layout, with_fillers
 from services.trainer.rl.losses import PolicyLoss, ppo_clip_loss
@@ -122,7 +123,7 @@ def token_logprobs(model: nn.Module, mb: RLMicroBatch, temperature: float,
 def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]], cfg: RLConfig,
             device: torch.device, clip_grad: float = 1.0, ref_model: nn.Module | None = None,
             autocast_dtype: torch.dtype | None = None, *, version: int, lr: float | None = None,
-            cp_comm: CPComm = "allgather") -> "RLStepMetrics":
+            cp_comm: CPComm = "allgather", ep_overlap: bool = False) -> "RLStepMetrics":
     """Forward/backward over this rank's micro-batches of the step (`data`, the dataloader client's `next_step`), then
     one optimizer step, queued; returns the step's metrics (`RLStepMetrics.read()`, which waits for the step's work).
     `version` is the version of the trainer's weights before this step, i.e. the step index: every sample must be
@@ -136,7 +137,10 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     metrics are all-reduced (over pp too: with pipeline stages they are computed on the last one). Under context
     parallelism the CP ranks of a replica receive the same `data`; each runs its zigzag cut of every micro-batch of its
     CP block's share over the CP group of the micro-batch's `cp_size` (`_cp_local`; `cp_comm`: `parallel.cp_comm`),
-    the loss sums are all-reduced over DP×CP and the dense gradients summed there.
+    the loss sums are all-reduced over DP×CP and the dense gradients summed there. With `ep_overlap`
+    (`parallel.ep_overlap`) the policy-loss micro-batches (fillers included) go in pairs as in pre-training, each pair's
+    forwards interleaved so one's expert all-to-alls travel while the other computes, one backward per pair
+    (rl/pipelined.py); the old and reference log-prob passes still run one micro-batch at a time.
     The result equals one process running every rank's micro-batches (tests/test_rl_parallel.py, test_rl_folded.py,
     test_rl_pipeline.py, test_rl_cp.py).
     The MoE aux loss, if the model is in training mode, is a per-micro-batch term here as in one process (each
@@ -163,7 +167,8 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
 
         if distributed:
             optimizer.zero_grad()
-            optimizer.begin_step(len(micro_batches))  # reductions launch as the last backward completes buckets
+            # reductions launch as the last backward completes buckets: one backward per pair under ep_overlap
+            optimizer.begin_step(backward_passes(len(micro_batches)) if ep_overlap else len(micro_batches))
         else:
             optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(len(_LOSS_SUMS), dtype=torch.float64, device=device)  # on the device: read with the metrics
@@ -178,9 +183,9 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
             sums.add_(_loss_sums(terms))
             return terms.loss_sum
 
-        if layout.pp.size > 1:  # the loss runs in the pipeline's last stage (rl/pipelined.py)
+        if layout.pp.size > 1 or ep_overlap:  # the loss in the pipeline's last stage; pairs (rl/pipelined.py)
             pipeline_policy_backward(model, micro_batches, policy_loss, step_tokens, temperature, autocast_dtype,
-                                     layout)
+                                     layout, pairs=ep_overlap)
         else:
             for i, mb in enumerate(micro_batches):
                 logp = token_logprobs(model, mb, temperature, autocast_dtype)

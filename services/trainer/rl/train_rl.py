@@ -15,7 +15,8 @@ version s is published); the dataloader's position is part of every checkpoint, 
 `run.nproc=N` ranks train on a folded layout: data parallel, with `parallel.tp` (sequence parallel), `ep`, `etp`,
 `pp` (the policy loss in the pipeline's last stage: rl/pipelined.py) and `cp` (each micro-batch zigzag-cut over the
 CP group of its size: rl/cp_sharding.py; with dynamic CP, `parallel.cp_sizes`, the dataloader sizes each one by the
-pre-training budget and the CP blocks split them as in pre-training: rl/folded.py) as in pre-training.
+pre-training budget and the CP blocks split them as in pre-training: rl/folded.py) as in pre-training, and with
+`parallel.ep_overlap` (the policy-loss micro-batches in interleaved pairs: rl/pipelined.py).
 Each DP replica pulls its own share of the step from the dataloader (the TP and CP ranks and pipeline stages of a
 replica the same one); the pre-training DistributedOptimizer reduces the gradients (`step.py`); every rank sends its
 shards of the updated weights to rank 0 (`parallel/gather_weights.py`: full tensors, in the sync dtype, one at a time),
@@ -61,9 +62,6 @@ def validate_rl(cfg: Config, world_size: int | None = None) -> None:
     trainer's ranks (None: `run.nproc`, what `foldmoe train` starts)."""
     rl, p = cfg.rl, cfg.parallel
     world_size = cfg.run.nproc if world_size is None else world_size
-    if p.ep_overlap:
-        raise ConfigError("`parallel.ep_overlap` pairs pre-training micro-batches; the RL step (rl/step.py) runs its "
-                          "micro-batches one at a time: set parallel.ep_overlap=false")
     dp = world_size // (p.tp * p.cp * p.pp)  # the data-parallel replicas; each trains on whole groups
     rerouted = [name for name in cfg.model.recompute if name in ("moe", "layer")]
     if rerouted:
@@ -132,7 +130,8 @@ def rl_train_step(model: MoETransformer, optimizer, micro_batches: list, ref: Mo
     if rt.world_size == 1:
         set_lr(optimizer, lr)  # the distributed optimizer takes lr in its step (rl_step)
     metrics = rl_step(model, optimizer, micro_batches, cfg.rl, rt.device, cfg.optimizer.clip_grad, ref,
-                      rt.autocast_dtype, version=step, lr=lr, cp_comm=cfg.parallel.cp_comm)
+                      rt.autocast_dtype, version=step, lr=lr, cp_comm=cfg.parallel.cp_comm,
+                      ep_overlap=cfg.parallel.ep_overlap)
     if rt.world_size > 1:
         sync_expert_load(model, groups)  # the bias update sees the global load, identically on every rank
     return metrics, StepValues(loads=advance_router_bias(model, cfg))
