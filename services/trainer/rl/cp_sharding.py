@@ -11,7 +11,7 @@ equal chunks: a micro-batch is first padded, with one separate padding document 
 itself; its targets are ignored), to a multiple of 2·cp·sp (sp: the sequence-parallel size, so that each rank's cut
 also splits evenly over TP; rl/folded.py then adds no padding of its own). The padding tokens' positions among the
 rank's tokens travel with the cut (`RLMicroBatch.padding`) so that the routers leave them out, as they do the
-sequence-parallel padding (rl/folded.py `_padding_excluded`): out of the routed load, of the micro-batch aux
+sequence-parallel padding (rl/folded.py `PolicyBinding`): out of the routed load, of the micro-batch aux
 statistics (counts, probabilities and the token count summed over the ranks) and of the z-loss.
 
 Token sums stay exact: each token lives on one CP rank, so the loss and metric sums are summed over DP×CP (rl/step.py)

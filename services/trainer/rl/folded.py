@@ -58,7 +58,7 @@ from services.trainer.parallel.context_parallel import ContextParallelAttention,
 from services.trainer.parallel.differentiable import group_size, local_token_shard
 from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
-from services.trainer.rl.replay import owned_routing, recorded_moe_layers, routing_replay
+from services.trainer.rl.replay import owned_routing, recorded_moe_layers
 
 
 def step_layout(optimizer: Any) -> ParallelGroups:
@@ -155,28 +155,6 @@ def _padded(mb, pad: int):
     return tokens, pos, cu, torch.cat([mb.routing, filler_ids], dim=1)
 
 
-@contextmanager
-def _padding_excluded(model: nn.Module, padding: torch.Tensor | None, filler: bool):
-    """Keep padding out of the routers' load and their aux and z losses, and fillers out of the load and the losses.
-    `padding`: [tokens of this rank's MoE layers] bool, True at the padding tokens, whose rows the routers leave out
-    (model/moe/router.py `Router.padding`); a filler's load is restored and its losses scaled by 0."""
-    layers = model.moe_layers()
-    saved = [(m.router.tokens_per_expert.clone(), m.aux_loss_scale) for m in layers] if filler else None
-    for m in layers:
-        if filler:
-            m.aux_loss_scale = 0.0
-        m.router.padding = padding
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.router.padding = None
-        if filler:
-            for m, (load, scale) in zip(layers, saved):
-                m.router.tokens_per_expert.copy_(load)
-                m.aux_loss_scale = scale
-
-
 @dataclass
 class PolicyInput:
     """One RL micro-batch as the policy forward feeds it to this rank's model (whole, or a pipeline stage): padded with
@@ -224,19 +202,24 @@ def _padding_rows(mb: Any, pad: int) -> torch.Tensor | None:
 
 @contextmanager
 def policy_forward(model: nn.Module, p: PolicyInput, autocast_dtype: torch.dtype | None):
-    """What the model's forward of `p` (whole, or a pipeline chunk) runs under: replayed routing, padding kept out of
-    the routers' load and losses, autocast, the attention cores bound to its CP layout (none: local attention)."""
-    bind_layout(model, p.cp_layout, p.tokens.device)
-    with routing_replay(model, p.routing), _padding_excluded(model, p.padding, p.filler), \
-            torch.autocast(p.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        yield
+    """What the model's forward of `p` (whole, or a pipeline chunk) runs under: its `PolicyBinding` (replayed routing,
+    padding kept out of the routers' load and losses, a filler's load restored and losses off, the attention cores
+    bound to its CP layout; none: local attention) and autocast."""
+    binding = PolicyBinding(model, [p])
+    binding.bind(0)
+    try:
+        with torch.autocast(p.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            yield
+    finally:
+        binding.release()
 
 
 class PolicyBinding:
-    """`policy_forward`'s per-micro-batch state for forwards that take turns (`parallel.ep_overlap`: a pair's policy
-    forwards interleaved layer by layer, rl/pipelined.py): `bind(i)` before every resumption of input i's forward sets
-    its replayed ids, padding rows, aux scale (0 for a filler) and CP layout on the modules; `release()` after the pair
-    clears them. A filler's load is snapshotted when it is bound and restored at the next `bind`/`release`, i.e. right
+    """The per-micro-batch state a policy forward sets on the modules, for one forward (`policy_forward`) or for
+    forwards that take turns (`parallel.ep_overlap`: a pair's policy forwards interleaved layer by layer,
+    rl/pipelined.py): `bind(i)` before every resumption of input i's forward sets its replayed ids, padding rows (which
+    the routers leave out of the load and their aux and z losses, model/moe/router.py `Router.padding`), aux scale (0
+    for a filler) and CP layout on the modules; `release()` after the forward or the pair clears them. A filler's load is snapshotted when it is bound and restored at the next `bind`/`release`, i.e. right
     after each of its segments: the load the other micro-batch counts between its segments stays."""
 
     def __init__(self, model: nn.Module, inputs: list[PolicyInput]):
