@@ -33,12 +33,17 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 STEPS = 4
 
 
-@pytest.fixture
-def run_config(tmp_path):
+# The model's capacity: dropless, or each expert keeping ceil(T·k/E) slots of the trainer's micro-batch, padded to it
+# (the worker generates dropless either way: services/rl_rollout/worker.py `rollout_model_config`)
+CAPACITY = {"dropless": {}, "capacity": dict(capacity_factor=1.0, pad_to_capacity=True)}
+
+
+@pytest.fixture(params=list(CAPACITY))
+def run_config(tmp_path, request):
     run = f"rl-e2e-{uuid.uuid4().hex[:8]}"
     values = {
         "model": dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
-                      moe_ffn_hidden_size=32, ffn_hidden_size=64),
+                      moe_ffn_hidden_size=32, ffn_hidden_size=64, **CAPACITY[request.param]),
         "run": dict(name=run, device="cpu", seed=11),
         "rl": dict(enabled=True, task="arithmetic", difficulty=1, group_size=4, prompts_per_batch=2, max_new_tokens=4,
                    max_batch=8, max_seq_len=32, max_staleness=1, max_queued_groups=2, groups_per_step=2,
@@ -88,8 +93,12 @@ def test_worker_and_trainer_run_grpo_steps_with_versioned_weights(run_config):
             assert 0.0 <= m["reward"] <= 1.0 and 1 <= m["response_length"] <= cfg.rl.max_new_tokens
             assert m["staleness_max"] <= cfg.rl.max_staleness
         # Fresh groups (step 0 has only version-0 groups) on fp32 weights with routing replay: the trainer recomputes the
-        # rollout's log-probs; later steps also see the policy change of stale groups.
-        assert history[0]["logprob_mismatch"] < 1e-4
+        # rollout's log-probs; later steps also see the policy change of stale groups. With a capacity the trainer
+        # drops slots the dropless rollout kept, and the mismatch reports it.
+        if cfg.model.capacity_factor > 0:
+            assert history[0]["logprob_mismatch"] > 1e-4, history[0]
+        else:
+            assert history[0]["logprob_mismatch"] < 1e-4
         worker.send_signal(signal.SIGTERM)
         out, _ = worker.communicate(timeout=60)
         assert worker.returncode == 0, out

@@ -62,11 +62,14 @@ class ModelConfig:
     aux_loss_coeff: float = 1e-2  # weight of the load-balancing loss in the total loss (0: off)
     z_loss_coeff: float = 0.0  # router z-loss weight (ST-MoE): keeps the router logits small (0: off)
     bias_update_rate: float = 0.0  # aux-loss-free balancing: expert bias step per optimizer step (0: off)
-    capacity_factor: float = 0.0  # 0: dropless; else each expert keeps at most ceil(cf * T * k / E) tokens
+    # 0: dropless; else each expert keeps at most ceil(cf * T * k / E) tokens (RL: of the replayed ids, by the trainer's
+    # micro-batch; rollouts generate dropless and the log-prob mismatch metrics show the difference)
+    capacity_factor: float = 0.0
     # with capacity_factor > 0: every expert's input is padded to exactly its capacity (zero rows, router weight 0),
     # so the grouped GEMM and expert-parallel all-to-all sizes are known on the host: no per-expert count exchange, no
     # wait for the device. Costs the padding rows' compute and traffic. Not with parallel.dispatcher=allgather or
-    # dynamic CP (parallel.cp_sizes) under ep/etp > 1 (EP peers must route equally many tokens)
+    # dynamic CP (parallel.cp_sizes) under ep/etp > 1 (EP peers must route equally many tokens), nor in RL with EP
+    # groups spanning data-parallel replicas (their micro-batches differ in length)
     pad_to_capacity: bool = False
     rope_theta: float = 10000.0  # RoPE base: larger stretches the rotary wavelengths for longer contexts
     # YaRN context extension (Peng et al. 2023), GQA and MLA alike, as transformers' "yarn" rope type: the rotary

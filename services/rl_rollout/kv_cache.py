@@ -79,9 +79,10 @@ class CachedDecoder:
     def __init__(self, model: MoETransformer, slots: int, max_len: int):
         cfg = model.cfg
         if cfg.capacity_factor > 0:
-            raise ValueError(f"rollout needs a dropless MoE (model.capacity_factor=0, got {cfg.capacity_factor}): which "
-                             "tokens an expert drops depends on the batch they share, so rollout and training would "
-                             "compute different policies")
+            raise ValueError(f"rollout generates with a dropless MoE (model.capacity_factor=0, got "
+                             f"{cfg.capacity_factor}): which tokens an expert drops depends on the batch they share, "
+                             "and decode batches are not the trainer's micro-batches; build the engine's model from "
+                             "worker.rollout_model_config (the trainer's config, dropless)")
         self.model, self.slots, self.max_len = model, slots, max_len
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

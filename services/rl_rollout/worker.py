@@ -19,6 +19,7 @@ the groups it had not finished, and a restarted one starts from the trainer's cu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import sys
 import threading
@@ -29,7 +30,7 @@ import torch
 
 from proto import rollout_pb2, rollout_pb2_grpc
 from services.common import grpc_server, logs, net, procs
-from services.common.config import Config, ConfigError, load_config
+from services.common.config import Config, ConfigError, ModelConfig, load_config
 from services.common.metrics import RolloutMetrics
 from services.common.registry import Registry, RegistryError, redis_url
 from services.common.tokenizer import load_tokenizer
@@ -48,6 +49,14 @@ class _Pending:
     prompt: str
     meta: dict
     done: list[Completion | None] = field(default_factory=list)
+
+
+def rollout_model_config(model: ModelConfig) -> ModelConfig:
+    """The worker's model: the trainer's, dropless. A capacity drops by the tokens an expert shares a forward with;
+    decode batches (one token of each running sequence) are not the trainer's micro-batches, so the rollout keeps every
+    slot and the trainer, replaying its ids, drops by its own micro-batches (rl/step.py); the train/rollout log-prob
+    mismatch metrics show the difference."""
+    return dataclasses.replace(model, capacity_factor=0.0, pad_to_capacity=False)
 
 
 def rollout_device(cfg: Config) -> torch.device:
@@ -114,7 +123,7 @@ class RolloutWorker:
         self.device = rollout_device(cfg)
         # bf16 on GPU is the rollout precision; CPU runs fp32 (as training does there).
         dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
-        self.model = MoETransformer(cfg.model).to(device=self.device, dtype=dtype).eval()
+        self.model = MoETransformer(rollout_model_config(cfg.model)).to(device=self.device, dtype=dtype).eval()
         self.engine = Engine(self.model, self.tokenizer, rl.max_batch, rl.max_seq_len,
                              seed=random.Random(f"{cfg.run.seed}:{self.worker_id}:sampling").getrandbits(63))
         self.params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,

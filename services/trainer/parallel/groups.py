@@ -123,6 +123,13 @@ def rank_layout(layout: Layout) -> dict[str, list[tuple[int, ...]]]:
     return out
 
 
+def ep_spans_replicas(layout: Layout) -> bool:
+    """Whether some EP×ETP group holds ranks of different attention DP replicas, whose micro-batches differ (in RL
+    also in length: packed trajectories)."""
+    dp_of = [coordinates(layout, r, ATTENTION_AXES)["dp"] for r in range(layout.world)]
+    return any(len({dp_of[r] for r in members}) > 1 for members in rank_layout(layout)["ep_etp"])
+
+
 @dataclass(frozen=True)
 class Axis:
     """One process group as seen by this rank. `group` is None exactly when the axis has one rank: no group is created

@@ -17,6 +17,15 @@ fillers that keep an EP group's forwards paired); with pipeline stages it runs t
 policy loss in the last stage (`pipelined.py`). Under CP each rank runs its zigzag cut of every micro-batch of its CP
 block's share, over the CP group of the micro-batch's size (static CP: every micro-batch over the whole group), every
 per-token tensor cut alike (`cp_sharding.py`), and the loss sums are summed over DP×CP.
+
+With a capacity factor (`model.capacity_factor` > 0, with or without `pad_to_capacity`) the routers drop slots of the
+replayed ids as they drop their own top-k's: each expert keeps the highest-scoring ceil(cf·T·k/E) of the (token,
+slot) pairs replaying it, T the rows of the forward (model/moe/router.py `capacity_mask`; under SP, CP or EP, this
+rank's rows, as in pre-training; padding rows take no slot). That depends on the weights and the micro-batch alone, so
+the old-log-prob and policy-loss passes of a micro-batch drop the same slots and the first ratio is exactly 1. The
+rollout engine generates dropless (its decode batches are not the trainer's micro-batches: services/rl_rollout/
+worker.py), so the train/rollout log-prob mismatch metrics (`logprob_mismatch`, `rollout_kl`) include what the drops
+change, and the decoupled ratio (`rl.recompute_logprobs`, `rl.tis_cap`) corrects for it as for any mismatch.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from services.trainer.model.attention import longest_document
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.moe.experts import fp8_weights_held
 from services.trainer.optim import clip_and_step
-from services.trainer.parallel.groups import ParallelGroups, sum_over
+from services.trainer.parallel.groups import ParallelGroups, ep_spans_replicas, sum_over
 from services.trainer.parallel.context_parallel import CPComm, cp_share
 from services.trainer.parallel.micro_batch_pairs import backward_passes
 from services.trainer.rl.cp_sharding import cp_shard
@@ -42,6 +51,15 @@ from services.trainer.rl.folded import folded_token_logprobs, needs_folded_forwa
 from services.trainer.rl.losses import PolicyLoss, ppo_clip_loss
 from services.trainer.rl.pipelined import pipeline_logprobs, pipeline_policy_backward
 from services.trainer.rl.replay import routing_replay
+
+
+# RL micro-batches are packed trajectories of any length (and EP fillers of one token): EP peers of different replicas
+# route different token counts, so their capacities differ, which the padded all-to-all cannot size on the host
+PAD_TO_CAPACITY_ACROSS_REPLICAS = (
+    "`model.pad_to_capacity` sizes the expert-parallel all-to-all from this rank's capacity, assuming every EP peer "
+    "routes as many tokens; here EP groups (`parallel.ep`/`etp`) span data-parallel replicas, whose RL micro-batches "
+    "(packed trajectories) differ in length; drop pad_to_capacity (the capacity factor alone runs), or keep each "
+    "EP×ETP group inside one replica's TP×CP ranks")
 
 
 @dataclass
@@ -148,7 +166,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     reset with the bias update, train_rl.py), not over several."""
     layout = step_layout(optimizer)  # folded layouts: see folded.py
     dp, distributed = layout.dp, layout.world.size > 1
-    temperature = _step_temperature(model, data, dp.size)
+    temperature = _step_temperature(model, data, layout)
     packed = [RLMicroBatch.from_data(mb) for mb in data]
     data_sums = _global_data_sums(packed, version, cfg.max_staleness, dp, device)  # whole: CP peers hold the same
     local = _cp_local(data, layout, cp_comm, sp_size(model))  # this CP rank's tokens of each micro-batch it runs
@@ -215,13 +233,13 @@ def _cp_local(data: list[dict[str, torch.Tensor]], layout: ParallelGroups, cp_co
     return out
 
 
-def _step_temperature(model: nn.Module, data: list[dict[str, torch.Tensor]], replicas: int) -> float:
-    """The sampling temperature the step's micro-batches share, after refusing what routing replay or the replicas
-    cannot run."""
+def _step_temperature(model: nn.Module, data: list[dict[str, torch.Tensor]], layout: ParallelGroups) -> float:
+    """The sampling temperature the step's micro-batches share, after refusing what the layout cannot run (as
+    `train_rl.validate_rl` does before any process starts)."""
     model_cfg = getattr(model, "cfg", None)
-    if getattr(model_cfg, "capacity_factor", 0) > 0:
-        raise ValueError("routing replay needs a dropless MoE (model.capacity_factor=0): capacity drops depend on the "
-                         "batch, so replayed and rollout computations would differ")
+    replicas = layout.dp.size
+    if getattr(model_cfg, "pad_to_capacity", False) and ep_spans_replicas(layout.layout):
+        raise ValueError(PAD_TO_CAPACITY_ACROSS_REPLICAS)
     if replicas > 1 and getattr(model_cfg, "aux_loss_type", "") == "global" and model_cfg.aux_loss_coeff > 0:
         raise ValueError(f"`model.aux_loss_type=global` sums expert counts over the {replicas} data-parallel replicas "
                          "micro-batch by micro-batch, but RL replicas run as many micro-batches as they were dealt "

@@ -46,10 +46,10 @@ from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import lr_at, set_lr
 from services.trainer.parallel.expert_parallel import sync_expert_load
 from services.trainer.parallel.gather_weights import WeightGather
-from services.trainer.parallel.groups import ParallelGroups, init_groups
+from services.trainer.parallel.groups import ParallelGroups, ep_spans_replicas, init_groups, make_layout
 from services.trainer.progress import StepPrinter
 from services.trainer.rl.folded import frozen_copy
-from services.trainer.rl.step import RLStepMetrics, rl_step
+from services.trainer.rl.step import PAD_TO_CAPACITY_ACROSS_REPLICAS, RLStepMetrics, rl_step
 from services.trainer.rl.weight_publisher import WeightPublisher, sync_dtype
 from services.trainer.step import host_to_device
 from services.trainer.train import (Runtime, advance_router_bias, apply_model_memory_policy, build_model,
@@ -83,9 +83,8 @@ def validate_rl(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"`model.aux_loss_type=global` sums expert counts over the {dp} data-parallel replicas "
                           "micro-batch by micro-batch, but RL replicas run as many micro-batches as they were dealt; "
                           "use model.aux_loss_type=micro_batch (or none) for RL")
-    if cfg.model.capacity_factor > 0:
-        raise ConfigError(f"RL needs a dropless MoE (`model.capacity_factor=0`, got {cfg.model.capacity_factor}): "
-                          "routing replay cannot reproduce batch-dependent token drops")
+    if cfg.model.pad_to_capacity and ep_spans_replicas(make_layout(cfg, world_size)):
+        raise ConfigError(PAD_TO_CAPACITY_ACROSS_REPLICAS)
 
 
 class RLStepPrinter(StepPrinter):

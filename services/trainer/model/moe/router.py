@@ -18,7 +18,8 @@ statistic of the rank's token shard.
 Rows that are not tokens of the micro-batch (the RL step pads a micro-batch to split it over SP or CP ranks with a
 separate document, rl/folded.py) are named by `padding`, set around that forward: they are left out of the load
 (`tokens_per_expert`), of every aux statistic (counts, probabilities, the token count the ranks sum) and of the
-z-loss, so the losses are those of the real tokens alone. They are still routed (and replayed) as any row.
+z-loss, so the losses are those of the real tokens alone. They are still routed (and replayed) as any row, but with
+a capacity factor they take no slot (`capacity_mask`): every slot they would have held goes to a real token.
 
 The global aux loss (`aux_loss_type: global`; Qiu et al. 2025, "Demons in the Detail": balance over the global batch,
 not each micro-batch) takes fᵢ over every token the step has routed so far: the counts of the micro-batch are summed
@@ -98,7 +99,7 @@ class Router(nn.Module):
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         weights = weights * cfg.routed_scaling_factor
-        kept = capacity_mask(scores.detach(), expert_ids, cfg.capacity_factor)
+        kept = capacity_mask(scores.detach(), expert_ids, cfg.capacity_factor, self.padding)
         real = None if self.padding is None else ~self.padding[:, None]  # [T, 1]: the rows that are tokens
         routed = expert_counts(expert_ids, self.num_experts, real)  # the tokens' slots per expert, dropped ones too
         counted = kept if real is None or kept is None else kept & real  # the load: the tokens' kept slots
@@ -247,10 +248,14 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return max(1, int(-(-capacity_factor * num_tokens * top_k // num_experts)))
 
 
-def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, capacity_factor: float) -> torch.Tensor | None:
+def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, capacity_factor: float,
+                  padding: torch.Tensor | None = None) -> torch.Tensor | None:
     """[T, k] bool: which (token, slot) assignments survive an expert capacity of ceil(cf·T·k/E); None when dropless.
 
-    Each expert keeps its highest-scoring tokens.
+    Each expert keeps its highest-scoring tokens among those routed to it — by top-k or by replayed ids alike, so a
+    replayed forward drops what a forward that chose the same ids with the same scores drops. `padding` ([T] bool,
+    `Router.padding`): rows that take no slot, so they never displace a token; T still counts them, which keeps the
+    capacity a host number (pad-to-capacity sizes rows with it) equal on the SP/CP ranks of one micro-batch.
     """
     T, k = expert_ids.shape
     if capacity_factor <= 0:
@@ -258,6 +263,8 @@ def capacity_mask(scores: torch.Tensor, expert_ids: torch.Tensor, capacity_facto
     E = scores.shape[1]
     capacity = expert_capacity(T, k, E, capacity_factor)
     routed = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, expert_ids, True)  # [T, E]
+    if padding is not None:
+        routed &= ~padding[:, None]
     ranked = scores.masked_fill(~routed, float("-inf"))
     keep_tokens = ranked.topk(min(capacity, T), dim=0).indices  # [cap, E] best tokens per expert
     keep = torch.zeros_like(routed).scatter_(0, keep_tokens, True) & routed

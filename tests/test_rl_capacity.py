@@ -1,0 +1,340 @@
+"""RL with an MoE capacity factor (`model.capacity_factor` > 0, with or without `model.pad_to_capacity`): the routers drop
+slots of the *replayed* expert ids as they drop their own top-k's, by the micro-batch and the weights alone.
+
+- One process: the old-log-prob pass and the policy-loss pass of a micro-batch drop the same (token, slot) pairs, so the
+  first PPO ratio is exactly 1 (clip fraction 0 under a clip range of 1e-6); drops really happen (capacity 1.0); a
+  replayed forward drops exactly what a replay-free forward that chose the same ids drops; pad-to-capacity trains as
+  the unpadded step does; padding rows (`Router.padding`) take no slot from real tokens.
+- The rollout generates dropless (its worker's model has no capacity): the trainer's log-probs then differ from the
+  rollout's, and the mismatch metric reports it.
+- EP2 (= DP2) on two gloo processes against one process: each rank's routers compute the capacity from the rank's own
+  micro-batch (as in pre-training, tests/test_parallel_ep.py), so the reference runs the very micro-batches the ranks
+  ran — rank 0's, then rank 1's — in one step. Compared: every metric, every gradient (the expert shards against the
+  reference's slice) and every parameter after two AdamW steps within 1e-5 relative L2 (fp32, other summation orders
+  only), and each MoE layer's load (kept slots per expert, summed over the ranks) exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.common.config import Config, ConfigError, RLConfig
+from services.rl_rollout.worker import rollout_model_config
+from services.trainer.model.moe.router import Router
+from services.trainer.optim import build_adamw, set_lr
+from services.trainer.rl.step import rl_step
+from services.trainer.rl.train_rl import reference_model, validate_rl
+from tests.parallel_harness import spawn_ranks
+from tests.rl_helpers import micro_batches, tiny_model, tiny_model_config
+from tests.test_rl_parallel import METRICS, MODEL_SEED, _steps
+
+CAPACITY = 1.0  # ceil(T·k/E) slots per expert: any expert chosen by more than its share of a micro-batch drops
+RTOL, ATOL = 1e-5, 1e-7
+TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return _steps()  # two steps of 5 groups x 4 samples, generated dropless by the seed-12 tiny model
+
+
+class RouterTaps:
+    """Every router forward's (expert ids, kept) in call order, per MoE layer."""
+
+    def __init__(self, model):
+        self.calls: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
+        self.padding_rows = self.padding_kept = 0  # rows routed as `Router.padding`, and slots of them kept
+        self._layer = {id(m.router): i for i, m in enumerate(model.moe_layers())}
+        self._hooks = [m.router.register_forward_hook(self._tap) for m in model.moe_layers()]
+
+    def _tap(self, router, inputs, routing):
+        if self._layer[id(router)] == 0:
+            self.calls.append([])
+        kept = None if routing.kept is None else routing.kept.clone()
+        if router.padding is not None:
+            self.padding_rows += int(router.padding.sum())
+            self.padding_kept += int((kept & router.padding[:, None]).sum())
+        self.calls[-1].append((routing.expert_ids.clone(), kept))
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def _capacity_model(**overrides):
+    return tiny_model(seed=MODEL_SEED, capacity_factor=CAPACITY, **overrides).train()
+
+
+def _one_step(model, groups, **rl):
+    cfg = RLConfig(**rl)
+    (data,) = micro_batches(groups, max_tokens=cfg.micro_batch_tokens)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return data, rl_step(model, opt, data, cfg, torch.device("cpu"), version=0).read()
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["capacity", "pad_to_capacity"])
+def test_the_old_logprob_and_policy_passes_drop_the_same_slots_so_the_first_ratio_is_one(steps, pad):
+    model = _capacity_model(pad_to_capacity=pad)
+    taps = RouterTaps(model)
+    data, metrics = _one_step(model, steps[0], micro_batch_tokens=40, recompute_logprobs=True, tis_cap=2.0,
+                              clip_eps_low=1e-6, clip_eps_high=1e-6)
+    taps.close()
+    n = len(data)
+    assert len(taps.calls) == 2 * n  # the old-log-prob pass of every micro-batch, then the policy pass of each
+    dropped = 0
+    for i in range(n):
+        for (ids_old, kept_old), (ids_new, kept_new) in zip(taps.calls[i], taps.calls[n + i], strict=True):
+            assert torch.equal(ids_old, ids_new) and torch.equal(kept_old, kept_new)
+            dropped += int((~kept_old).sum())
+    assert dropped > 0, "a capacity factor of 1.0 should drop some replayed slots"
+    assert metrics["clip_frac"] == 0.0  # ratio exactly 1: a 1e-6 clip range would catch any difference
+
+
+def test_pad_to_capacity_trains_as_the_unpadded_capacity_step(steps):
+    plain, padded = _capacity_model(), _capacity_model(pad_to_capacity=True)
+    _, want = _one_step(plain, steps[0], micro_batch_tokens=40)
+    _, got = _one_step(padded, steps[0], micro_batch_tokens=40)
+    for k in METRICS:
+        assert got[k] == (want[k] if isinstance(want[k], list) else pytest.approx(want[k], rel=RTOL, abs=ATOL)), k
+    for (name, a), b in zip(plain.named_parameters(), padded.parameters()):  # fp32: other summation orders only
+        assert _rel_err(b.detach(), a.detach()) <= RTOL, name
+
+
+def test_replayed_ids_drop_what_a_replay_free_forward_that_chose_them_drops(steps):
+    model = _capacity_model()
+    (data,) = micro_batches(steps[0], max_tokens=40)
+    # the ids the trainer's own top-k chooses for each micro-batch, and what its capacity keeps of them
+    chosen = []
+    with torch.no_grad():
+        for mb in data:
+            taps = RouterTaps(model)
+            model(mb["tokens"], mb["position_ids"], mb["cu_seqlens"])
+            taps.close()
+            chosen.append(taps.calls[0])
+            mb["routing_ids"] = torch.stack([ids for ids, _ in taps.calls[0]], dim=1)  # [T, layers, k], as recorded
+    assert sum(int((~kept).sum()) for call in chosen for _, kept in call) > 0, "the capacity should drop slots"
+    taps = RouterTaps(model)
+    rl_step(model, torch.optim.SGD(model.parameters(), lr=0.01), data, RLConfig(micro_batch_tokens=40),
+            torch.device("cpu"), version=0).read()
+    taps.close()
+    old, policy = taps.calls[:len(data)], taps.calls[len(data):]
+    for i, free in enumerate(chosen):
+        for (ids, kept), (ids_o, kept_o), (ids_p, kept_p) in zip(free, old[i], policy[i], strict=True):
+            assert torch.equal(ids_o, ids) and torch.equal(ids_p, ids)
+            assert torch.equal(kept_o, kept) and torch.equal(kept_p, kept)
+
+
+def test_the_rollout_generates_dropless_and_the_mismatch_metric_reports_the_trainers_drops(steps):
+    cfg = tiny_model_config(capacity_factor=CAPACITY, pad_to_capacity=True)
+    rollout = rollout_model_config(cfg)
+    assert (rollout.capacity_factor, rollout.pad_to_capacity) == (0.0, False)
+    assert rollout == tiny_model_config()  # nothing else changes
+    # the groups were generated dropless by these weights: the dropless trainer reproduces their log-probs, the
+    # capacity trainer (dropping) does not, and says so
+    _, dropless = _one_step(tiny_model(seed=MODEL_SEED).train(), steps[0])
+    _, dropping = _one_step(_capacity_model(), steps[0])
+    assert dropless["logprob_mismatch"] < 1e-4
+    assert dropping["logprob_mismatch"] > 1e-3 and dropping["rollout_kl"] > 0
+
+
+def test_padding_rows_take_no_capacity_slot_from_the_tokens():
+    """Eight rows replaying expert 0, capacity ceil(8·1/4) = 2: the two best-scoring rows are padding, so without
+    `Router.padding` they would take both slots; with it the two best real rows keep them."""
+    router = Router(tiny_model_config(num_experts=4, top_k=1, capacity_factor=1.0, aux_loss_coeff=0.0,
+                                      hidden_size=4)).train()
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[0, 0] = 1.0  # expert 0's score grows with x[:, 0]
+    x = torch.zeros(8, 4)
+    x[:, 0] = torch.arange(8.0)
+    router.replay_ids = torch.zeros(8, 1, dtype=torch.long)
+    router.padding = torch.tensor([False] * 6 + [True] * 2)
+    kept = router(x).kept[:, 0]
+    assert kept.tolist() == [False] * 4 + [True, True] + [False, False]
+    assert router.tokens_per_expert.tolist() == [2.0, 0.0, 0.0, 0.0]
+
+
+def test_rl_config_accepts_capacity_and_refuses_pad_to_capacity_only_where_ep_peers_route_different_micro_batches():
+    def cfg_of(nproc=1, pad=False, **parallel):
+        cfg = Config()
+        cfg.rl.enabled, cfg.run.nproc, cfg.rl.groups_per_step = True, nproc, 2
+        cfg.model.capacity_factor, cfg.model.pad_to_capacity = CAPACITY, pad
+        for k, v in parallel.items():
+            setattr(cfg.parallel, k, v)
+        return cfg
+
+    validate_rl(cfg_of())
+    validate_rl(cfg_of(pad=True))
+    validate_rl(cfg_of(nproc=2, ep=2))
+    validate_rl(cfg_of(nproc=2, pad=True, tp=2, ep=2))  # EP inside the TP pair: one replica, equal SP shards
+    with pytest.raises(ConfigError, match=r"model\.pad_to_capacity.*parallel\.ep.*span data-parallel replicas"):
+        validate_rl(cfg_of(nproc=2, pad=True, ep=2))  # EP2 = DP2
+
+
+# ---------------------------------------------------------------- EP2 against one process
+
+SCENARIOS = {
+    # one sample per micro-batch, recomputed old log-probs, TIS, KL, the micro-batch aux and z losses
+    "replay_kl": (dict(micro_batch_tokens=1, recompute_logprobs=True, tis_cap=2.0, kl_coef=0.05),
+                  dict(aux_loss_coeff=1e-2, z_loss_coeff=1e-2)),
+    # several samples per micro-batch, the first rank adding EP fillers (`_rank_data`)
+    "packed": (dict(micro_batch_tokens=40, recompute_logprobs=False, kl_coef=0.0),
+               dict(aux_loss_coeff=0.0, z_loss_coeff=0.0)),
+}
+
+
+def _config(scenario: str, **parallel) -> Config:
+    rl, router = SCENARIOS[scenario]
+    cfg = Config()
+    cfg.rl.enabled = True
+    cfg.model = tiny_model_config(capacity_factor=CAPACITY, **router)
+    for k, v in rl.items():
+        setattr(cfg.rl, k, v)
+    cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad, cfg.optimizer.eps = 1e-3, 0.1, 0.05, 1e-6
+    cfg.parallel.grad_bucket_mb = 0.05
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _model(cfg: Config):
+    return tiny_model(seed=MODEL_SEED, **{k: getattr(cfg.model, k) for k in
+                                           ("capacity_factor", "pad_to_capacity", "aux_loss_coeff",
+                                                                   "z_loss_coeff")}).train()
+
+
+def _rank_data(cfg: Config, step_groups: list, rank: int) -> list[dict]:
+    """Rank `rank`'s micro-batches of a step on DP2; the second rank packs its share into micro-batches of half
+    `rl.micro_batch_tokens` ("packed": it runs more of them, so the first adds EP fillers)."""
+    tokens = cfg.rl.micro_batch_tokens if rank == 0 else max(1, cfg.rl.micro_batch_tokens // 2)
+    return micro_batches(step_groups, dp_size=2, max_tokens=tokens)[rank]
+
+
+def _loads(model) -> list[torch.Tensor]:
+    return [m.router.tokens_per_expert.clone() for m in model.moe_layers()]
+
+
+def _ep_worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
+    from services.trainer.parallel.expert_parallel import sync_expert_load
+    from services.trainer.parallel.groups import init_groups
+    from services.trainer.parallel.parallelize import build_optimizer, parallelize
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    out = {}
+    try:
+        for scenario in SCENARIOS:
+            cfg = _config(scenario, ep=2)
+            groups = init_groups(cfg)
+            model = parallelize(_model(cfg), cfg, groups)
+            ref = reference_model(model, cfg, groups)
+            opt = build_optimizer(model, cfg, groups)
+            metrics, grads, shares = [], [], []
+            for step, step_groups in enumerate(steps):
+                data = _rank_data(cfg, step_groups, groups.dp.rank)
+                shares.append(len(data))
+                metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
+                                       version=step, lr=cfg.optimizer.lr).read())
+                grads.append(opt.full_grads())  # unclipped, as the reference's
+            opt.wait_params()
+            sync_expert_load(model, groups)  # the load over the ranks, as train_rl sums it
+            out[scenario] = {"metrics": metrics, "grads": grads, "shares": shares, "load": _loads(model),
+                             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        for pad in (False, True):  # TP2·EP2 on two ranks: EP inside the TP pair, odd samples padded for SP
+            cfg = _config("replay_kl", tp=2, ep=2)
+            cfg.model.pad_to_capacity, cfg.rl.clip_eps_low, cfg.rl.clip_eps_high = pad, 1e-6, 1e-6
+            groups = init_groups(cfg)
+            model = parallelize(_model(cfg), cfg, groups)
+            ref, opt = reference_model(model, cfg, groups), build_optimizer(model, cfg, groups)
+            taps = RouterTaps(model)
+            metrics = [rl_step(model, opt, micro_batches(step_groups, dp_size=1, max_tokens=1)[0], cfg.rl,
+                               torch.device("cpu"), cfg.optimizer.clip_grad, ref, version=step,
+                               lr=cfg.optimizer.lr).read() for step, step_groups in enumerate(steps)]
+            taps.close()
+            opt.wait_params()
+            out[f"tp2_ep2_pad{int(pad)}"] = {
+                "metrics": metrics, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "dropped": sum(int((~kept).sum()) for call in taps.calls for _, kept in call),
+                "padding": (taps.padding_rows, taps.padding_kept)}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ep_reference(scenario: str, steps: list[list]) -> dict:
+    """One process, one step over the micro-batches both ranks ran (rank 0's, then rank 1's)."""
+    cfg = _config(scenario)
+    model = _model(cfg)
+    ref = reference_model(model, cfg)
+    opt = build_adamw(model, cfg.optimizer)
+    taps = RouterTaps(model)
+    metrics, grads = [], []
+    for step, step_groups in enumerate(steps):
+        set_lr(opt, cfg.optimizer.lr)
+        data = _rank_data(cfg, step_groups, 0) + _rank_data(cfg, step_groups, 1)
+        metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
+                               version=step, lr=cfg.optimizer.lr).read())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    taps.close()
+    dropped = sum(int((~kept).sum()) for call in taps.calls for _, kept in call)
+    return {"metrics": metrics, "grads": grads, "load": _loads(model), "dropped": dropped,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
+
+
+def _shard(name: str, full: torch.Tensor, rank: int, ep: int) -> torch.Tensor:
+    """The rank's part of a reference tensor: its E/ep experts of an expert weight, else the whole."""
+    if ".experts." not in name:
+        return full
+    n = full.shape[0] // ep
+    return full[rank * n:(rank + 1) * n]
+
+
+def test_ep2_rl_steps_with_a_capacity_factor_match_one_process_running_the_ranks_micro_batches(steps, tmp_path):
+    ranks = spawn_ranks(_ep_worker, (2, steps, str(tmp_path)), 2, str(tmp_path), timeout_s=TIMEOUT_S)
+    for scenario in SCENARIOS:
+        ref = _ep_reference(scenario, steps)
+        assert ref["dropped"] > 0, f"{scenario}: capacity {CAPACITY} should drop replayed slots"
+        for r, rank in enumerate(ranks):
+            par = rank[scenario]
+            for step, (mr, mp_) in enumerate(zip(ref["metrics"], par["metrics"], strict=True)):
+                for k in METRICS:
+                    ok = mp_[k] == mr[k] if isinstance(mr[k], list) else abs(mp_[k] - mr[k]) <= ATOL + RTOL * abs(mr[k])
+                    assert ok, f"{scenario} rank {r} step {step}: {k} {mp_[k]} != one process's {mr[k]}"
+            for step, (gr, gp) in enumerate(zip(ref["grads"], par["grads"], strict=True)):
+                assert gp.keys() == gr.keys()
+                for name, g in gr.items():
+                    err = _rel_err(gp[name], _shard(name, g, r, 2))
+                    assert err <= RTOL, f"{scenario} rank {r} step {step}: gradient of {name} differs by {err:.2e}"
+            for name, p in ref["params"].items():
+                err = _rel_err(par["params"][name], _shard(name, p, r, 2))
+                assert err <= RTOL, f"{scenario} rank {r}: parameter {name} after 2 steps differs by {err:.2e}"
+            for layer, (lp, lr_) in enumerate(zip(par["load"], ref["load"], strict=True)):
+                assert torch.equal(lp, lr_), f"{scenario} rank {r}: layer {layer}'s kept slots per expert differ"
+        assert all(m["grad_norm"] > 0 for m in ref["metrics"])
+    # TP2·EP2 (pad-to-capacity allowed: the EP peers hold equal SP shards of one micro-batch): drops, SP padding rows
+    # that keep no slot, the first ratio exactly 1 under a 1e-6 clip range, and padding to capacity changing nothing
+    for run in ("tp2_ep2_pad0", "tp2_ep2_pad1"):  # the padding rows are the last ones: on the second SP shard
+        assert sum(rank[run]["padding"][0] for rank in ranks) > 0, f"{run}: the 9-token samples should be padded"
+    for r, rank in enumerate(ranks):
+        plain, padded = rank["tp2_ep2_pad0"], rank["tp2_ep2_pad1"]
+        for run in (plain, padded):
+            assert run["dropped"] > 0 and run["padding"][1] == 0, run["padding"]
+            assert run["metrics"][0]["clip_frac"] == 0.0
+        for step, (mr, mp_) in enumerate(zip(plain["metrics"], padded["metrics"], strict=True)):
+            for k in METRICS:
+                ok = mp_[k] == mr[k] if isinstance(mr[k], list) else abs(mp_[k] - mr[k]) <= ATOL + RTOL * abs(mr[k])
+                assert ok, f"TP2·EP2 rank {r} step {step}: {k} {mp_[k]} padded, {mr[k]} not"
+        for name, p in plain["params"].items():
+            assert _rel_err(padded["params"][name], p) <= RTOL, f"TP2·EP2 rank {r}: {name} differs when padded"
+    shares = [rank["packed"]["shares"] for rank in ranks]
+    assert all(a < b for a, b in zip(*shares)), f"packed: rank 0 should add EP fillers ({shares} micro-batches)"
