@@ -233,22 +233,50 @@ def _put_whole(t: torch.Tensor, name: str, got: dict[str, list[torch.Tensor]]) -
 
 
 def _optimizer_loads(ckpt, opt: DistributedOptimizer, groups: ParallelGroups, saved: set[str]) -> Iterator[Load]:
-    """Each moment's part in the range of its bucket this rank owns (a slot outside it is not read), and the step."""
+    """Each moment's part in the range of its bucket this rank owns, read as the boxes of that part only (a slot
+    outside the range is not read, one partly inside reads its part), and the step."""
     for bucket in opt.buckets:
         for key in ("exp_avg", "exp_avg_sq"):
             for s in bucket.slots:
                 name = f"optim/{s.name}/{key}"
-                if name in saved and max(s.start, bucket.lo) < min(s.start + s.numel, bucket.hi):
-                    yield (local_boxes(ckpt, name, s.param, groups),
-                           partial(_put_moment, getattr(bucket, key), bucket, s, name))
+                lo, hi = max(s.start, bucket.lo), min(s.start + s.numel, bucket.hi)
+                if name in saved and lo < hi:
+                    boxes, join = owned_boxes(ckpt, name, s.param, groups, lo - s.start, hi - s.start)
+                    yield boxes, partial(_put_moment, getattr(bucket, key)[lo - bucket.lo:hi - bucket.lo], name, join)
         step_name = f"optim/{bucket.slots[0].name}/step"
         if step_name in saved:
             yield [(step_name, None, None)], partial(_put_step, opt, step_name)
 
 
-def _put_moment(moment: torch.Tensor, bucket, s, name: str, got: dict[str, list[torch.Tensor]]) -> None:
-    lo, hi = max(s.start, bucket.lo), min(s.start + s.numel, bucket.hi)
-    moment[lo - bucket.lo:hi - bucket.lo] = local_piece(got[name], s.param).reshape(-1)[lo - s.start:hi - s.start]
+def owned_boxes(ckpt, name: str, p: nn.Parameter, groups: ParallelGroups, lo: int,
+                hi: int) -> tuple[list[Box], Callable[[list[torch.Tensor]], torch.Tensor]]:
+    """The boxes of `name` that hold elements [lo, hi) of this rank's piece of it for parameter `p` (in `p`'s element
+    order), and what joins them, read, into those elements as one flat tensor. The range's boxes of the local piece
+    (`flat_range_boxes`) are boxes of the saved tensor, except for w13 saved without an FFN split ([E, h, 2f]), where
+    a box across the gate and up halves is read as one box per half and stacked back."""
+    if hasattr(p, "expert_box") and len(p.expert_box[0]) == 4:  # w13: [El, h, 2·fl] viewed as [El, h, 2, fl]
+        (_, h, _, f), (e0, _, _, f0) = p.expert_box
+        ranges = flat_range_boxes((p.shape[0], h, 2, p.shape[2] // 2), lo, hi)
+        if len(ckpt.global_shape(name)) == 4:
+            boxes = [(name, (e0 + a, b, c, f0 + d), size) for (a, b, c, d), size in ranges]
+            return boxes, lambda got: torch.cat([t.reshape(-1) for t in got])
+        halves = [range(c, c + size[2]) for (_, _, c, _), size in ranges]
+        boxes = [(name, (e0 + a, b, half * f + f0 + d), (A, B, D))
+                 for ((a, b, _, d), (A, B, _, D)), hs in zip(ranges, halves) for half in hs]
+
+        def join(got: list[torch.Tensor]) -> torch.Tensor:
+            it = iter(got)
+            return torch.cat([torch.stack([next(it) for _ in hs], dim=2).reshape(-1) for hs in halves])
+        return boxes, join
+    _, offsets, _, _ = _box(p, groups)
+    boxes = [(name, tuple(o + a for o, a in zip(offsets, at)), size)
+             for at, size in flat_range_boxes(tuple(p.shape), lo, hi)]
+    return boxes, lambda got: torch.cat([t.reshape(-1) for t in got])
+
+
+def _put_moment(owned: torch.Tensor, name: str, join: Callable[[list[torch.Tensor]], torch.Tensor],
+                got: dict[str, list[torch.Tensor]]) -> None:
+    owned.copy_(join(got[name]))
 
 
 def _put_step(opt: DistributedOptimizer, name: str, got: dict[str, list[torch.Tensor]]) -> None:
