@@ -8,10 +8,13 @@ the TP ranks of a replica get the same), against one process running
 `rl_step` with torch's AdamW on the dp_size=1 micro-batches of the same groups, and after each step the full weights are gathered to rank 0 by `WeightGather` (the publish path). Layouts:
 
 - 2 ranks: TP2 (vocab-parallel log-probs, sequence-parallel padding: the samples' 9- and 10-token sequences are odd and
-  even) and EP2 (= DP2: the EP all-to-alls pair two replicas with different shares, so one adds filler micro-batches);
-- 4 ranks: TP2·EP2 (DP2; EP inside each TP pair) and EP2·ETP2 (DP4: fillers again, and ETP's partial sums);
+  even) and EP2 (= DP2: the EP all-to-alls pair two replicas with different shares);
+- 4 ranks: TP2·EP2 (DP2; EP inside each TP pair) and EP2·ETP2 (DP4: EP across replicas again, and ETP's partial sums);
 - EP2 with `parallel.ep_overlap`: the policy-loss micro-batches in interleaved pairs, counted (each rank records the
   units it interleaves), with fillers in a pair and alone (the second replica packs its share finer: `UNEVEN`).
+In the first four the dataloader deals every replica equally many micro-batches (EP2 and TP2·EP2: 10 per step in
+"replay_kl", 3 in "packed"; EP2·ETP2: 5 and 2), so no rank adds filler micro-batches (`folded.with_fillers`): here
+fillers come only with the test-only `UNEVEN` key, in the `parallel.ep_overlap` layout.
 
 Pipeline layouts run through the same harness (`run_and_compare`) in tests/test_rl_pipeline.py.
 

@@ -7,8 +7,9 @@ metric on every rank). Layouts, on the 3-layer tiny model (layer 0 dense, layers
 
 - 2 ranks: PP2 (the old/reference log-probs by forward-only pipeline passes, the policy loss in the last stage's 1F1B);
 - 4 ranks: PP2·TP2 (vocab-parallel log-probs and sequence-parallel padding on the last stage, hidden states split over
-  TP between stages) and PP2·EP2 (DP2: each stage's EP all-to-alls pair two replicas, so one adds fillers, which run
-  through the pipeline too), and PP2·EP2 with `parallel.ep_overlap` (pairs as the 1F1B units, fillers in them).
+  TP between stages) and PP2·EP2 (DP2: each stage's EP all-to-alls pair two replicas, which the dataloader deals
+  equally many micro-batches, so neither adds fillers), and PP2·EP2 with `parallel.ep_overlap` (pairs as the 1F1B
+  units; the second replica packs its share finer, test_rl_folded.UNEVEN, so fillers run in them, through the pipeline).
 
 "replay_kl" has the reference model `frozen_copy`-ed from each rank's pipeline stage, and its old log-probs
 recomputed: a stage that replayed the wrong rows, or a reference that were not the same stage, would move the KL, the
