@@ -10,8 +10,11 @@ slots of the *replayed* expert ids as they drop their own top-k's, by the micro-
 - EP2 (= DP2) on two gloo processes against one process: each rank's routers compute the capacity from the rank's own
   micro-batch (as in pre-training, tests/test_parallel_ep.py), so the reference runs the very micro-batches the ranks
   ran — rank 0's, then rank 1's — in one step. Compared: every metric, every gradient (the expert shards against the
-  reference's slice) and every parameter after two AdamW steps within 1e-5 relative L2 (fp32, other summation orders
-  only), and each MoE layer's load (kept slots per expert, summed over the ranks) exactly.
+  reference's slice) and every parameter after two AdamW steps within 1e-5 relative L2 (scalars: 1e-5 relative plus
+  1e-7 absolute; fp32, other summation orders only), and each MoE layer's load (kept slots per expert, summed over the
+  ranks) exactly. In the same processes: PP2 against one process on the same micro-batches (metrics, gathered
+  weights), and TP2·EP2 (EP inside the TP pair, where pad-to-capacity runs) padded against unpadded, its SP padding
+  rows keeping no slot.
 """
 
 from __future__ import annotations
@@ -221,6 +224,7 @@ def _loads(model) -> list[torch.Tensor]:
 
 def _ep_worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
     from services.trainer.parallel.expert_parallel import sync_expert_load
+    from services.trainer.parallel.gather_weights import WeightGather
     from services.trainer.parallel.groups import init_groups
     from services.trainer.parallel.parallelize import build_optimizer, parallelize
 
@@ -246,6 +250,18 @@ def _ep_worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
             sync_expert_load(model, groups)  # the load over the ranks, as train_rl sums it
             out[scenario] = {"metrics": metrics, "grads": grads, "shares": shares, "load": _loads(model),
                              "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        cfg = _config("replay_kl", pp=2)  # PP2: every micro-batch on both stages, each stage's routers its own layers
+        groups = init_groups(cfg)
+        model = parallelize(_model(cfg), cfg, groups)
+        ref, opt = reference_model(model, cfg, groups), build_optimizer(model, cfg, groups)
+        gather = WeightGather(model, groups)
+        metrics, weights = [], []
+        for step, step_groups in enumerate(steps):
+            data = micro_batches(step_groups, dp_size=1, max_tokens=cfg.rl.micro_batch_tokens)[0]
+            metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
+                                   version=step, lr=cfg.optimizer.lr).read())
+            weights.append(gather.state_dict())
+        out["pp2"] = {"metrics": metrics, "weights": weights}
         for pad in (False, True):  # TP2·EP2 on two ranks: EP inside the TP pair, odd samples padded for SP
             cfg = _config("replay_kl", tp=2, ep=2)
             cfg.model.pad_to_capacity, cfg.rl.clip_eps_low, cfg.rl.clip_eps_high = pad, 1e-6, 1e-6
@@ -267,23 +283,26 @@ def _ep_worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _ep_reference(scenario: str, steps: list[list]) -> dict:
-    """One process, one step over the micro-batches both ranks ran (rank 0's, then rank 1's)."""
+def _ep_reference(scenario: str, steps: list[list], whole: bool = False) -> dict:
+    """One process, one step over the micro-batches both ranks ran (rank 0's, then rank 1's); `whole`: over the
+    dataloader's dp_size=1 micro-batches (what both pipeline stages ran)."""
     cfg = _config(scenario)
     model = _model(cfg)
     ref = reference_model(model, cfg)
     opt = build_adamw(model, cfg.optimizer)
     taps = RouterTaps(model)
-    metrics, grads = [], []
+    metrics, grads, weights = [], [], []
     for step, step_groups in enumerate(steps):
         set_lr(opt, cfg.optimizer.lr)
-        data = _rank_data(cfg, step_groups, 0) + _rank_data(cfg, step_groups, 1)
+        data = (micro_batches(step_groups, dp_size=1, max_tokens=cfg.rl.micro_batch_tokens)[0] if whole else
+                _rank_data(cfg, step_groups, 0) + _rank_data(cfg, step_groups, 1))
         metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad, ref,
                                version=step, lr=cfg.optimizer.lr).read())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        weights.append({n: t.clone() for n, t in model.state_dict().items()})
     taps.close()
     dropped = sum(int((~kept).sum()) for call in taps.calls for _, kept in call)
-    return {"metrics": metrics, "grads": grads, "load": _loads(model), "dropped": dropped,
+    return {"metrics": metrics, "grads": grads, "weights": weights, "load": _loads(model), "dropped": dropped,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -299,7 +318,8 @@ def _shard(name: str, full: torch.Tensor, rank: int, ep: int) -> torch.Tensor:
     return full[rank * n:(rank + 1) * n]
 
 
-def test_ep2_rl_steps_with_a_capacity_factor_match_one_process_running_the_ranks_micro_batches(steps, tmp_path):
+def test_ep2_and_pp2_rl_steps_with_a_capacity_factor_match_one_process_running_the_same_micro_batches(steps,
+                                                                                                      tmp_path):
     ranks = spawn_ranks(_ep_worker, (2, steps, str(tmp_path)), 2, str(tmp_path), timeout_s=TIMEOUT_S)
     for scenario in SCENARIOS:
         ref = _ep_reference(scenario, steps)
@@ -336,5 +356,17 @@ def test_ep2_rl_steps_with_a_capacity_factor_match_one_process_running_the_ranks
                 assert ok, f"TP2·EP2 rank {r} step {step}: {k} {mp_[k]} padded, {mr[k]} not"
         for name, p in plain["params"].items():
             assert _rel_err(padded["params"][name], p) <= RTOL, f"TP2·EP2 rank {r}: {name} differs when padded"
+    # PP2 against one process on the same micro-batches: every metric on both stages, rank 0's gathered weights
+    ref = _ep_reference("replay_kl", steps, whole=True)
+    assert ref["dropped"] > 0
+    for r, rank in enumerate(ranks):
+        for step, (mr, mp_) in enumerate(zip(ref["metrics"], rank["pp2"]["metrics"], strict=True)):
+            for k in METRICS:
+                ok = mp_[k] == mr[k] if isinstance(mr[k], list) else abs(mp_[k] - mr[k]) <= ATOL + RTOL * abs(mr[k])
+                assert ok, f"PP2 rank {r} step {step}: {k} {mp_[k]} != one process's {mr[k]}"
+    for step, (wr, wp) in enumerate(zip(ref["weights"], ranks[0]["pp2"]["weights"], strict=True)):
+        assert list(wp) == list(wr)
+        for name, t in wr.items():
+            assert _rel_err(wp[name], t) <= RTOL, f"PP2 step {step}: weight {name} differs"
     shares = [rank["packed"]["shares"] for rank in ranks]
     assert all(a < b for a, b in zip(*shares)), f"packed: rank 0 should add EP fillers ({shares} micro-batches)"
