@@ -43,20 +43,32 @@ def full_forward(model: MoETransformer, tokens: list[int]) -> tuple[torch.Tensor
 
 
 def micro_batches(groups, dp_size: int = 1, max_tokens: int = 4096, std_normalize: bool = True,
-                  cp_cfg=None) -> list[list[dict]]:
+                  cp_cfg=None, finer: tuple[int, int] | None = None) -> list[list[dict]]:
     """Trajectory groups (proto messages) as the dataloader serves them: per dp rank, its micro-batch dicts. With
     `cp_cfg` (a Config) each carries the CP size the RL source gives it for `parallel.cp`/`cp_sizes` and the
     `data.cp_max_*` budget, as the client hands it over (`cp_size`, an int64 0-dim tensor); without, none (the trainer
-    then cuts over its whole CP group)."""
-    from services.dataloader.cp_sizing import CPBudget, allowed_cp_sizes
-    from services.dataloader.rollout_source import pack_step, size_for_cp
+    then cuts over its whole CP group). `finer`: (dp rank, tokens): that rank re-packs the samples the source dealt it
+    into micro-batches of at most `tokens` (a test-only unevenness: it runs more micro-batches than the others)."""
+    from services.dataloader.cp_sizing import CPBudget, allowed_cp_sizes, choose_cp_size
+    from services.dataloader.packing import best_fit_decreasing
+    from services.dataloader.rollout_source import build_rank, pack_step, plan_step, step_samples
 
     layers, top_k = groups[0].moe_layers, groups[0].top_k
-    per_rank = pack_step(groups, dp_size, max_tokens, std_normalize, layers, top_k)
+    sizes, budget = [1], CPBudget()
+    if cp_cfg is not None:
+        sizes = allowed_cp_sizes(cp_cfg.parallel)
+        budget = CPBudget(cp_cfg.data.cp_max_tokens_per_rank, cp_cfg.data.cp_max_attn_per_rank)
+    if finer is None:
+        per_rank = pack_step(groups, dp_size, max_tokens, std_normalize, layers, top_k, cp_sizes=sizes, budget=budget)
+    else:  # pack_step's steps, with the one rank's share re-packed before it is built
+        samples, temperature = step_samples(groups, std_normalize, layers, top_k)
+        plan = plan_step(samples, dp_size, max_tokens, sizes, budget)
+        r, tokens = finer
+        plan[r] = [(b, choose_cp_size([s.positions for s in b], sizes, budget))
+                   for b in best_fit_decreasing([s for b, _ in plan[r] for s in b], tokens)]
+        per_rank = [build_rank(rank, layers, top_k, temperature) for rank in plan]
     if cp_cfg is None:
         return [[dict(mb.tensors) for mb in rank] for rank in per_rank]
-    budget = CPBudget(cp_cfg.data.cp_max_tokens_per_rank, cp_cfg.data.cp_max_attn_per_rank)
-    size_for_cp(per_rank, allowed_cp_sizes(cp_cfg.parallel), budget)
     return [[{**mb.tensors, "cp_size": torch.tensor(mb.cp_size, dtype=torch.int64)} for mb in rank]
             for rank in per_rank]
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.dataloader.cp_sizing import (CPBudget, attention_cost, balance_equal_counts, choose_cp_size,
+from services.dataloader.cp_sizing import (CPBudget, attention_cost, deal_by_cost, choose_cp_size,
                                            segment_lengths)
 
 
@@ -47,16 +47,36 @@ def test_equal_count_balance_uses_every_item_once_and_fills_every_group_exactly(
     base, per_group = args
     groups = len(base)
     costs = (base * per_group)[: groups * per_group]
-    plan = balance_equal_counts(costs, groups, per_group)
+    plan = deal_by_cost(costs, groups, per_group)
     assert sorted(i for g in plan for i in g) == list(range(len(costs)))
     assert all(len(g) == per_group for g in plan)
 
 
 def test_equal_count_balance_pairs_heavy_with_light():
     # Dealt in order the loads would be 9+8 and 1+2; balanced they are 9+1 and 8+2.
-    assert balance_equal_counts([9, 8, 1, 2], 2, 2) == [[0, 2], [1, 3]]
+    assert deal_by_cost([9, 8, 1, 2], 2, 2) == [[0, 2], [1, 3]]
 
 
 def test_equal_count_balance_rejects_a_mismatched_count():
     with pytest.raises(ValueError, match="cannot fill"):
-        balance_equal_counts([1, 2, 3], 2, 2)
+        deal_by_cost([1, 2, 3], 2, 2)
+
+
+@given(st.lists(st.floats(0, 1e6), min_size=1, max_size=30), st.integers(1, 6))
+def test_dealing_without_a_count_limit_stays_within_lpt_s_bound_and_leaves_no_group_empty(costs, groups):
+    """Graham's bound for longest-processing-time-first: the heaviest group's last item went to the least-loaded group,
+    so that group ends at most (1 - 1/groups) of that item above the mean; the item is at most the (groups+1)-th
+    costliest unless it is the group's only one (then no plan does better)."""
+    plan = deal_by_cost(costs, groups)
+    assert sorted(i for g in plan for i in g) == list(range(len(costs)))
+    assert all(plan) or len(costs) < groups
+    ranked = sorted(costs, reverse=True)
+    bound = max(ranked[0], sum(costs) / groups + (1 - 1 / groups) * (ranked[groups] if len(costs) > groups else 0))
+    assert max(sum(costs[i] for i in g) for g in plan) <= bound * (1 + 1e-9) + 1e-6
+
+
+def test_dealing_without_a_count_limit_evens_the_loads_and_breaks_ties_by_item_count():
+    # Round robin in order would load 9+2 and 8+1; costliest first to the least loaded: 9+1 and 8+2.
+    # Free items at equal load go to the group holding fewer, so none stays empty.
+    assert deal_by_cost([9, 8, 2, 1], 2) == [[0, 3], [1, 2]]
+    assert deal_by_cost([0, 0, 0], 3) == [[0], [1], [2]]

@@ -24,7 +24,9 @@ from proto import rollout_pb2
 from services.common import rollout_stream
 from services.common.config import load_config
 from services.dataloader.client import DataClient
+from services.dataloader.cp_sizing import CPBudget, choose_cp_size, deal_by_cost, segment_lengths, work
 from services.dataloader.errors import DataError
+from services.dataloader.packing import best_fit_decreasing
 from services.dataloader.rollout_source import (RolloutStepStream, TrajectoryLog, build_rl_micro_batch, group_samples,
                                                 pack_step)
 from services.dataloader.server import DataLoaderServer
@@ -134,14 +136,85 @@ def test_a_step_is_dealt_to_the_dp_ranks_whole_and_packed_within_the_token_budge
     groups = [make_group(rng, f"g{i}") for i in range(4)]
     per_rank = pack_step(groups, dp_size=3, max_tokens=30, std_normalize=True, layers=LAYERS, top_k=TOP_K)
     assert actions(mb.tensors for rank in per_rank for mb in rank) == expected_actions(groups)
-    loads = [sum(mb.real_tokens for mb in rank) for rank in per_rank]
-    longest = max(s.positions for g in groups for s in group_samples(g, True, LAYERS, TOP_K))
-    assert all(rank for rank in per_rank) and max(loads) - min(loads) <= longest
+    assert all(rank for rank in per_rank)
     for mb in (mb for rank in per_rank for mb in rank):
         assert mb.real_tokens <= 30 or mb.num_segments == 1  # a longer sample gets a micro-batch of its own
     mine = pack_step(groups, 3, 30, True, LAYERS, TOP_K, dp_ranks={1})  # a replica builds only its ranks' share
     assert [len(r) for r in mine] == [0, len(per_rank[1]), 0]
     assert all(same(a.tensors, b.tensors) for a, b in zip(mine[1], per_rank[1], strict=True))
+
+
+def long_tailed_group(rng, gid: str, version: int = 0, samples: int = 4) -> rollout_pb2.TrajectoryGroup:
+    """A group whose completions scatter log-normally around a typical length that is itself log-normal across
+    groups: mostly short answers, a few very long ones (as reasoning RL makes)."""
+    prompt = rng.integers(0, 250, size=int(rng.integers(2, 9))).tolist()
+    g = rollout_pb2.TrajectoryGroup(group_id=gid, worker="w", policy_version=version, prompt_tokens=prompt,
+                                    moe_layers=LAYERS, top_k=TOP_K, temperature=1.0)
+    typical = 12 * rng.lognormal(0, 0.8)
+    for n in np.clip(typical * rng.lognormal(0, 0.6, size=samples), 1, 200).astype(int).tolist():
+        fed = len(prompt) + n - 1
+        g.samples.add(tokens=rng.integers(0, 250, size=n).tolist(), logprobs=(-rng.random(n)).tolist(),
+                      routing=rng.integers(0, 8, size=LAYERS * fed * TOP_K).tolist(), reward=float(rng.random()))
+    return g
+
+
+def rank_work(rank, scale: int) -> float:
+    return sum(work(segment_lengths(mb.tensors["cu_seqlens"]), mb.cp_size, scale) for mb in rank)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_a_long_tailed_step_is_dealt_by_work_as_the_corpus_stream_deals_its_micro_batches(dp):
+    """The heaviest rank does no more work (cp_sizing.work: tokens plus attention, per CP rank) than when the whole
+    step's micro-batches, each sized, are dealt costliest first to the least-loaded rank as the corpus stream deals
+    them, which LPT bounds by the mean plus (1 - 1/dp) of the (dp+1)-th costliest micro-batch (or by the costliest);
+    nor more than when the samples are dealt by positions and each rank's share is packed (what the source did before:
+    dealing whole samples by tokens is blind to attention and CP sizes, and on this step at dp=2 its heaviest rank
+    does 481 token-equivalents of work where the micro-batch dealing does 460)."""
+    rng = np.random.default_rng(2)
+    groups = [long_tailed_group(rng, f"g{i}") for i in range(8)]
+    max_tokens, cp_sizes, budget = 64, [1, 2, 4], CPBudget(max_tokens_per_rank=32, max_attn_per_rank=32 * 64)
+    per_rank = pack_step(groups, dp, max_tokens, True, LAYERS, TOP_K, cp_sizes=cp_sizes, budget=budget)
+    assert all(per_rank) and actions(mb.tensors for rank in per_rank for mb in rank) == expected_actions(groups)
+    heaviest = max(rank_work(rank, max_tokens) for rank in per_rank)
+
+    samples = [s for g in groups for s in group_samples(g, True, LAYERS, TOP_K)]
+
+    def sized_work(bins):
+        return [work(n, choose_cp_size(n, cp_sizes, budget), max_tokens) for n in ([s.positions for s in b]
+                                                                                   for b in bins)]
+    costs = sized_work(best_fit_decreasing(samples, max_tokens))
+    assert {choose_cp_size([s.positions for s in b], cp_sizes, budget)
+            for b in best_fit_decreasing(samples, max_tokens)} == {1, 2, 4}  # every size occurs
+    by_micro_batch = max(sum(costs[i] for i in rank) for rank in deal_by_cost(costs, dp))
+    ranked = sorted(costs, reverse=True)
+    lpt_bound = max(ranked[0], sum(costs) / dp + (1 - 1 / dp) * ranked[dp])
+    by_sample = max(sum(sized_work(best_fit_decreasing([samples[i] for i in share], max_tokens)))
+                    for share in deal_by_cost([s.positions for s in samples], dp))
+    assert heaviest <= min(by_micro_batch, by_sample) + 1e-9 and by_micro_batch <= lpt_bound + 1e-9
+    if dp == 2:
+        assert by_micro_batch < by_sample  # the case where dealing by work pays
+
+
+def test_a_group_dealt_over_several_ranks_keeps_the_advantages_of_the_whole_group():
+    """GRPO normalises a reward within its group; the source does it before dealing, so the samples of a group that
+    land on different dp ranks still carry the whole group's advantages (the trainer's loss is a sum over the step
+    divided by the step's response tokens, services/trainer/rl/step.py: it needs nothing else of the group)."""
+    rng = np.random.default_rng(3)
+    groups = [long_tailed_group(rng, f"g{i}", version=i, samples=6) for i in range(4)]  # the version names the group
+    per_rank = pack_step(groups, 4, 64, True, LAYERS, TOP_K)
+    served: dict[int, list[tuple[int, float]]] = {}  # group -> (rank, advantage) per sample
+    for r, rank in enumerate(per_rank):
+        for mb in rank:
+            cu = mb.tensors["cu_seqlens"].tolist()
+            for a, b in zip(cu, cu[1:]):
+                m = mb.tensors["loss_mask"][a:b]
+                adv, version = mb.tensors["advantages"][a:b][m], mb.tensors["versions"][a:b][m]
+                assert len(set(adv.tolist())) == 1 and len(set(version.tolist())) == 1  # one sample, one group
+                served.setdefault(int(version[0]), []).append((r, float(adv[0])))
+    assert any(len({r for r, _ in got}) > 1 for got in served.values())  # some group is split over ranks
+    for got in served.values():
+        adv = np.array([a for _, a in got])
+        assert len(adv) == 6 and abs(adv.mean()) < 1e-5 and abs(adv.std(ddof=1) - 1) < 1e-3
 
 
 def test_only_groups_fresh_enough_for_the_step_are_used_and_the_others_are_counted_once(stream_key):
@@ -264,8 +337,9 @@ def test_a_position_whose_trajectories_were_trimmed_reads_on_from_the_oldest_ent
 
 def test_each_micro_batch_gets_the_smallest_cp_size_under_the_budget_and_static_cp_its_one_size(stream_key):
     """As the corpus stream sizes them (cp_sizing.choose_cp_size): tokens per CP rank <= data.cp_max_tokens_per_rank
-    and Σ l² per CP rank <= data.cp_max_attn_per_rank, else the largest size; sizing leaves the tensors alone. Under
-    static CP (one size) every micro-batch carries `parallel.cp`: the trainer cuts it over the whole group."""
+    and Σ l² per CP rank <= data.cp_max_attn_per_rank, else the largest size. Under static CP (one size) every
+    micro-batch of the same step carries `parallel.cp`: the trainer cuts it over the whole group. (Which micro-batches
+    the step is packed into, and which rank gets which, may differ: the dealing weighs each by its size.)"""
     rng = np.random.default_rng(8)
     tokens, attn = 24, 300  # per CP rank: the samples here are 2-24 tokens, micro-batches 24-48
     cfg = rl_cfg(stream_key, f"data.cp_max_tokens_per_rank={tokens}", f"data.cp_max_attn_per_rank={attn}")
@@ -275,13 +349,14 @@ def test_each_micro_batch_gets_the_smallest_cp_size_under_the_budget_and_static_
     sizes, by_attention = Counter(), 0
     for _ in range(2):
         step, same_step = dynamic.next_step(), static.next_step()
-        for mb, twin in zip((m for r in step.per_rank for m in r), (m for r in same_step.per_rank for m in r),
-                            strict=True):
+        assert all(mb.cp_size == 2 for r in same_step.per_rank for mb in r)
+        assert actions(mb.tensors for r in same_step.per_rank for mb in r) == \
+            actions(mb.tensors for r in step.per_rank for mb in r)
+        for mb in (m for r in step.per_rank for m in r):
             cu = mb.tensors["cu_seqlens"].tolist()
             lengths = [b - a for a, b in zip(cu, cu[1:])]
             fits = [c for c in (1, 2, 4) if sum(lengths) <= tokens * c and sum(n * n for n in lengths) <= attn * c]
             assert mb.cp_size == (fits[0] if fits else 4), (lengths, mb.cp_size)
             sizes[mb.cp_size] += 1
             by_attention += sum(lengths) <= tokens * mb.cp_size // 2  # its tokens alone would fit a smaller size
-            assert twin.cp_size == 2 and same(mb.tensors, twin.tensors)
     assert set(sizes) == {1, 2, 4} and by_attention, (sizes, by_attention)  # every size occurs, both limits decide

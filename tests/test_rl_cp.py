@@ -20,9 +20,10 @@ pre-training (`cp_share`):
 - 2 ranks, CP2 with sizes [1, 2] and 9 tokens per rank: in "replay_kl" the 10-token samples run on both ranks, the
   9-token ones on one rank each (half on each), so a rank runs uncut micro-batches right after cut ones (the attention
   cores and routers must drop the previous layout); in "packed" every micro-batch needs both ranks;
-- 4 ranks, CP2·EP2 with sizes [1, 2] and 18 tokens per rank (DP2): every "replay_kl" micro-batch runs on one rank,
-  while the EP all-to-alls pair the two CP ranks, which now run different micro-batches; in "packed" each replica's
-  one two-sample micro-batch of size 1 is left over after equal shares and runs on the whole group instead; and
+- 4 ranks, CP2·EP2 with sizes [1, 2] and 40 tokens per rank (DP2): every "replay_kl" micro-batch runs on one rank,
+  while the EP all-to-alls pair the two CP ranks, which now run different micro-batches; in "packed" each replica gets
+  three micro-batches of size 1 (38, 36 and 18 tokens: the source's plan that deals samples wins there), the costliest
+  left over after equal shares runs on the whole group instead; and
   PP2·CP2 as the 2-rank case, each stage's CP ranks splitting the micro-batches alike inside the pipeline schedules.
 `test_dynamic_cp_layouts_give_micro_batches_both_sizes` proves those sizes, and each rank records the CP group size of
 every micro-batch it ran (`DYNAMIC_CUTS`): running every micro-batch over the whole group would match one process too.
@@ -61,7 +62,7 @@ from tests.test_rl_parallel import _steps
 
 # dynamic CP: the sizes, and the token budget per CP rank that the RL source sizes micro-batches by (data.cp_max_*)
 DYNAMIC_CP2 = dict(cp=2, cp_sizes=[1, 2], cp_max_tokens_per_rank=9, cp_comm="ring")
-DYNAMIC_CP2_EP2 = dict(cp=2, ep=2, cp_sizes=[1, 2], cp_max_tokens_per_rank=18, cp_comm="allgather")
+DYNAMIC_CP2_EP2 = dict(cp=2, ep=2, cp_sizes=[1, 2], cp_max_tokens_per_rank=40, cp_comm="allgather")
 DYNAMIC_PP2_CP2 = dict(pp=2, **DYNAMIC_CP2)
 LAYOUTS = {2: [dict(cp=2, cp_comm="ring"), dict(cp=2, cp_comm="allgather"), DYNAMIC_CP2],
            4: [dict(cp=2, ep=2, cp_comm="ring"), dict(cp=2, tp=2, cp_comm="allgather"),
@@ -75,11 +76,12 @@ def steps():
 
 # Dynamic CP: the CP group sizes each rank runs its micro-batches on over the two steps (`_sizes` below gives the
 # dataloader's sizes). DP1 (CP2, PP2·CP2): per step 4 micro-batches of size 2 on both CP ranks and 16 of size 1 shared
-# 8 / 8. DP2 (CP2·EP2): per step and replica 10 of size 1 shared 5 / 5, and in "packed" two of size 2 plus the
-# left-over one of size 1, which runs on both CP ranks (size 2) instead.
+# 8 / 8. DP2 (CP2·EP2): per step and replica 10 of size 1 shared 5 / 5, and in "packed" three of size 1: one on each
+# CP rank and the left-over one on both (size 2).
 DP1_CUTS = {"replay_kl": {1: 16, 2: 8}, "packed": {2: 10}}
 DYNAMIC_CUTS = {2: {str(DYNAMIC_CP2): DP1_CUTS},
-                4: {str(DYNAMIC_CP2_EP2): {"replay_kl": {1: 10}, "packed": {2: 6}}, str(DYNAMIC_PP2_CP2): DP1_CUTS}}
+                4: {str(DYNAMIC_CP2_EP2): {"replay_kl": {1: 10}, "packed": {2: 2, 1: 2}},
+                    str(DYNAMIC_PP2_CP2): DP1_CUTS}}
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
@@ -129,7 +131,7 @@ def test_dynamic_cp_layouts_give_micro_batches_both_sizes(steps):
     assert Counter(_sizes(DYNAMIC_CP2, 1, "replay_kl", steps)) == {1: 32, 2: 8}  # the 9- and 10-token samples
     assert set(_sizes(DYNAMIC_CP2, 1, "packed", steps)) == {2}
     assert set(_sizes(DYNAMIC_CP2_EP2, 2, "replay_kl", steps)) == {1}
-    assert Counter(_sizes(DYNAMIC_CP2_EP2, 2, "packed", steps)) == {2: 8, 1: 4}  # 2 replicas x 2 steps x [38, 36 | 18]
+    assert Counter(_sizes(DYNAMIC_CP2_EP2, 2, "packed", steps)) == {1: 12}  # 2 replicas x 2 steps x [38, 36, 18]
 
 
 def test_rl_config_accepts_static_and_dynamic_context_parallelism():

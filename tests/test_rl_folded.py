@@ -67,9 +67,8 @@ ROUTER_LOSSES = {"replay_kl": dict(aux_loss_coeff=1e-2, z_loss_coeff=1e-2),
 UNEVEN = "uneven_packing"
 
 
-def _packing_tokens(cfg: Config, layout: dict, dp) -> int:
-    tokens = cfg.rl.micro_batch_tokens
-    return max(1, tokens // 2) if layout.get(UNEVEN) and dp.rank == dp.size - 1 else tokens
+def _finer(cfg: Config, layout: dict, dp) -> tuple[int, int] | None:
+    return (dp.size - 1, max(1, cfg.rl.micro_batch_tokens // 2)) if layout.get(UNEVEN) else None
 
 
 def _config(layout: dict, scenario: str) -> Config:
@@ -159,8 +158,8 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
                 gather = WeightGather(model, groups)
                 metrics, weights = [], []
                 for step, step_groups in enumerate(steps):
-                    data = micro_batches(step_groups, dp_size=groups.dp.size,
-                                         max_tokens=_packing_tokens(cfg, layout, groups.dp), cp_cfg=cfg)[groups.dp.rank]
+                    data = micro_batches(step_groups, dp_size=groups.dp.size, max_tokens=cfg.rl.micro_batch_tokens,
+                                         cp_cfg=cfg, finer=_finer(cfg, layout, groups.dp))[groups.dp.rank]
                     metrics.append(rl_step(model, opt, data, cfg.rl, torch.device("cpu"), cfg.optimizer.clip_grad,
                                            ref, version=step, lr=cfg.optimizer.lr,
                                            cp_comm=cfg.parallel.cp_comm, ep_overlap=cfg.parallel.ep_overlap).read())

@@ -283,7 +283,9 @@ class RLConfig:
     # training (services/trainer/rl)
     groups_per_step: int = 4  # trajectory groups per optimizer step
     rollout_timeout_s: float = 300.0  # seconds the trainer waits for a step's groups before it fails
-    micro_batch_tokens: int = 4096  # the dataloader packs each rank's samples into micro-batches of at most this many tokens
+    # the dataloader packs a step's samples into micro-batches of at most this many tokens and deals them to the dp
+    # ranks by work (services/dataloader/rollout_source.py)
+    micro_batch_tokens: int = 4096
     clip_eps_low: float = 0.2  # PPO ratio clipped to [1 - low, 1 + high]
     clip_eps_high: float = 0.28  # above `low`: rarely likely tokens may still grow (clip-higher)
     tis_cap: float = 2.0  # truncated importance sampling: cap on pi_train_old / pi_rollout (0: no correction)

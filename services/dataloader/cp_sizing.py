@@ -4,6 +4,9 @@ Cost model: a micro-batch of segments l_1..l_n holds Σ l tokens and costs atten
 document; padding runs are segments too, and cost like documents: the kernel does not know they are padding). Split over
 c CP ranks (zigzag sharding keeps causal work even), each rank holds Σl / c tokens and does Σl² / c attention work.
 The smallest allowed c that keeps both under budget is chosen: a larger CP group costs communication for nothing.
+
+Dealing: once sized, a step's micro-batches go to the dp ranks by `deal_by_cost` over their `work` (longest processing
+time first), both streams alike: the corpus (stream.py, equal counts per rank) and RL (rollout_source.py, any count).
 """
 
 from __future__ import annotations
@@ -55,25 +58,35 @@ def choose_cp_size(lengths: list[int], cp_sizes: list[int], budget: CPBudget) ->
     return sizes[-1]
 
 
-def balance_equal_counts(costs: list[float], groups: int, per_group: int) -> list[list[int]]:
-    """Split len(costs) == groups*per_group items into groups of exactly `per_group`, evening out the summed cost.
+def work(lengths: list[int], cp_size: int, scale: int) -> float:
+    """Work of one CP rank running its share of a micro-batch of segments `lengths` sized `cp_size`, in
+    token-equivalents: the linear part (tokens) plus attention scaled so that a segment of `scale` tokens (the stream's
+    packing unit: `data.seq_len`, `rl.micro_batch_tokens`) weighs as much again; both shrink with the CP size."""
+    return (sum(lengths) + attention_cost(lengths) / scale) / cp_size
 
-    Longest-processing-time first with a cardinality limit: each item, costliest first, goes to the least-loaded group
-    that still has room. Ties go to the lower group index, so the plan is deterministic. Items keep ascending order
-    inside a group.
+
+def deal_by_cost(costs: list[float], groups: int, per_group: int | None = None) -> list[list[int]]:
+    """Deal items to `groups` groups evening out the summed cost: longest processing time first (Graham's LPT), each
+    item, costliest first, to the least-loaded group (ties: the one with fewer items, then the lower index, so the plan
+    is deterministic and every group gets an item while some group has none). Items keep ascending order in a group.
+
+    `per_group`: exactly that many items per group (len(costs) must be groups*per_group), each to the least-loaded group
+    that still has room; None: no limit, and then the largest load is at most the mean plus (1 - 1/groups) times the
+    cost of the heaviest group's last item, which is at most the (groups+1)-th largest cost unless that group holds a
+    single item (LPT's bound; then the largest load is one item's, which no plan beats).
     """
-    if len(costs) != groups * per_group:
+    if per_group is not None and len(costs) != groups * per_group:
         raise ValueError(f"{len(costs)} items cannot fill {groups} groups of {per_group}")
-    heap = [(0.0, g) for g in range(groups)]
+    heap = [(0.0, 0, g) for g in range(groups)]
     members: list[list[int]] = [[] for _ in range(groups)]
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
         full = []
-        load, g = heapq.heappop(heap)
-        while len(members[g]) == per_group:
-            full.append((load, g))
-            load, g = heapq.heappop(heap)
+        load, count, g = heapq.heappop(heap)
+        while count == per_group:
+            full.append((load, count, g))
+            load, count, g = heapq.heappop(heap)
         members[g].append(i)
-        heapq.heappush(heap, (load + costs[i], g))
+        heapq.heappush(heap, (load + costs[i], count + 1, g))
         for item in full:
             heapq.heappush(heap, item)
     return [sorted(m) for m in members]

@@ -27,7 +27,7 @@ import torch
 from torchdata.nodes import Batcher
 
 from services.dataloader.blend import BlendedSequences
-from services.dataloader.cp_sizing import CPBudget, attention_cost, balance_equal_counts, choose_cp_size
+from services.dataloader.cp_sizing import CPBudget, choose_cp_size, deal_by_cost, segment_lengths, work
 from services.dataloader.dataset import IndexedDataset
 from services.dataloader.errors import DataError
 from services.dataloader.packing import PackedSequences, Sequence
@@ -179,13 +179,10 @@ class StepStream:
     def _size_and_balance(self, micro: list[MicroBatch]) -> list[list[MicroBatch]]:
         costs = []
         for mb in micro:
-            cu = mb.tensors["cu_seqlens"]
-            lengths = (cu[1:] - cu[:-1]).tolist()
+            lengths = segment_lengths(mb.tensors["cu_seqlens"])
             mb.cp_size = choose_cp_size(lengths, self.cp_sizes, self.budget)
-            # Work per rank in token-equivalents: the linear part (tokens) plus attention scaled so that documents of
-            # seq_len tokens weigh as much again; both shrink with the CP size.
-            costs.append((sum(lengths) + attention_cost(lengths) / self.cfg.seq_len) / mb.cp_size)
-        groups = balance_equal_counts(costs, self.dp_size, self.cfg.grad_accum)
+            costs.append(work(lengths, mb.cp_size, self.cfg.seq_len))
+        groups = deal_by_cost(costs, self.dp_size, self.cfg.grad_accum)
         return [[micro[i] for i in g] for g in groups]
 
     @property
