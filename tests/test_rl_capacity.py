@@ -214,8 +214,8 @@ def _model(cfg: Config):
 def _rank_data(cfg: Config, step_groups: list, rank: int) -> list[dict]:
     """Rank `rank`'s micro-batches of a step on DP2; the second rank packs its share into micro-batches of half
     `rl.micro_batch_tokens` ("packed": it runs more of them, so the first adds EP fillers)."""
-    tokens = cfg.rl.micro_batch_tokens if rank == 0 else max(1, cfg.rl.micro_batch_tokens // 2)
-    return micro_batches(step_groups, dp_size=2, max_tokens=tokens)[rank]
+    tokens = cfg.rl.micro_batch_tokens
+    return micro_batches(step_groups, dp_size=2, max_tokens=tokens, finer=(1, max(1, tokens // 2)))[rank]
 
 
 def _loads(model) -> list[torch.Tensor]:
