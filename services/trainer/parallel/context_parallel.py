@@ -462,12 +462,35 @@ class ContextParallelAttention(nn.Module):
         return _RingAttention.apply(q, k, v, layout)
 
 
+@dataclass(frozen=True)
+class CPModules:
+    """What a micro-batch's layout is bound to (`bind_layout`): the model's context-parallel attention cores, and its
+    routers, whose aux and z-loss statistics span the micro-batch's CP group.
+
+    Listed once, by `apply_context_parallel`, and kept on the model (`model.cp_modules`): binding runs before every
+    micro-batch forward and at every switch of an interleaved pair, where walking a 48-layer model's ~700 modules took
+    about a millisecond of host time (bench/bench_bind_layout.py). `parallelize` swaps the cores in last, on the
+    pipeline stage, so the list holds exactly the modules the stage runs; `copy.deepcopy` (RL's reference policy)
+    gives a copy the list of its own modules."""
+
+    cores: tuple[ContextParallelAttention, ...]
+    routers: tuple[Router, ...]
+
+
 def apply_context_parallel(model: nn.Module) -> nn.Module:
-    """Swap every attention core for the context-parallel one, in place (groups come per micro-batch, in the layout)."""
+    """Swap every attention core for the context-parallel one, in place (groups come per micro-batch, in the layout),
+    and list what binding a layout sets on the model (`CPModules`)."""
     for module in model.modules():
         if isinstance(module, PackedAttention):
             module.core = ContextParallelAttention()
+    model.cp_modules = CPModules(tuple(m for m in model.modules() if isinstance(m, ContextParallelAttention)),
+                                 tuple(m for m in model.modules() if isinstance(m, Router)))
     return model
+
+
+def is_context_parallel(model: nn.Module) -> bool:
+    """Whether `model`'s attention cores are the context-parallel ones (`apply_context_parallel`)."""
+    return getattr(model, "cp_modules", None) is not None
 
 
 def bind_micro_batch(model: nn.Module, mb: dict) -> None:
@@ -476,11 +499,21 @@ def bind_micro_batch(model: nn.Module, mb: dict) -> None:
 
 
 def bind_layout(model: nn.Module, layout: CPLayout | None, device: torch.device) -> None:
-    """Point every context-parallel core (and router) at `layout`, copied to `device` (None: local attention)."""
+    """Point every context-parallel core (and router) at `layout`, copied to `device` (None: local attention). On a
+    model without context parallelism there is nothing to bind: its attention is local and its routers' `cp_group`
+    stays None."""
+    modules: CPModules | None = getattr(model, "cp_modules", None)
+    if modules is None:
+        if layout is not None and layout.size > 1:
+            raise RuntimeError(f"a micro-batch cut over {layout.size} CP ranks was bound to a model without "
+                               "context-parallel attention cores; parallelize the model (apply_context_parallel) "
+                               "with the parallel.cp / parallel.cp_sizes the micro-batches were cut for")
+        return
+    group = layout.group if layout is not None and layout.size > 1 else None
     if layout is not None:
         layout = layout.to(device)
-    for module in model.modules():
-        if isinstance(module, ContextParallelAttention):
-            module.layout = layout
-        elif isinstance(module, Router):  # aux/z-loss statistics over the whole micro-batch
-            module.cp_group = layout.group if layout is not None and layout.size > 1 else None
+    for core in modules.cores:
+        core.layout = layout
+    for router in modules.routers:  # aux/z-loss statistics over the whole micro-batch
+        if router.cp_group is not group:  # static CP: set once (a module's setattr costs microseconds of host time)
+            router.cp_group = group

@@ -368,8 +368,8 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
     with fp8_weights_held(model_stage, len(mbs)):
         if not pairs:
             return one_f_one_b(micro_batch_forward, link, step_tokens)
-        # stage_forward binds its micro-batch's context-parallel layout when called; every switch rebinds it (only when
-        # some micro-batch has one: binding walks the modules)
+        # stage_forward binds its micro-batch's context-parallel layout when called; every switch rebinds it (when some
+        # micro-batch has one)
         cp = any(mb.get("cp_layout") is not None for mb in mbs)
         rebind = (lambda i: bind_micro_batch(model_stage, mbs[i])) if cp else None
         return one_f_one_b(micro_batch_forward, link, step_tokens,

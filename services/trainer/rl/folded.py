@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from services.trainer.model.loss import IGNORE_INDEX
-from services.trainer.parallel.context_parallel import ContextParallelAttention, bind_layout
+from services.trainer.parallel.context_parallel import bind_layout, is_context_parallel
 from services.trainer.parallel.differentiable import group_size, local_token_shard
 from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
@@ -135,11 +135,7 @@ def needs_folded_forward(model: nn.Module, mb: Any) -> bool:
     """Whether `mb` runs through `folded_token_logprobs`: under TP, for fillers, and on a context-parallel model even
     uncut (CP size 1), whose attention cores and routers must be unbound from the previous micro-batch's layout."""
     return (getattr(model, "tensor_parallel_group", None) is not None or getattr(mb, "is_filler", False)
-            or mb.cp_layout is not None or _context_parallel(model))
-
-
-def _context_parallel(model: nn.Module) -> bool:
-    return any(isinstance(m, ContextParallelAttention) for m in model.modules())
+            or mb.cp_layout is not None or is_context_parallel(model))
 
 
 def _padded(mb, pad: int):
@@ -226,7 +222,6 @@ class PolicyBinding:
         self.model, self.inputs, self.layers = model, inputs, model.moe_layers()
         self.scales = [m.aux_loss_scale for m in self.layers]
         self.routing = [owned_routing(model, p.routing) for p in inputs]
-        self.cp = _context_parallel(model)
         self.load: list[torch.Tensor] | None = None  # the load before a filler's segment
 
     def bind(self, i: int) -> None:
@@ -237,8 +232,7 @@ class PolicyBinding:
             m.aux_loss_scale = 0.0 if p.filler else scale
         if p.filler:
             self.load = [m.router.tokens_per_expert.clone() for m in self.layers]
-        if self.cp:
-            bind_layout(self.model, p.cp_layout, p.tokens.device)
+        bind_layout(self.model, p.cp_layout, p.tokens.device)  # nothing to bind without context parallelism
 
     def release(self) -> None:
         self._restore_load()
