@@ -10,7 +10,7 @@ and once with its attention cores swapped for the context-parallel ones (`apply_
 a new size-2 layout at every call, as consecutive micro-batches of static CP do (one group), and, as dynamic CP's may,
 a size-2 layout and None (a micro-batch of CP size 1) in turn. Per call: the median (and the 10th-90th percentile
 range) in microseconds of `--calls` calls each timed alone. For scale, `model.moe_layers()`: one walk of the modules
-(RL's `PolicyBinding` and `replay.owned_routing` still walk per forward).
+(RL's `PolicyBinding` still walks once per policy forward, through it).
 """
 
 from __future__ import annotations
