@@ -5,10 +5,10 @@
 Lengths: each group draws a prompt (64-512 tokens) and a typical response length (log-normal, median
 `--median` tokens, sigma 0.8); its samples' responses scatter log-normally around it (sigma 0.6), capped at
 `--max-len` tokens in all: a long-tailed mix of short answers and a few very long ones, as reasoning RL makes.
-Work of a rank: `cp_sizing.work` summed over its micro-batches (tokens plus attention scaled by the micro-batch
-budget, both per CP rank). Per step: the imbalance (the heaviest rank's work over the mean rank's) and the heaviest
-rank's work over the previous plan's (what the step's time follows: the mean itself moves with the CP sizes, which
-depend on the packing).
+Time of a rank: as the trainer runs its micro-batches on `max(--cp-sizes)` CP ranks (`bench_cp_deal.rank_time`: the
+blocks of `context_parallel.cp_share`, each micro-batch at `cp_sizing.work` / its CP size; the slowest CP rank's sum).
+Per step: the imbalance (the slowest rank's time over the mean rank's) and the slowest rank's time over the previous
+plan's (what the step's time follows: the mean itself moves with the CP sizes, which depend on the packing).
 
 "before": the previous plan (whole samples dealt by positions, longest first to the rank with the fewest; each rank's
 share packed by best-fit-decreasing; then each micro-batch sized); "after": `rollout_source.plan_step` (pack the whole
@@ -26,7 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.dataloader.cp_sizing import CPBudget, choose_cp_size, work  # noqa: E402
+from bench.bench_cp_deal import rank_time  # noqa: E402
+from services.dataloader.cp_sizing import CPBudget, choose_cp_size  # noqa: E402
 from services.dataloader.packing import best_fit_decreasing  # noqa: E402
 from services.dataloader.rollout_source import RLSample, plan_step  # noqa: E402
 
@@ -59,9 +60,10 @@ def previous_plan(samples: list[RLSample], dp: int, max_tokens: int, cp_sizes: l
              for b in best_fit_decreasing(share, max_tokens)] for share in shares]
 
 
-def measure(plan, max_tokens: int) -> tuple[float, float, int]:
-    """(heaviest rank's work, its ratio to the mean rank's, spread of the ranks' micro-batch counts)."""
-    loads = [sum(work([s.positions for s in b], c, max_tokens) for b, c in rank) for rank in plan]
+def measure(plan, max_tokens: int, cp: int) -> tuple[float, float, int]:
+    """(slowest rank's time, its ratio to the mean rank's, spread of the ranks' micro-batch counts); a rank's time as
+    its `cp` CP ranks run its micro-batches (bench_cp_deal.rank_time: `cp_share`'s blocks, each at work / c)."""
+    loads = [rank_time([([s.positions for s in b], c) for b, c in rank], cp, max_tokens) for rank in plan]
     counts = [len(rank) for rank in plan]
     return max(loads), max(loads) / (sum(loads) / len(loads)), max(counts) - min(counts)
 
@@ -92,7 +94,8 @@ def main() -> None:
                "cp_max_tokens_per_rank": a.cp_max_tokens, "cp_max_attn_per_rank": a.cp_max_attn}
         heaviest_before = None
         for name, planner in (("before", previous_plan), ("after", plan_step)):
-            got = [measure(planner(s, dp, a.micro_batch_tokens, a.cp_sizes, budget), a.micro_batch_tokens)
+            got = [measure(planner(s, dp, a.micro_batch_tokens, a.cp_sizes, budget), a.micro_batch_tokens,
+                           max(a.cp_sizes))
                    for s in steps]
             heaviest = np.array([h for h, _, _ in got])
             ratios = np.array([r for _, r, _ in got])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.dataloader.cp_sizing import allowed_cp_sizes, attention_cost
+from services.dataloader.cp_sizing import allowed_cp_sizes, attention_cost, segment_lengths
 from services.dataloader.dataset import IndexedDataset
 from services.dataloader.errors import DataError
 from services.dataloader.preprocess import dataset_paths, ensure_dataset
@@ -77,10 +77,10 @@ def dynamic_cp_cfg(tmp_path):
                               f"data.cp_max_attn_per_rank={512 ** 2 / 4}", "parallel.cp_sizes=[1,2,4]"])
 
 
-def work(mb, seq_len):
-    cu = mb.tensors["cu_seqlens"]
-    lengths = (cu[1:] - cu[:-1]).tolist()
-    return (sum(lengths) + attention_cost(lengths) / seq_len) / mb.cp_size
+def rank_time(micro_batches, seq_len):
+    """A dp rank's time as its CP ranks (the largest size, 4) run its micro-batches (bench/bench_cp_deal.py)."""
+    from bench.bench_cp_deal import rank_time as time_on_cp
+    return time_on_cp([(segment_lengths(mb.tensors["cu_seqlens"]), mb.cp_size) for mb in micro_batches], 4, seq_len)
 
 
 def test_dynamic_cp_gives_each_micro_batch_the_smallest_size_under_budget(tmp_path):
@@ -105,13 +105,12 @@ def test_dynamic_cp_balances_work_across_dp_ranks_better_than_dealing_in_order(t
     worst_balanced = worst_in_order = 0.0
     for _ in range(20):
         step = balanced.next_step()
-        loads = [sum(work(mb, 512) for mb in rank) for rank in step.per_rank]
-        worst_balanced += max(loads)
+        worst_balanced += max(rank_time(rank, 512) for rank in step.per_rank)
     unbalanced = StepStream(open_all(cfg), cfg.data, dp_size=2, cp_sizes=cfg.parallel.cp_sizes)
     unbalanced._size_and_balance = lambda micro: _size_only(unbalanced, micro)
     for _ in range(20):
         step = unbalanced.next_step()
-        worst_in_order += max(sum(work(mb, 512) for mb in rank) for rank in step.per_rank)
+        worst_in_order += max(rank_time(rank, 512) for rank in step.per_rank)
     assert worst_balanced < worst_in_order
 
 

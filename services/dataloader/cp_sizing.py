@@ -58,11 +58,14 @@ def choose_cp_size(lengths: list[int], cp_sizes: list[int], budget: CPBudget) ->
     return sizes[-1]
 
 
-def work(lengths: list[int], cp_size: int, scale: int) -> float:
-    """Work of one CP rank running its share of a micro-batch of segments `lengths` sized `cp_size`, in
-    token-equivalents: the linear part (tokens) plus attention scaled so that a segment of `scale` tokens (the stream's
-    packing unit: `data.seq_len`, `rl.micro_batch_tokens`) weighs as much again; both shrink with the CP size."""
-    return (sum(lengths) + attention_cost(lengths) / scale) / cp_size
+def work(lengths: list[int], scale: int) -> float:
+    """Work of a micro-batch of segments `lengths` for its dp rank, in token-equivalents: the linear part (tokens) plus
+    attention scaled so that a segment of `scale` tokens (the stream's packing unit: `data.seq_len`,
+    `rl.micro_batch_tokens`) weighs as much again. Whatever its CP size: a micro-batch sized c runs on one block of c of
+    the dp rank's `parallel.cp` ranks while the other blocks run others (context_parallel.py `cp_share`), so the dp
+    rank's time is its micro-batches' summed work over `parallel.cp`; dividing by c would weigh small-c micro-batches
+    cp / c times too much (bench/bench_cp_deal.py)."""
+    return sum(lengths) + attention_cost(lengths) / scale
 
 
 def deal_by_cost(costs: list[float], groups: int, per_group: int | None = None) -> list[list[int]]:

@@ -39,8 +39,8 @@ balance.
 
 CP size of a micro-batch: with one allowed size (`parallel.cp`) every micro-batch carries it; with several (dynamic CP,
 `parallel.cp_sizes`) each gets the smallest size whose per-rank tokens and attention cost fit
-`data.cp_max_tokens_per_rank` / `data.cp_max_attn_per_rank` (`cp_sizing.choose_cp_size` over its samples' lengths),
-and its work is divided by that size. The CP peers of a dp rank all receive its micro-batches and the trainer's CP
+`data.cp_max_tokens_per_rank` / `data.cp_max_attn_per_rank` (`cp_sizing.choose_cp_size` over its samples' lengths);
+its work does not depend on the size (`cp_sizing.work`). The CP peers of a dp rank all receive its micro-batches and the trainer's CP
 blocks split them as in pre-training (context_parallel.py `cp_share`); the trainer pads each cut to 2·c·sp equal chunks
 itself (services/trainer/rl/cp_sharding.py), so no size constrains a micro-batch's length.
 
@@ -240,7 +240,7 @@ def plan_step(samples: list[RLSample], dp_size: int, max_tokens: int, cp_sizes: 
         return [(b, choose_cp_size([s.positions for s in b], cp_sizes, budget)) for b in bins]
 
     def mb_work(mb: tuple[list[RLSample], int]) -> float:
-        return work([s.positions for s in mb[0]], mb[1], max_tokens)
+        return work([s.positions for s in mb[0]], max_tokens)
 
     plans = []
     whole = sized(best_fit_decreasing(samples, max_tokens))

@@ -181,7 +181,7 @@ class StepStream:
         for mb in micro:
             lengths = segment_lengths(mb.tensors["cu_seqlens"])
             mb.cp_size = choose_cp_size(lengths, self.cp_sizes, self.budget)
-            costs.append(work(lengths, mb.cp_size, self.cfg.seq_len))
+            costs.append(work(lengths, self.cfg.seq_len))
         groups = deal_by_cost(costs, self.dp_size, self.cfg.grad_accum)
         return [[micro[i] for i in g] for g in groups]
 
