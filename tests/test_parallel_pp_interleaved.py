@@ -237,6 +237,67 @@ def test_pp2_chunks_with_ep2_pairs_as_units_on_four_ranks_match_single_process(t
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=4, out_dir=str(tmp_path)))
 
 
+def _forward_only_worker(rank: int, world: int, out_dir: str) -> None:
+    """`forward_only` on pp2 with one and two chunks per rank, unit sizes 1 and 2, 4 and 5 micro-batches: the last
+    rank's outputs and the units each rank's forwards ran, by case."""
+    from services.trainer.parallel.pipeline import StageLink, forward_only
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    out = {}
+    try:
+        for virtual in (1, 2):
+            for count in (4, 5):
+                for unit_size in (1, 2):
+                    chunks = rank_chunks(2 * virtual, 2, rank, virtual=virtual)
+                    tokens = [3 + i for i in range(count)]
+                    link = StageLink(dist.group.WORLD, rank, 2, tokens, 1, 4, torch.float32, torch.device("cpu"),
+                                     chunks)
+
+                    def stage_forward(i, hidden, chunk):  # each global chunk doubles its input and adds its index
+                        start = torch.full((tokens[i], 4), float(i)) if hidden is None else hidden
+                        return start * 2 + (chunk * 2 + rank)
+
+                    units = []
+
+                    def unit_forward(unit, hiddens, chunk):
+                        units.append((list(unit), chunk))
+                        return [stage_forward(i, h, chunk) for i, h in zip(unit, hiddens, strict=True)]
+
+                    outs = forward_only(stage_forward, link, unit_forward=unit_forward, unit_size=unit_size)
+                    out[virtual, count, unit_size] = {"outs": outs, "units": units}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_forward_only_moves_units_through_plain_and_interleaved_stages_with_every_output_as_one_at_a_time(tmp_path):
+    """`pipeline.forward_only` with `unit_size` 2 (`parallel.ep_overlap`'s pairs in RL's log-prob passes): every
+    forward of a chunk runs a pair, an odd last micro-batch alone, in order on plain stages and in the interleaved
+    plan's order with virtual stages, and the last rank's outputs are those of one micro-batch at a time."""
+    ranks = spawn_ranks(_forward_only_worker, (2, str(tmp_path)), 2, str(tmp_path), timeout_s=120)
+    for virtual in (1, 2):
+        for count in (4, 5):
+            want_units = [list(range(i, min(i + 2, count))) for i in range(0, count, 2)]
+            for r, rank in enumerate(ranks):
+                single, paired = rank[virtual, count, 1], rank[virtual, count, 2]
+                for result, units in ((single, [[i] for i in range(count)]), (paired, want_units)):
+                    # each unit once through each of the rank's chunks
+                    assert sorted(result["units"]) == sorted((u, c) for u in units for c in range(virtual))
+                if virtual == 1:
+                    assert [u for u, _ in paired["units"]] == want_units
+                if r == 0:
+                    assert paired["outs"] == [None] * count
+                    continue
+                for i in range(count):  # chunks 0..2V-1 in model order: x -> 2x + chunk
+                    want = float(i)
+                    for c in range(2 * virtual):
+                        want = want * 2 + c
+                    assert torch.equal(paired["outs"][i], torch.full((3 + i, 4), want)), (virtual, count, i)
+                    assert torch.equal(single["outs"][i], paired["outs"][i])
+
+
 # ---------------------------------------------------------------- RL: forward-only passes and the policy loss
 
 

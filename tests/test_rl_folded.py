@@ -10,8 +10,9 @@ the TP ranks of a replica get the same), against one process running
 - 2 ranks: TP2 (vocab-parallel log-probs, sequence-parallel padding: the samples' 9- and 10-token sequences are odd and
   even) and EP2 (= DP2: the EP all-to-alls pair two replicas with different shares);
 - 4 ranks: TP2·EP2 (DP2; EP inside each TP pair) and EP2·ETP2 (DP4: EP across replicas again, and ETP's partial sums);
-- EP2 with `parallel.ep_overlap`: the policy-loss micro-batches in interleaved pairs, counted (each rank records the
-  units it interleaves), with fillers in a pair and alone (the second replica packs its share finer: `UNEVEN`).
+- EP2 with `parallel.ep_overlap`: every pass's micro-batches in interleaved pairs (the old and reference log-prob
+  passes forward only, then the policy loss), counted by pass (each rank records the units it interleaves), with
+  fillers in a pair and alone (the second replica packs its share finer: `UNEVEN`).
 In the first four the dataloader deals every replica equally many micro-batches (EP2 and TP2·EP2: 10 per step in
 "replay_kl", 3 in "packed"; EP2·ETP2: 5 and 2), so no rank adds filler micro-batches (`folded.with_fillers`): here
 fillers come only with the test-only `UNEVEN` key, in the `parallel.ep_overlap` layout.
@@ -22,7 +23,9 @@ Two scenarios each: "replay_kl" (one sample per micro-batch, recomputed old log-
 weights, KL to a reference model copied from the parallelized policy, the router's micro-batch aux loss and z-loss on:
 with TP the odd 9-token samples are padded by one token, which the routers leave out of both, see rl/folded.py) and
 "packed" (several samples per micro-batch, ratio against the rollout log-probs, no aux or z loss: the DP replicas
-pack other micro-batches than one process). Compared: every metric of every step, every weight after every
+pack other micro-batches than one process). The `parallel.ep_overlap` layouts run "packed_kl" for "packed": packed
+micro-batches with the recomputed old log-probs and the reference KL of "replay_kl", so an odd count of micro-batches
+and fillers go through the forward-only passes too. Compared: every metric of every step, every weight after every
 step, and exactly, each MoE layer's load (`Router.tokens_per_expert`, summed over the ranks) after both steps.
 Tolerance (fp32): 1e-5 relative L2 for weights, 1e-5 relative plus 1e-7 absolute for scalar metrics — the
 parallel sides sum in other orders (TP row-parallel partial sums, all-reduced softmax statistics), nothing more —
@@ -56,10 +59,13 @@ LAYOUTS = {2: [dict(tp=2), dict(ep=2)], 4: [dict(tp=2, ep=2), dict(ep=2, etp=2)]
 SCENARIOS = {
     "replay_kl": dict(micro_batch_tokens=1, recompute_logprobs=True, tis_cap=2.0, kl_coef=0.05),
     "packed": dict(micro_batch_tokens=40, recompute_logprobs=False, kl_coef=0.0),
+    "packed_kl": dict(micro_batch_tokens=40, recompute_logprobs=True, tis_cap=2.0, kl_coef=0.05),
 }
+BASE_SCENARIOS = ("replay_kl", "packed")  # what every layout runs; "packed_kl": the `parallel.ep_overlap` layouts
 # The router's losses of each scenario: on where both sides run the same micro-batches (one sample each), padded or not
 ROUTER_LOSSES = {"replay_kl": dict(aux_loss_coeff=1e-2, z_loss_coeff=1e-2),
-                 "packed": dict(aux_loss_coeff=0.0, z_loss_coeff=0.0)}
+                 "packed": dict(aux_loss_coeff=0.0, z_loss_coeff=0.0),
+                 "packed_kl": dict(aux_loss_coeff=0.0, z_loss_coeff=0.0)}
 
 
 # A test-only layout key: the last dp rank packs its share into micro-batches of half `rl.micro_batch_tokens` (where a
@@ -119,21 +125,33 @@ def _record_cuts(cuts: list[int]) -> None:
     step_module.cp_shard = recorded
 
 
-def _record_units(units: list[int]) -> None:
-    """Append the size of every unit of interleaved forwards (`parallel.ep_overlap`: 2 for a pair, 1 for a lone last
-    micro-batch) this rank's steps run to `units`."""
+def _record_units(units: list[tuple[str, int]]) -> None:
+    """Append (pass, size) of every unit of interleaved forwards (`parallel.ep_overlap`; size 2 for a pair, 1 for a
+    lone last micro-batch) this rank's steps run to `units`; pass: "old" and "ref" for the forward-only log-prob
+    passes of the policy and of the reference model (frozen: no trainable parameter), "loss" for the policy loss."""
     import services.trainer.parallel.micro_batch_pairs as pairs_module
+    import services.trainer.rl.step as step_module
 
-    interleave = pairs_module.interleave
+    interleave, logprobs = pairs_module.interleave, step_module.pipeline_logprobs
+    current = ["loss"]
 
     def recorded(stages, *args):
-        units.append(len(stages))
+        units.append((current[0], len(stages)))
         return interleave(stages, *args)
 
+    def labelled(model, *args, **kwargs):
+        current[0] = "old" if any(p.requires_grad for p in model.parameters()) else "ref"
+        try:
+            return logprobs(model, *args, **kwargs)
+        finally:
+            current[0] = "loss"
+
     pairs_module.interleave = recorded
+    step_module.pipeline_logprobs = labelled
 
 
-def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_dir: str) -> None:
+def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_dir: str,
+            scenarios: tuple[str, ...]) -> None:
     from services.trainer.parallel.expert_parallel import sync_expert_load
     from services.trainer.parallel.gather_weights import WeightGather
     from services.trainer.parallel.groups import init_groups
@@ -147,7 +165,7 @@ def _worker(rank: int, world: int, layouts: list[dict], steps: list[list], out_d
     _record_units(units)
     try:
         for layout in layouts:
-            for scenario in SCENARIOS:
+            for scenario in scenarios:
                 cuts.clear()
                 units.clear()
                 cfg = _config(layout, scenario)
@@ -187,15 +205,16 @@ def _close(a, b, metric: str = "") -> bool:
     return abs(a - b) <= ATOL_OF.get(metric, ATOL) + RTOL * abs(b) if b is not None else a is None
 
 
-def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir: str) -> list[dict]:
+def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir: str,
+                    scenarios: tuple[str, ...] = BASE_SCENARIOS) -> list[dict]:
     """Run `layouts` on `world` gloo ranks (`_worker`) and compare every rank's metrics and rank 0's gathered weights
-    with one process. Returns each rank's results by (str(layout), scenario): "metrics", "weights", "cuts" (the CP
-    group size of every micro-batch the rank ran, in order, over the steps) and "units" (the size of every unit of
-    interleaved forwards it ran, `parallel.ep_overlap`)."""
-    ranks = spawn_ranks(_worker, (world, layouts, steps, out_dir), world, out_dir, timeout_s=TIMEOUT_S)
-    refs = {scenario: _reference(scenario, steps) for scenario in SCENARIOS}
+    with one process, in each of `scenarios`. Returns each rank's results by (str(layout), scenario): "metrics",
+    "weights", "cuts" (the CP group size of every micro-batch the rank ran, in order, over the steps) and "units" (the
+    pass and size of every unit of interleaved forwards it ran, `parallel.ep_overlap`: `_record_units`)."""
+    ranks = spawn_ranks(_worker, (world, layouts, steps, out_dir, scenarios), world, out_dir, timeout_s=TIMEOUT_S)
+    refs = {scenario: _reference(scenario, steps) for scenario in scenarios}
     for layout in layouts:
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             ref = refs[scenario]
             key = (str(layout), scenario)
             for r, rank in enumerate(ranks):
@@ -211,9 +230,9 @@ def run_and_compare(world: int, layouts: list[dict], steps: list[list], out_dir:
             for r, rank in enumerate(ranks):  # the routers' load over both steps (fillers' and padding left out)
                 for layer, load in rank[key]["load"].items():
                     assert torch.equal(load, ref["load"][layer]), f"{key} rank {r}: layer {layer}'s load differs"
-            # the scenario exercises what it claims: clipping, and (replay_kl) a KL term and stale old log-probs
+            # the scenario exercises what it claims: clipping, and (with a reference) a KL term and stale old log-probs
             assert all(m["grad_norm"] > 0.05 for m in ref["metrics"])
-            if scenario == "replay_kl":
+            if SCENARIOS[scenario]["kl_coef"] > 0:
                 assert ref["metrics"][1]["kl"] > 0 and ref["metrics"][1]["logprob_mismatch"] > 1e-4
     return ranks
 
@@ -223,20 +242,28 @@ def test_folded_rl_steps_match_one_process_metrics_and_published_weights(world, 
     run_and_compare(world, LAYOUTS[world], steps, str(tmp_path))
 
 
-def test_ep2_with_ep_overlap_pairs_the_policy_loss_micro_batches_and_matches_one_process(steps, tmp_path):
-    """`parallel.ep_overlap` on EP2 (= DP2): each rank's policy-loss micro-batches go through interleaved pairs
-    (rl/pipelined.py), an odd last one alone, with every metric, every weight and the routers' load as one process's
-    within the module's tolerance. "replay_kl": 10 one-sample micro-batches per rank, five pairs per step; "packed": the
-    second rank packs its share finer (5 micro-batches to the first rank's 3), so the first pairs a micro-batch with a
-    filler and runs a lone filler, whose load must stay out while the other micro-batch's counts. The old and reference
-    log-prob passes stay unpaired."""
+# The units of interleaved forwards each rank runs per step under `parallel.ep_overlap` with `UNEVEN` packing, pass by
+# pass (`_record_units`), in EP2 and PP2·EP2 (tests/test_rl_pipeline.py): "replay_kl" has 10 one-sample micro-batches
+# per rank, five pairs in each pass; "packed_kl" 3 on the first rank and 5 on the second, so the first pairs a
+# micro-batch with a filler and runs a lone filler, in every pass.
+OVERLAP_SCENARIOS = ("replay_kl", "packed_kl")
+OVERLAP_UNITS = {"replay_kl": [("old", 2)] * 5 + [("ref", 2)] * 5 + [("loss", 2)] * 5,
+                 "packed_kl": [("old", 2), ("old", 2), ("old", 1), ("ref", 2), ("ref", 2), ("ref", 1),
+                               ("loss", 2), ("loss", 2), ("loss", 1)]}
+
+
+def test_ep2_with_ep_overlap_pairs_every_pass_s_micro_batches_and_matches_one_process(steps, tmp_path):
+    """`parallel.ep_overlap` on EP2 (= DP2): each rank's micro-batches go through interleaved pairs (rl/pipelined.py),
+    an odd last one alone, in the old and reference log-prob passes (forward only) and in the policy loss, with every
+    metric, every weight and the routers' load as one process's within the module's tolerance. The fillers pair in
+    every pass, as the EP peers' all-to-alls must; a filler's load must stay out while the other micro-batch counts."""
     layout = {"ep": 2, "ep_overlap": True, UNEVEN: True}
-    ranks = run_and_compare(2, [layout], steps, str(tmp_path))
-    want = {"replay_kl": [2] * 5 * len(steps), "packed": [2, 2, 1] * len(steps)}
-    for scenario in SCENARIOS:
+    ranks = run_and_compare(2, [layout], steps, str(tmp_path), OVERLAP_SCENARIOS)
+    for scenario in OVERLAP_SCENARIOS:
+        want = OVERLAP_UNITS[scenario] * len(steps)
         for r, rank in enumerate(ranks):
             units = rank[(str(layout), scenario)]["units"]
-            assert units == want[scenario], f"{scenario} rank {r}: interleaved units {units}, not {want[scenario]}"
+            assert units == want, f"{scenario} rank {r}: interleaved units {units}, not {want}"
 
 
 def test_rl_config_accepts_ep_overlap_with_expert_parallelism_whatever_grad_accum_says():

@@ -8,8 +8,9 @@ metric on every rank). Layouts, on the 3-layer tiny model (layer 0 dense, layers
 - 2 ranks: PP2 (the old/reference log-probs by forward-only pipeline passes, the policy loss in the last stage's 1F1B);
 - 4 ranks: PP2·TP2 (vocab-parallel log-probs and sequence-parallel padding on the last stage, hidden states split over
   TP between stages) and PP2·EP2 (DP2: each stage's EP all-to-alls pair two replicas, which the dataloader deals
-  equally many micro-batches, so neither adds fillers), and PP2·EP2 with `parallel.ep_overlap` (pairs as the 1F1B
-  units; the second replica packs its share finer, test_rl_folded.UNEVEN, so fillers run in them, through the pipeline).
+  equally many micro-batches, so neither adds fillers), and PP2·EP2 with `parallel.ep_overlap` (pairs as the units of
+  the forward-only log-prob passes and of the 1F1B policy loss; the second replica packs its share finer,
+  test_rl_folded.UNEVEN, so fillers run in them, through the pipeline).
 
 "replay_kl" has the reference model `frozen_copy`-ed from each rank's pipeline stage, and its old log-probs
 recomputed: a stage that replayed the wrong rows, or a reference that were not the same stage, would move the KL, the
@@ -25,7 +26,7 @@ from services.common.config import Config
 from services.trainer.rl.replay import owned_routing, routing_replay
 from services.trainer.rl.train_rl import validate_rl
 from tests.rl_helpers import tiny_model
-from tests.test_rl_folded import UNEVEN, run_and_compare
+from tests.test_rl_folded import OVERLAP_SCENARIOS, OVERLAP_UNITS, UNEVEN, run_and_compare
 from tests.test_rl_parallel import _steps
 
 LAYOUTS = {2: [dict(pp=2)], 4: [dict(pp=2, tp=2), dict(pp=2, ep=2)]}
@@ -41,14 +42,17 @@ def test_pipeline_rl_steps_match_one_process_metrics_and_published_weights(world
     run_and_compare(world, LAYOUTS[world], steps, str(tmp_path))
 
 
-def test_pp2_ep2_with_ep_overlap_moves_pairs_through_1f1b_and_matches_one_process(steps, tmp_path):
-    """`parallel.ep_overlap` under PP2·EP2 (DP2): the 1F1B schedule's units are pairs of policy-loss micro-batches on
-    both stages, fillers included (the second replica packs its share finer, test_rl_folded.UNEVEN)."""
+def test_pp2_ep2_with_ep_overlap_moves_pairs_through_every_pass_and_matches_one_process(steps, tmp_path):
+    """`parallel.ep_overlap` under PP2·EP2 (DP2): the units of the forward-only old and reference log-prob passes and
+    of the policy loss's 1F1B are pairs of micro-batches on both stages, fillers included (the second replica packs
+    its share finer, test_rl_folded.UNEVEN), an odd last one alone."""
     layout = {"pp": 2, "ep": 2, "ep_overlap": True, UNEVEN: True}
-    ranks = run_and_compare(4, [layout], steps, str(tmp_path))
-    want = {"replay_kl": [2] * 5 * len(steps), "packed": [2, 2, 1] * len(steps)}
-    for scenario, units in want.items():
-        assert all(rank[(str(layout), scenario)]["units"] == units for rank in ranks), scenario
+    ranks = run_and_compare(4, [layout], steps, str(tmp_path), OVERLAP_SCENARIOS)
+    for scenario in OVERLAP_SCENARIOS:
+        want = OVERLAP_UNITS[scenario] * len(steps)
+        for r, rank in enumerate(ranks):
+            units = rank[(str(layout), scenario)]["units"]
+            assert units == want, f"{scenario} rank {r}: interleaved units {units}, not {want}"
 
 
 def test_a_stage_replays_the_recorded_rows_of_its_own_moe_layers():

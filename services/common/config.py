@@ -181,8 +181,9 @@ class ParallelConfig:
     ep_overlap: bool = False  # micro-batches in pairs, interleaved layer by layer, so one's expert all-to-alls are in
     #                           flight while the other computes (parallel/micro_batch_pairs.py); two micro-batches'
     #                           activations alive at once (per pipeline stage: pairs are the 1F1B schedule's units);
-    #                           RL pairs its policy-loss passes (rl/pipelined.py); needs ep > 1 and (pre-training)
-    #                           data.grad_accum >= 2; not with recompute/offload of 'norm'/'moe'/'layer'
+    #                           RL pairs its policy-loss passes and its old/reference log-prob passes, forward only
+    #                           (rl/pipelined.py); needs ep > 1 and (pre-training) data.grad_accum >= 2; not with
+    #                           recompute/offload of 'norm'/'moe'/'layer'
 
 
 @dataclass

@@ -21,8 +21,10 @@ goes through each of the stage's chunks together).
 The step is the same as without pairing: each micro-batch keeps its own routing, aux statistics and loss, and
 gradients are summed. The price is two micro-batches' activations alive at once. An odd last micro-batch runs alone.
 
-Pre-training (`pipeline.forward_backward_pipeline`) and the RL policy loss (rl/pipelined.py `pipeline_policy_backward`,
-with its replayed routing rebound at every switch: rl/folded.py `PolicyBinding`) both pair through `pair_forward`.
+Pre-training (`pipeline.forward_backward_pipeline`) and RL (rl/pipelined.py: the policy loss's
+`pipeline_policy_backward`, and the old and reference log-probs' forward-only `pipeline_logprobs`, which pair the same
+micro-batches with no backward; each one's replayed routing rebound at every switch: rl/folded.py `PolicyBinding`)
+pair through `pair_forward`.
 """
 
 from __future__ import annotations

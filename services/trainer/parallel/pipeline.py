@@ -311,22 +311,30 @@ def one_f_one_b(stage_forward: StageForward, link: StageLink, step_tokens: int |
     return run.loss
 
 
-def forward_only(stage_forward: StageForward, link: StageLink) -> list[torch.Tensor | None]:
+def forward_only(stage_forward: StageForward, link: StageLink, unit_forward: UnitForward | None = None,
+                 unit_size: int = 1) -> list[torch.Tensor | None]:
     """Every micro-batch of `link.tokens` forward through the pipeline, in order, without autograd: the last stage's
-    outputs of `stage_forward` (e.g. per-token log-probs), None on the other stages. Nothing is kept for a backward, so
-    no stage holds more than one micro-batch's activations. With virtual stages, `interleaved_forward_only`."""
+    outputs of `stage_forward` (e.g. per-token log-probs), None on the other stages. Units of `unit_size` consecutive
+    micro-batches move as in `one_f_one_b` (with a `unit_forward` that interleaves a pair's forwards,
+    `parallel.ep_overlap`). Nothing is kept for a backward, so no stage holds more than one unit's activations. With
+    virtual stages, `interleaved_forward_only`."""
+    if unit_forward is None:
+        unit_forward = lambda unit, hiddens, chunk: [stage_forward(i, h, chunk)  # noqa: E731
+                                                     for i, h in zip(unit, hiddens)]
+    M = len(link.tokens)
+    units = [list(range(i, min(i + unit_size, M))) for i in range(0, M, unit_size)]
     if link.virtual > 1:
-        return interleaved_forward_only(stage_forward, link)
-    outs: list[torch.Tensor | None] = []
+        return interleaved_forward_only(unit_forward, link, units)
+    outs: list[torch.Tensor | None] = [None] * M
     with torch.no_grad():
-        for i in range(len(link.tokens)):
-            received = link.recv_forward([i])
-            out = stage_forward(i, received[0] if received is not None else None, 0)
+        for unit in units:
+            received = link.recv_forward(unit)
+            results = unit_forward(unit, received if received is not None else [None] * len(unit), 0)
             if link.last:
-                outs.append(out)
+                for i, out in zip(unit, results, strict=True):
+                    outs[i] = out
             else:
-                link.send_forward([out.contiguous()])
-                outs.append(None)
+                link.send_forward([out.contiguous() for out in results])
     return outs
 
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from services.trainer.parallel.pipeline import StageForward, StageLink, _StageRunner
+    from services.trainer.parallel.pipeline import StageLink, UnitForward, _StageRunner
 
 
 @dataclass(frozen=True)
@@ -159,21 +159,23 @@ def interleaved_forward_backward(run: _StageRunner, link: StageLink, units: list
         _exchange(link, tick, units, outputs, inbox)
 
 
-def interleaved_forward_only(stage_forward: StageForward, link: StageLink) -> list[torch.Tensor | None]:
-    """`pipeline.forward_only` with virtual stages: every micro-batch forward through every chunk without autograd, in
-    the interleaved order; the model's last chunk's outputs on the last rank, None elsewhere."""
-    units = [[i] for i in range(len(link.tokens))]
-    outs: list[torch.Tensor | None] = [None] * len(units)
+def interleaved_forward_only(unit_forward: UnitForward, link: StageLink, units: list[list[int]]
+                             ) -> list[torch.Tensor | None]:
+    """`pipeline.forward_only` with virtual stages: every unit (a micro-batch, or a pair under `parallel.ep_overlap`)
+    forward through every chunk without autograd, in the interleaved order; the model's last chunk's outputs on the
+    last rank, by micro-batch, None elsewhere."""
+    outs: list[torch.Tensor | None] = [None] * len(link.tokens)
     inbox: dict[Work, list[torch.Tensor]] = {}
     with torch.no_grad():
         for tick in plan(link.size, link.virtual, len(units), backward=False)[link.rank]:
             outputs = {}
             for w in tick.work:
-                (hidden,) = inbox.pop(w, [None])
-                out = stage_forward(w.unit, hidden, w.chunk)
+                unit = units[w.unit]
+                results = unit_forward(unit, inbox.pop(w, [None] * len(unit)), w.chunk)
                 if link.holds_loss(w.chunk):
-                    outs[w.unit] = out
+                    for i, out in zip(unit, results, strict=True):
+                        outs[i] = out
                 else:
-                    outputs[w] = [out.contiguous()]
+                    outputs[w] = [out.contiguous() for out in results]
             _exchange(link, tick, units, outputs, inbox)
     return outs

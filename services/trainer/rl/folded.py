@@ -19,9 +19,10 @@ What changes against one process, and why:
 - **Equal forward counts**: when an EP group spans different DP replicas, its all-to-alls pair the ranks' forwards, so
   every rank must run as many micro-batches as the busiest one; the others add *filler* micro-batches (one token per SP
   rank, no response token, aux loss off, load restored), whose gradient is exactly zero.
-- **EP overlap** (`parallel.ep_overlap`): the policy-loss micro-batches, fillers included, go in pairs whose forwards
-  take turns layer by layer (rl/pipelined.py, as pre-training's parallel/micro_batch_pairs.py); the state a policy
-  forward sets on the modules is rebound at every switch (`PolicyBinding`).
+- **EP overlap** (`parallel.ep_overlap`): every pass's micro-batches, fillers included, go in pairs whose forwards
+  take turns layer by layer (rl/pipelined.py, as pre-training's parallel/micro_batch_pairs.py): the policy loss's, and
+  forward only, the old and reference log-probs' (the reference, `frozen_copy`, binds its own modules); the state a
+  policy forward sets on the modules is rebound at every switch (`PolicyBinding`).
 - **Pipeline parallelism** runs the policy forward of each micro-batch through the pre-training schedules
   (rl/pipelined.py): forward-only passes for the old and reference log-probs, which stay on the last stage, then 1F1B
   with the policy loss as the last stage's loss. Each stage's MoE layers replay the recorded rows of their own layer ids
@@ -56,7 +57,7 @@ from torch import nn
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.parallel.context_parallel import bind_layout, is_context_parallel
 from services.trainer.parallel.differentiable import group_size, local_token_shard
-from services.trainer.parallel.groups import ATTENTION_AXES, ParallelGroups, coordinates, rank_layout, single_process
+from services.trainer.parallel.groups import ParallelGroups, ep_spans_replicas, single_process
 from services.trainer.parallel.tensor_parallel import VocabParallelCrossEntropy, vocab_parallel_token_logprobs
 from services.trainer.rl.replay import owned_routing, recorded_moe_layers
 
@@ -90,16 +91,9 @@ def frozen_copy(model: nn.Module, groups: ParallelGroups | None = None) -> nn.Mo
 # ---------------------------------------------------------------- equal forward counts across an EP group
 
 
-def _ep_spans_replicas(groups: ParallelGroups) -> bool:
-    """Whether some EP×ETP group holds ranks of different DP replicas (a layout property: the same on all ranks)."""
-    layout = groups.layout
-    dp_of = [coordinates(layout, r, ATTENTION_AXES)["dp"] for r in range(layout.world)]
-    return any(len({dp_of[r] for r in members}) > 1 for members in rank_layout(layout)["ep_etp"])
-
-
 def with_fillers(micro_batches: list, model: nn.Module, groups: ParallelGroups, device: torch.device) -> list:
     """`micro_batches` plus fillers up to the largest count over the world, when EP pairs different replicas."""
-    if groups.world.size == 1 or not _ep_spans_replicas(groups):
+    if groups.world.size == 1 or not ep_spans_replicas(groups.layout):
         return micro_batches
     count = torch.tensor([len(micro_batches)], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=groups.world.group)

@@ -8,15 +8,19 @@ virtual stages, `parallel.pp_virtual`, each forward runs one of the stage's chun
 interleaved ones). The last stage turns its logits into per-token log-probs under the rollout temperature
 (vocab-parallel under TP):
 
-- `pipeline_logprobs`: forward only (`pipeline.forward_only`, no autograd), for the old and reference log-probs. They
-  stay on the last stage: only its loss reads them.
+- `pipeline_logprobs`: forward only (`pipeline.forward_only`, no autograd), for the old and reference log-probs (the
+  reference model, `folded.frozen_copy` of the stage, runs it like the policy). They stay on the last stage: only its
+  loss reads them.
 - `pipeline_policy_backward`: 1F1B (`pipeline.one_f_one_b`) with the caller's policy loss of a micro-batch's log-probs
   as the last stage's loss (the schedule divides it by the step's response tokens before its backward). With `pairs`
   (`parallel.ep_overlap`) the schedule's units are pairs of micro-batches whose policy forwards run interleaved
   (parallel/micro_batch_pairs.py `pair_forward`, each one's replayed routing rebound at every switch:
   folded.PolicyBinding), one backward per pair, as in pre-training; an odd last micro-batch runs alone. Without
-  pipeline stages this is plain accumulation over the pairs (one stage, as pre-training runs it). The forward-only
-  passes are not paired: with no backward to share, they run one micro-batch at a time.
+  pipeline stages this is plain accumulation over the pairs (one stage, as pre-training runs it).
+
+With `pairs` the forward-only passes go in the same pairs (`pipeline.forward_only` moves them as its units), with no
+backward: every pass, fillers included, then runs its micro-batches' expert all-to-alls in the same pairs on every
+rank of an EP group, and each pair's transfers travel while the other micro-batch computes, as in the policy-loss pass.
 
 The policy loss and its metric sums therefore exist on the last stage only; `rl_step` sums them over the pp group (the
 other stages hold zeros), so every rank reports the same metrics.
@@ -70,7 +74,7 @@ def _pair_forward(model: nn.Module, inputs: list[PolicyInput], link: StageLink, 
                                layers=link.chunks[chunk], staged=True)
         if not link.holds_loss(chunk):
             return out
-        with torch.autocast(p.tokens.device.type, enabled=False):  # as unpaired: the loss outside autocast
+        with torch.autocast(p.tokens.device.type, enabled=False):  # as unpaired: the log-probs outside autocast
             return last_stage(i, out)
 
     def autocast():
@@ -89,13 +93,17 @@ def _pair_forward(model: nn.Module, inputs: list[PolicyInput], link: StageLink, 
 
 
 def pipeline_logprobs(model: nn.Module, micro_batches: list, temperature: float, autocast_dtype: torch.dtype | None,
-                      layout: ParallelGroups) -> list[torch.Tensor | None]:
+                      layout: ParallelGroups, pairs: bool = False) -> list[torch.Tensor | None]:
     """`step.token_logprobs` of every micro-batch through the pipeline, without gradients: [T] fp32 on the last stage
-    (on each of its TP ranks), None on the other stages. Every stage of the pp group must call it."""
+    (on each of its TP ranks), None on the other stages. With `pairs`, micro-batches go two at a time, interleaved
+    (module docstring). Every stage of the pp group must call it."""
     inputs, link = _stage(model, micro_batches, layout)
-    fwd = _stage_forward(model, inputs, link, autocast_dtype,
-                         lambda i, logits: logits_to_logprobs(model, logits, inputs[i], temperature))
-    return forward_only(fwd, link)
+    logprobs = lambda i, logits: logits_to_logprobs(model, logits, inputs[i], temperature)  # noqa: E731
+    fwd = _stage_forward(model, inputs, link, autocast_dtype, logprobs)
+    if not pairs:
+        return forward_only(fwd, link)
+    return forward_only(fwd, link, unit_forward=_pair_forward(model, inputs, link, autocast_dtype, logprobs),
+                        unit_size=2)
 
 
 def pipeline_policy_backward(model: nn.Module, micro_batches: list, policy_loss: Callable[[int, torch.Tensor], Any],

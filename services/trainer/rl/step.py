@@ -158,7 +158,7 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
     the loss sums are all-reduced over DP×CP and the dense gradients summed there. With `ep_overlap`
     (`parallel.ep_overlap`) the policy-loss micro-batches (fillers included) go in pairs as in pre-training, each pair's
     forwards interleaved so one's expert all-to-alls travel while the other computes, one backward per pair
-    (rl/pipelined.py); the old and reference log-prob passes still run one micro-batch at a time.
+    (rl/pipelined.py); the old and reference log-prob passes go in the same pairs, forward only.
     The result equals one process running every rank's micro-batches (tests/test_rl_parallel.py, test_rl_folded.py,
     test_rl_pipeline.py, test_rl_cp.py).
     The MoE aux loss, if the model is in training mode, is a per-micro-batch term here as in one process (each
@@ -179,9 +179,9 @@ def rl_step(model: nn.Module, optimizer: Any, data: list[dict[str, torch.Tensor]
         old, ref = [None] * len(micro_batches), [None] * len(micro_batches)
         with torch.no_grad():
             if cfg.recompute_logprobs:
-                old = _all_logprobs(model, micro_batches, temperature, autocast_dtype, layout)
+                old = _all_logprobs(model, micro_batches, temperature, autocast_dtype, layout, ep_overlap)
             if ref_model is not None and cfg.kl_coef > 0:
-                ref = _all_logprobs(ref_model, micro_batches, temperature, autocast_dtype, layout)
+                ref = _all_logprobs(ref_model, micro_batches, temperature, autocast_dtype, layout, ep_overlap)
 
         if distributed:
             optimizer.zero_grad()
@@ -307,8 +307,9 @@ def _loss_sums(terms: PolicyLoss) -> torch.Tensor:
 
 
 def _all_logprobs(model: nn.Module, micro_batches: list[RLMicroBatch], temperature: float,
-                  autocast_dtype: torch.dtype | None, layout: ParallelGroups) -> list[torch.Tensor | None]:
-    """`token_logprobs` of every micro-batch; through the pipeline when pp > 1 (then on its last stage only)."""
-    if layout.pp.size > 1:
-        return pipeline_logprobs(model, micro_batches, temperature, autocast_dtype, layout)
+                  autocast_dtype: torch.dtype | None, layout: ParallelGroups, pairs: bool) -> list[torch.Tensor | None]:
+    """`token_logprobs` of every micro-batch; through the pipeline when pp > 1 (then on its last stage only) or in
+    pairs (`parallel.ep_overlap`: the policy-loss pass's pairs, forward only)."""
+    if layout.pp.size > 1 or pairs:
+        return pipeline_logprobs(model, micro_batches, temperature, autocast_dtype, layout, pairs)
     return [token_logprobs(model, mb, temperature, autocast_dtype) for mb in micro_batches]
