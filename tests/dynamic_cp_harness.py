@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallel_harness import TIMEOUT_S, _gather_full, spawn_ranks
+from parallel_harness import TIMEOUT_S, _gather_full, _memory_policy, spawn_ranks
 from services.common.config import Config
 from services.trainer.model.transformer import MoETransformer
 
@@ -31,6 +31,7 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
         model = MoETransformer(cfg.model)
         model.init_weights(seed)
         parallelize(model, cfg, groups)
+        _memory_policy(model, cfg)  # after parallelization, as train.py applies it
         opt = build_optimizer(model, cfg, groups)
         named = dict(model.named_parameters())
         losses, mtp_losses, grads, norms = [], [], [], []

@@ -14,6 +14,7 @@ import torch
 from services.common.config import ModelConfig
 from services.trainer.model.initial_weights import materialize, parameters_on_meta
 from services.trainer.model.moe.router import Router
+from services.trainer.model.recompute import apply_memory_policy
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.parallel.context_parallel import (CPLayout, ContextParallelAttention, apply_context_parallel,
                                                         bind_layout)
@@ -32,30 +33,35 @@ def layout() -> CPLayout:
     return CPLayout(GROUP, 0, 2, torch.zeros(16, dtype=torch.int64))
 
 
-def cp_model(stage: tuple[int, int] | None) -> MoETransformer:
+def cp_model(stage: tuple[int, int] | None, recompute: list[str] = ()) -> MoETransformer:
     """Built as the trainer builds it (train.py `build_model`, parallelize.py): on the meta device, cut to the pipeline
-    stage, the cores swapped in last, then given memory."""
+    stage, the cores swapped in last, then given memory; then the memory policy (`model.recompute`), as train.py
+    applies it."""
     with parameters_on_meta():
         model = MoETransformer(cfg())
     if stage is not None:
         keep_stage(model, *stage, seq_len=32)
     apply_context_parallel(model)
     materialize(model, CPU)
-    return model
+    return apply_memory_policy(model, list(recompute), [])
 
 
 def walk(model: torch.nn.Module, kind: type) -> list:
     return [m for m in model.modules() if isinstance(m, kind)]
 
 
+@pytest.mark.parametrize("recompute", [[], ["attn_core"]], ids=["kept", "recomputed-core"])
 @pytest.mark.parametrize("stage", [None, (2, 0), (2, 1)], ids=["whole", "first-stage", "last-stage"])
-def test_binding_reaches_exactly_the_cores_and_routers_a_walk_finds_and_unbinding_restores_them(stage):
-    model = cp_model(stage)
+def test_binding_reaches_exactly_the_cores_and_routers_a_walk_finds_and_unbinding_restores_them(stage, recompute):
+    """Recomputing the core (`model.recompute: [attn_core]`, applied after the cores are swapped in) keeps each core
+    where it is: the list still holds the cores the model runs."""
+    model = cp_model(stage, recompute)
     cores, routers = walk(model, ContextParallelAttention), walk(model, Router)
     assert len(cores) == len(model.layers) + (len(model.mtp) if model.mtp is not None else 0) > 0
     assert len(routers) == sum(block.is_moe for block in model.layers.values()) + (
         len(model.mtp) if model.mtp is not None else 0)
     assert {id(m) for m in model.cp_modules.cores} == {id(m) for m in cores}
+    assert {id(block.attn.core) for block in model.layers.values()} <= {id(m) for m in cores}
     assert {id(m) for m in model.cp_modules.routers} == {id(m) for m in routers}
     bound = layout()
     bind_layout(model, bound, CPU)
@@ -84,6 +90,14 @@ def test_an_uncut_micro_batch_takes_the_folded_forward_on_a_context_parallel_mod
     model = cp_model((2, 1))
     assert needs_folded_forward(model, uncut) and needs_folded_forward(frozen_copy(model), uncut)
     assert not needs_folded_forward(MoETransformer(cfg()), uncut)
+
+
+def test_context_parallelism_after_the_memory_policy_is_refused():
+    """Swapping the cores would drop the recompute wrapped around the single-device ones; the order is parallelize,
+    then the policy (train.py)."""
+    model = apply_memory_policy(MoETransformer(cfg()), ["attn_core"], [])
+    with pytest.raises(RuntimeError, match="parallelize first, then apply the policy"):
+        apply_context_parallel(model)
 
 
 def test_a_model_without_context_parallelism_binds_nothing_and_refuses_a_cut_micro_batch():

@@ -11,7 +11,9 @@ Two ways to recompute, by what a module's output is used for:
 - whole modules ("attn_core", "moe", "layer"): `torch.utils.checkpoint` (non-reentrant). Only the inputs are kept; the
   forward runs again in backward. Side effects that must happen once per step (the router's load count) ask
   `in_recompute()`; values computed from state that later forwards change (the global aux loss's step counts) are
-  taken again from the forward being repeated, `same_as_forward`.
+  taken again from the forward being repeated, `same_as_forward`. Context parallelism's attention core is a module
+  that reads its micro-batch's layout (bound per micro-batch; by backward another micro-batch's may be bound: pairs,
+  1F1B): its `attend`, which takes the layout read at forward as an argument, is what "attn_core" checkpoints.
 - modules whose *output* is what costs memory ("norm", "moe_act", "moe_fc1", "moe_dispatch"): checkpointing them alone
   saves nothing, because the next op (a projection) keeps that output for its own backward. So the output is also
   *discarded from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved
@@ -217,6 +219,16 @@ def _recomputed_norm(norm: nn.Module) -> Callable:
     return run
 
 
+def _recompute_core(attn: nn.Module) -> None:
+    """Checkpoint `attn.core`: a function (the single-device core) is wrapped in place; a module (context
+    parallelism's) keeps its place among the model's modules (`model.cp_modules` lists it) and has its `attend`, the
+    core given the per-micro-batch state its forward reads, wrapped instead."""
+    if isinstance(attn.core, nn.Module):
+        attn.core.attend = checkpointed(attn.core.attend)
+    else:
+        attn.core = checkpointed(attn.core)
+
+
 def apply_memory_policy(model: nn.Module, recompute: list[str], offload: list[str],
                         recompute_layers: list[int] | None = None, offload_layers: list[int] | None = None) -> nn.Module:
     """Apply `model.recompute` and `model.offload` (validated by the config) to the decoder blocks of `model`: to those
@@ -232,7 +244,7 @@ def apply_memory_policy(model: nn.Module, recompute: list[str], offload: list[st
             for norm in (block.attn_norm, block.mlp_norm):
                 norm.forward = _recomputed_norm(norm)
         if "attn_core" in rec:
-            block.attn.core = checkpointed(block.attn.core)
+            _recompute_core(block.attn)
         if isinstance(block.mlp, MoELayer):
             block.mlp.experts.recompute_activation = "moe_act" in rec
             block.mlp.experts.recompute_fc1 = "moe_fc1" in rec

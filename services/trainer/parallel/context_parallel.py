@@ -436,30 +436,39 @@ def _allgather_attention(q, k, v, layout: CPLayout) -> torch.Tensor:
 # ---------------------------------------------------------------- the swapped-in core
 
 
+def attend(q, k, v, cu_seqlens, max_seqlen, layout: CPLayout | None) -> torch.Tensor:
+    """Attention of this rank's queries over the micro-batch cut by `layout` (None or size 1: not cut, local attention).
+    Reads nothing but its arguments, so a recompute in backward repeats exactly the forward it stands for."""
+    if layout is None or layout.size == 1:
+        return packed_causal_attention(q, k, v, cu_seqlens, max_seqlen)
+    if layout.total != layout.size * q.shape[0]:
+        raise RuntimeError(f"attention got {q.shape[0]} tokens but the bound CP layout gives this rank "
+                           f"{layout.total // layout.size}; call bind_micro_batch with the micro-batch being run")
+    if layout.comm == "allgather":
+        return _allgather_attention(q, k, v, layout)
+    if _flash_runs(q.device, q.dtype, q.shape[-1], v.shape[-1]):
+        return _BlockRingAttention.apply(q, k, v, layout, FLASH_BLOCKS)
+    return _RingAttention.apply(q, k, v, layout)
+
+
 class ContextParallelAttention(nn.Module):
     """Attention core with `packed_causal_attention`'s signature; the micro-batch's layout is bound before forward.
 
     The layout is per micro-batch state (like the router's replay ids) because the model's forward signature is the
     single-device one; `bind_micro_batch` sets it, and the ring's autograd Function keeps its own copy for backward, so
-    several micro-batches may be in flight (pipeline schedules).
+    several micro-batches may be in flight (pipeline schedules). Forward reads the layout once and hands it to
+    `self.attend` (`attend`): `model.recompute: [attn_core]` checkpoints that (recompute.py), so the recompute in
+    backward gets the layout of the forward it repeats as an argument, not the one bound by then (another
+    micro-batch's, under pairs or 1F1B).
     """
 
     def __init__(self):
         super().__init__()
         self.layout: CPLayout | None = None
+        self.attend = attend
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen=None):
-        layout = self.layout
-        if layout is None or layout.size == 1:
-            return packed_causal_attention(q, k, v, cu_seqlens, max_seqlen)
-        if layout.total != layout.size * q.shape[0]:
-            raise RuntimeError(f"attention got {q.shape[0]} tokens but the bound CP layout gives this rank "
-                               f"{layout.total // layout.size}; call bind_micro_batch with the micro-batch being run")
-        if layout.comm == "allgather":
-            return _allgather_attention(q, k, v, layout)
-        if _flash_runs(q.device, q.dtype, q.shape[-1], v.shape[-1]):
-            return _BlockRingAttention.apply(q, k, v, layout, FLASH_BLOCKS)
-        return _RingAttention.apply(q, k, v, layout)
+        return self.attend(q, k, v, cu_seqlens, max_seqlen, self.layout)
 
 
 @dataclass(frozen=True)
@@ -482,6 +491,9 @@ def apply_context_parallel(model: nn.Module) -> nn.Module:
     and list what binding a layout sets on the model (`CPModules`)."""
     for module in model.modules():
         if isinstance(module, PackedAttention):
+            if hasattr(module.core, "__wrapped__"):  # recompute.checkpointed: swapping the core would drop it
+                raise RuntimeError("apply_context_parallel after the memory policy: the attention cores are already "
+                                   "wrapped (model.recompute 'attn_core'); parallelize first, then apply the policy")
             module.core = ContextParallelAttention()
     model.cp_modules = CPModules(tuple(m for m in model.modules() if isinstance(m, ContextParallelAttention)),
                                  tuple(m for m in model.modules() if isinstance(m, Router)))
