@@ -47,6 +47,17 @@ def test_cp2_recomputed_attention_core_uses_its_own_micro_batchs_layout_in_backw
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
 
 
+@pytest.mark.parametrize("recompute", [["attn_core"], ["layer"]])
+def test_pp2_cp2_recompute_in_1f1b_uses_the_layout_of_the_micro_batch_it_repeats(tmp_path, recompute):
+    """1F1B on PP2: the first stage runs the second micro-batch's forward (binding its layout) before the first one's
+    backward, which recomputes the first one's attention core, or its whole decoder blocks ("layer", where the core's
+    forward itself runs again)."""
+    cfg = cp_config(pp=2, cp=2)
+    cfg.model.recompute = recompute
+    batches = make_batches(cfg.model, steps=2, micro=2, tokens=32, seed=21)
+    assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=4, out_dir=str(tmp_path)))
+
+
 def test_dynamic_cp_recomputed_attention_core_uses_its_own_micro_batchs_group_in_backward(tmp_path):
     """Sizes [2, 1, 1] on CP2: each rank runs the size-2 micro-batch (cut over both ranks, ring) paired with one
     size-1 micro-batch of its own (not cut, local attention), which is bound when the pair's backward starts."""

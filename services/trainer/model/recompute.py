@@ -13,7 +13,8 @@ Two ways to recompute, by what a module's output is used for:
   `in_recompute()`; values computed from state that later forwards change (the global aux loss's step counts) are
   taken again from the forward being repeated, `same_as_forward`. Context parallelism's attention core is a module
   that reads its micro-batch's layout (bound per micro-batch; by backward another micro-batch's may be bound: pairs,
-  1F1B): its `attend`, which takes the layout read at forward as an argument, is what "attn_core" checkpoints.
+  1F1B): its `attend`, which takes the layout read at forward as an argument, is what "attn_core" checkpoints, and
+  inside a recomputed "layer" the core reads the layout through `same_as_forward`.
 - modules whose *output* is what costs memory ("norm", "moe_act", "moe_fc1", "moe_dispatch"): checkpointing them alone
   saves nothing, because the next op (a projection) keeps that output for its own backward. So the output is also
   *discarded from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved
@@ -79,7 +80,8 @@ def same_as_forward(key: object, compute: Callable[[], Any]) -> Any:
     """`compute()`, except inside a recompute, where it is what `compute()` returned on the forward being repeated.
 
     For values that read state the forward also changed (the global aux loss's step statistics: computing them again
-    would count the micro-batch twice and see later micro-batches' counts). `key`: the calling module. Kept in every
+    would count the micro-batch twice and see later micro-batches' counts; the context-parallel core's bound layout:
+    by backward another micro-batch's is bound). `key`: the calling module, or (module, name). Kept in every
     checkpointed call running, so a nested checkpoint, first run inside an outer recompute, finds the value too."""
     memos = _MEMOS.get()
     if in_recompute():

@@ -34,6 +34,7 @@ from services.dataloader.cp_sizing import attention_cost, segment_lengths
 from services.trainer.model.attention import PackedAttention, document_ids, packed_causal_attention
 from services.trainer.model.flash_varlen import causal_gqa
 from services.trainer.model.moe.router import Router
+from services.trainer.model.recompute import same_as_forward
 from services.trainer.model.mtp import future_labels
 from services.trainer.parallel import ring_blocks
 from services.trainer.parallel.differentiable import gather_tokens
@@ -456,10 +457,11 @@ class ContextParallelAttention(nn.Module):
 
     The layout is per micro-batch state (like the router's replay ids) because the model's forward signature is the
     single-device one; `bind_micro_batch` sets it, and the ring's autograd Function keeps its own copy for backward, so
-    several micro-batches may be in flight (pipeline schedules). Forward reads the layout once and hands it to
-    `self.attend` (`attend`): `model.recompute: [attn_core]` checkpoints that (recompute.py), so the recompute in
-    backward gets the layout of the forward it repeats as an argument, not the one bound by then (another
-    micro-batch's, under pairs or 1F1B).
+    several micro-batches may be in flight (pipeline schedules). A recompute in backward must see the layout of the
+    forward it repeats, not the one bound by then (another micro-batch's, under pairs or 1F1B): forward reads the
+    layout once and hands it to `self.attend` (`attend`), which `model.recompute: [attn_core]` checkpoints
+    (recompute.py); inside a recomputed block ("layer"), forward itself runs again and takes the layout its first run
+    read (`same_as_forward`).
     """
 
     def __init__(self):
@@ -468,7 +470,8 @@ class ContextParallelAttention(nn.Module):
         self.attend = attend
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen=None):
-        return self.attend(q, k, v, cu_seqlens, max_seqlen, self.layout)
+        layout = same_as_forward((self, "layout"), lambda: self.layout)
+        return self.attend(q, k, v, cu_seqlens, max_seqlen, layout)
 
 
 @dataclass(frozen=True)
