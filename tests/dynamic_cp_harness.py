@@ -52,5 +52,14 @@ def _worker(rank: int, world: int, cfg: Config, batches, out_dir: str, seed: int
 
 
 def run_dynamic_cp(cfg: Config, batches: list[list[dict]], world: int, out_dir: str, seed: int = 7) -> dict:
-    # Losses are all-reduced and gradients/parameters gathered on every rank: rank 0 holds the whole picture.
-    return spawn_ranks(_worker, (world, cfg, batches, out_dir, seed), world, out_dir)[0]
+    # Losses are all-reduced over every rank; gradients and parameters are gathered at full shape on every rank of a
+    # pipeline stage: merged over the stages here (with one stage, rank 0 holds the whole picture).
+    results = spawn_ranks(_worker, (world, cfg, batches, out_dir, seed), world, out_dir)
+    merged = {**results[0], "grads": [{} for _ in batches], "params": {}}
+    for r in results:
+        for step, grads in enumerate(r["grads"]):
+            for name, g in grads.items():
+                merged["grads"][step].setdefault(name, g)
+        for name, p in r["params"].items():
+            merged["params"].setdefault(name, p)
+    return merged

@@ -1,11 +1,13 @@
-"""`model.recompute: [attn_core]` under context parallelism: the context-parallel core is recomputed in backward with
-the layout of the micro-batch whose forward it repeats, whatever layout is bound when backward runs.
+"""`model.recompute: [attn_core]` (and `[layer]`) under context parallelism: the context-parallel core is recomputed in
+backward with the layout of the micro-batch whose forward it repeats, whatever layout is bound when backward runs.
 
 The parity runs pair micro-batches (`parallel.ep_overlap`, EP over the CP ranks): both forwards of a pair run before
-their one backward, so when backward recomputes the first one's core the second one's layout is bound. The two
-micro-batches of a pair hold other documents (and, under dynamic CP, one is cut over 2 ranks and the other not cut at
-all): a recompute that read the bound layout would attend over the wrong documents, or locally, and its gradients
-would not be the single process's. Tolerances as every CP parity test (harness: 1e-5 relative L2, fp32).
+their one backward, so when backward recomputes the first one's core the second one's layout is bound; or run 1F1B on
+two pipeline stages, where the first stage runs the next micro-batch's forward before a backward. The micro-batches
+hold other documents (and, under dynamic CP, one is cut over 2 ranks and the other not cut at all): a recompute that
+read the bound layout would attend over the wrong documents, or locally, and its gradients would not be the single
+process's. Tolerances as every CP parity test (harness: 1e-5 relative L2, fp32). The last test shows what recomputing
+the core frees: everything it made in forward, until backward.
 """
 
 from __future__ import annotations
@@ -67,6 +69,19 @@ def test_dynamic_cp_recomputed_attention_core_uses_its_own_micro_batchs_group_in
         for mb, size in zip(mbs, (2, 1, 1)):
             mb["cp_size"] = torch.tensor(size)
     assert_parity(run_reference(cfg, batches), run_dynamic_cp(cfg, batches, world=2, out_dir=str(tmp_path)))
+
+
+def test_pp2_dynamic_cp_recomputed_blocks_use_the_cp_group_of_the_micro_batch_they_repeat(tmp_path):
+    """PP2 x CP2, sizes [2, 1, 1]: each first-stage rank runs the size-2 micro-batch's forward, then its own size-1
+    one's (not cut: no CP group bound), then the size-2 one's backward, which recomputes its blocks ("layer"): the
+    routers' micro-batch aux and z-loss statistics must still sum over the CP group its forward summed over."""
+    cfg = cp_config(pp=2, cp=2, cp_sizes=[1, 2], cp_comm="ring")
+    cfg.model.num_layers, cfg.model.recompute = 4, ["layer"]  # the first stage: a dense and a MoE layer
+    batches = make_batches(cfg.model, steps=2, micro=3, tokens=32, seed=23)
+    for mbs in batches:
+        for mb, size in zip(mbs, (2, 1, 1)):
+            mb["cp_size"] = torch.tensor(size)
+    assert_parity(run_reference(cfg, batches), run_dynamic_cp(cfg, batches, world=4, out_dir=str(tmp_path)))
 
 
 # ---------------------------------------------------------------- what the recomputed core keeps

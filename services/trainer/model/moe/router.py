@@ -157,7 +157,10 @@ class Router(nn.Module):
         self.global_routed.zero_()
 
     def _token_groups(self) -> list:
-        return [g for g in (self.sp_group, self.cp_group) if g is not None]
+        # cp_group is bound per micro-batch: a recompute in backward (another micro-batch's may be bound by then, 1F1B)
+        # sums over the group its forward summed over
+        cp_group = recompute.same_as_forward((self, "cp_group"), lambda: self.cp_group)
+        return [g for g in (self.sp_group, cp_group) if g is not None]
 
     def _local_tokens(self, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[1]: this rank's tokens of the micro-batch, its rows less the padding ones (counted on the device)."""
