@@ -87,7 +87,8 @@ def same_as_forward(key: object, compute: Callable[[], Any]) -> Any:
     if in_recompute():
         found = [m[key] for m in memos if key in m]
         if not found:
-            raise RuntimeError(f"{type(key).__name__} is recomputed, but its forward kept no value to reuse: it ran "
+            owner = key[0] if isinstance(key, tuple) else key
+            raise RuntimeError(f"{type(owner).__name__} is recomputed, but its forward kept no value to reuse: it ran "
                                "outside `recompute.checkpointed`")
         value = found[0]
     else:
