@@ -252,6 +252,15 @@ OVERLAP_UNITS = {"replay_kl": [("old", 2)] * 5 + [("ref", 2)] * 5 + [("loss", 2)
                                ("loss", 2), ("loss", 2), ("loss", 1)]}
 
 
+def assert_overlap_units(ranks: list[dict], layout: dict, steps: int) -> None:
+    """Every rank ran OVERLAP_UNITS' interleaved units (pass, micro-batches) in every step of every scenario."""
+    for scenario in OVERLAP_SCENARIOS:
+        want = OVERLAP_UNITS[scenario] * steps
+        for r, rank in enumerate(ranks):
+            units = rank[(str(layout), scenario)]["units"]
+            assert units == want, f"{scenario} rank {r}: interleaved units {units}, not {want}"
+
+
 def test_ep2_with_ep_overlap_pairs_every_pass_s_micro_batches_and_matches_one_process(steps, tmp_path):
     """`parallel.ep_overlap` on EP2 (= DP2): each rank's micro-batches go through interleaved pairs (rl/pipelined.py),
     an odd last one alone, in the old and reference log-prob passes (forward only) and in the policy loss, with every
@@ -259,11 +268,7 @@ def test_ep2_with_ep_overlap_pairs_every_pass_s_micro_batches_and_matches_one_pr
     every pass, as the EP peers' all-to-alls must; a filler's load must stay out while the other micro-batch counts."""
     layout = {"ep": 2, "ep_overlap": True, UNEVEN: True}
     ranks = run_and_compare(2, [layout], steps, str(tmp_path), OVERLAP_SCENARIOS)
-    for scenario in OVERLAP_SCENARIOS:
-        want = OVERLAP_UNITS[scenario] * len(steps)
-        for r, rank in enumerate(ranks):
-            units = rank[(str(layout), scenario)]["units"]
-            assert units == want, f"{scenario} rank {r}: interleaved units {units}, not {want}"
+    assert_overlap_units(ranks, layout, len(steps))
 
 
 def test_rl_config_accepts_ep_overlap_with_expert_parallelism_whatever_grad_accum_says():

@@ -26,7 +26,7 @@ from services.common.config import Config
 from services.trainer.rl.replay import owned_routing, routing_replay
 from services.trainer.rl.train_rl import validate_rl
 from tests.rl_helpers import tiny_model
-from tests.test_rl_folded import OVERLAP_SCENARIOS, OVERLAP_UNITS, UNEVEN, run_and_compare
+from tests.test_rl_folded import OVERLAP_SCENARIOS, UNEVEN, assert_overlap_units, run_and_compare
 from tests.test_rl_parallel import _steps
 
 LAYOUTS = {2: [dict(pp=2)], 4: [dict(pp=2, tp=2), dict(pp=2, ep=2)]}
@@ -48,11 +48,7 @@ def test_pp2_ep2_with_ep_overlap_moves_pairs_through_every_pass_and_matches_one_
     its share finer, test_rl_folded.UNEVEN), an odd last one alone."""
     layout = {"pp": 2, "ep": 2, "ep_overlap": True, UNEVEN: True}
     ranks = run_and_compare(4, [layout], steps, str(tmp_path), OVERLAP_SCENARIOS)
-    for scenario in OVERLAP_SCENARIOS:
-        want = OVERLAP_UNITS[scenario] * len(steps)
-        for r, rank in enumerate(ranks):
-            units = rank[(str(layout), scenario)]["units"]
-            assert units == want, f"{scenario} rank {r}: interleaved units {units}, not {want}"
+    assert_overlap_units(ranks, layout, len(steps))
 
 
 def test_a_stage_replays_the_recorded_rows_of_its_own_moe_layers():
