@@ -71,12 +71,14 @@ def test_dynamic_cp_recomputed_attention_core_uses_its_own_micro_batchs_group_in
     assert_parity(run_reference(cfg, batches), run_dynamic_cp(cfg, batches, world=2, out_dir=str(tmp_path)))
 
 
-def test_pp2_dynamic_cp_recomputed_blocks_use_the_cp_group_of_the_micro_batch_they_repeat(tmp_path):
+@pytest.mark.parametrize("recompute", [["layer"], ["moe"]], ids=["layer", "moe"])
+def test_pp2_dynamic_cp_recomputed_blocks_use_the_cp_group_of_the_micro_batch_they_repeat(recompute, tmp_path):
     """PP2 x CP2, sizes [2, 1, 1]: each first-stage rank runs the size-2 micro-batch's forward, then its own size-1
-    one's (not cut: no CP group bound), then the size-2 one's backward, which recomputes its blocks ("layer"): the
-    routers' micro-batch aux and z-loss statistics must still sum over the CP group its forward summed over."""
+    one's (not cut: no CP group bound), then the size-2 one's backward, which recomputes its blocks ("layer") or its
+    MoE layer ("moe"): the routers' micro-batch aux and z-loss statistics must still sum over the CP group its forward
+    summed over."""
     cfg = cp_config(pp=2, cp=2, cp_sizes=[1, 2], cp_comm="ring")
-    cfg.model.num_layers, cfg.model.recompute = 4, ["layer"]  # the first stage: a dense and a MoE layer
+    cfg.model.num_layers, cfg.model.recompute = 4, recompute  # the first stage: a dense and a MoE layer
     batches = make_batches(cfg.model, steps=2, micro=3, tokens=32, seed=23)
     for mbs in batches:
         for mb, size in zip(mbs, (2, 1, 1)):
