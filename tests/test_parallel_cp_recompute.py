@@ -131,16 +131,16 @@ def _keeping_worker(rank: int, world: int, out_dir: str) -> None:
             apply_memory_policy(model, recompute, [])
             gathers, mode, passed = [], StoragesMade(), set()  # passed: the cores' inputs' and outputs' storages
 
-            def recorded(attend):
+            def recorded(forward):
                 def run(*args):
                     with mode:
-                        out = attend(*args)
+                        out = forward(*args)
                     passed.update(t.untyped_storage().data_ptr() for t in (*args[:3], out))
                     return out
                 return run
 
             for core in model.cp_modules.cores:  # outside the checkpoint, where the policy put one
-                core.attend = recorded(core.attend)
+                core.forward = recorded(core.forward)
             context_parallel.gather_tokens = lambda t, g: gathers.append(t.nbytes) or gather(t, g)
             try:
                 context_parallel.bind_micro_batch(model, mb)

@@ -13,8 +13,8 @@ Two ways to recompute, by what a module's output is used for:
   `in_recompute()`; values computed from state that later forwards change (the global aux loss's step counts) are
   taken again from the forward being repeated, `same_as_forward`. Context parallelism's attention core is a module
   that reads its micro-batch's layout (bound per micro-batch; by backward another micro-batch's may be bound: pairs,
-  1F1B): its `attend`, which takes the layout read at forward as an argument, is what "attn_core" checkpoints, and
-  inside a recomputed "layer" the core reads the layout through `same_as_forward`.
+  1F1B): its forward reads the layout through `same_as_forward`, so a recompute of it ("attn_core") or of its block
+  ("layer") repeats the micro-batch it stands for.
 - modules whose *output* is what costs memory ("norm", "moe_act", "moe_fc1", "moe_dispatch"): checkpointing them alone
   saves nothing, because the next op (a projection) keeps that output for its own backward. So the output is also
   *discarded from its consumers*: `discard_output(y, recompute)` names it, and inside `dropping_discarded()` any saved
@@ -224,10 +224,9 @@ def _recomputed_norm(norm: nn.Module) -> Callable:
 
 def _recompute_core(attn: nn.Module) -> None:
     """Checkpoint `attn.core`: a function (the single-device core) is wrapped in place; a module (context
-    parallelism's) keeps its place among the model's modules (`model.cp_modules` lists it) and has its `attend`, the
-    core given the per-micro-batch state its forward reads, wrapped instead."""
+    parallelism's) keeps its place among the model's modules (`model.cp_modules` lists it) and has its forward wrapped."""
     if isinstance(attn.core, nn.Module):
-        attn.core.attend = checkpointed(attn.core.attend)
+        attn.core.forward = checkpointed(attn.core.forward)
     else:
         attn.core = checkpointed(attn.core)
 

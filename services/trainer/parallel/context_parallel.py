@@ -459,19 +459,16 @@ class ContextParallelAttention(nn.Module):
     single-device one; `bind_micro_batch` sets it, and the ring's autograd Function keeps its own copy for backward, so
     several micro-batches may be in flight (pipeline schedules). A recompute in backward must see the layout of the
     forward it repeats, not the one bound by then (another micro-batch's, under pairs or 1F1B): forward reads the
-    layout once and hands it to `self.attend` (`attend`), which `model.recompute: [attn_core]` checkpoints
-    (recompute.py); inside a recomputed block ("layer"), forward itself runs again and takes the layout its first run
-    read (`same_as_forward`).
+    layout through `same_as_forward`, so when it runs again under a checkpoint (`model.recompute: [attn_core]` wraps it,
+    as does a recomputed block, "layer"), it takes the layout its first run read.
     """
 
     def __init__(self):
         super().__init__()
         self.layout: CPLayout | None = None
-        self.attend = attend
 
     def forward(self, q, k, v, cu_seqlens, max_seqlen=None):
-        layout = same_as_forward((self, "layout"), lambda: self.layout)
-        return self.attend(q, k, v, cu_seqlens, max_seqlen, layout)
+        return attend(q, k, v, cu_seqlens, max_seqlen, same_as_forward((self, "layout"), lambda: self.layout))
 
 
 @dataclass(frozen=True)
