@@ -12,8 +12,9 @@ per dp rank by `cp_sizing.deal_by_cost` over a cost:
 - "work": `cp_sizing.work`, the same for every size.
 
 A rank's time is what the trainer runs, not the cost model: each of its `--cp` CP ranks runs the micro-batches
-`context_parallel.cp_share` gives it, each at work / c; the dp rank takes the slowest CP rank's time. Printed: the
-slowest dp rank's time over the ideal (all work / (dp·cp)), mean and worst over the steps, per dealing.
+`cp_sizing.block_share` (the trainer's `cp_share`) gives it, each at work / c; the dp rank takes the slowest CP
+rank's time (`cp_sizing.dp_rank_time`). Printed: the slowest dp rank's time over the ideal (all work / (dp·cp)),
+mean and worst over the steps, per dealing.
 """
 
 from __future__ import annotations
@@ -24,21 +25,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.dataloader.cp_sizing import CPBudget, choose_cp_size, deal_by_cost, work  # noqa: E402
-from services.trainer.parallel.context_parallel import cp_share  # noqa: E402
-
-
-def rank_time(micro_batches: list[tuple[list[int], int]], cp: int, scale: int) -> float:
-    """The time of a dp rank running `micro_batches` ((segment lengths, CP size) each) on `cp` CP ranks, in work
-    units: the slowest CP rank's sum of work / c over what `cp_share` gives it."""
-    mbs = [{"cp_size": torch.tensor(c), "cu_seqlens": torch.tensor(np.cumsum([0, *lengths]))}
-           for lengths, c in micro_batches]
-    return max(sum(work(np.diff(mb["cu_seqlens"].numpy()).tolist(), scale) / int(mb["cp_size"])
-                   for mb in cp_share(mbs, cp, r)) for r in range(cp))
+from services.dataloader.cp_sizing import CPBudget, choose_cp_size, deal_by_cost, dp_rank_time, work  # noqa: E402
 
 
 def sequence(rng: np.random.Generator, seq_len: int) -> list[int]:
@@ -77,7 +67,7 @@ def main() -> None:
                 for step in steps:
                     groups = deal_by_cost([cost(lengths, c) for lengths, c in step], dp, ga)
                     ideal = sum(work(lengths, a.seq_len) for lengths, _ in step) / (dp * a.cp)
-                    ratios.append(max(rank_time([step[i] for i in g], a.cp, a.seq_len) for g in groups) / ideal)
+                    ratios.append(max(dp_rank_time([step[i] for i in g], a.cp, a.seq_len) for g in groups) / ideal)
                 r = np.array(ratios)
                 row[name] = {"mean": round(float(r.mean()), 4), "worst": round(float(r.max()), 4)}
                 print(f"{dp:>3} {ga:>3} {name:>9} {r.mean():>20.4f} {r.max():>7.4f}   {row['size_counts']}")

@@ -5,8 +5,8 @@
 Lengths: each group draws a prompt (64-512 tokens) and a typical response length (log-normal, median
 `--median` tokens, sigma 0.8); its samples' responses scatter log-normally around it (sigma 0.6), capped at
 `--max-len` tokens in all: a long-tailed mix of short answers and a few very long ones, as reasoning RL makes.
-Time of a rank: as the trainer runs its micro-batches on `max(--cp-sizes)` CP ranks (`bench_cp_deal.rank_time`: the
-blocks of `context_parallel.cp_share`, each micro-batch at `cp_sizing.work` / its CP size; the slowest CP rank's sum).
+Time of a rank: as the trainer runs its micro-batches on `max(--cp-sizes)` CP ranks (`cp_sizing.dp_rank_time`: the
+blocks of `cp_sizing.block_share`, each micro-batch at `cp_sizing.work` / its CP size; the slowest CP rank's sum).
 Per step: the imbalance (the slowest rank's time over the mean rank's) and the slowest rank's time over the previous
 plan's (what the step's time follows: the mean itself moves with the CP sizes, which depend on the packing).
 
@@ -26,8 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_cp_deal import rank_time  # noqa: E402
-from services.dataloader.cp_sizing import CPBudget, choose_cp_size  # noqa: E402
+from services.dataloader.cp_sizing import CPBudget, choose_cp_size, dp_rank_time  # noqa: E402
 from services.dataloader.packing import best_fit_decreasing  # noqa: E402
 from services.dataloader.rollout_source import RLSample, plan_step  # noqa: E402
 
@@ -62,8 +61,8 @@ def previous_plan(samples: list[RLSample], dp: int, max_tokens: int, cp_sizes: l
 
 def measure(plan, max_tokens: int, cp: int) -> tuple[float, float, int]:
     """(slowest rank's time, its ratio to the mean rank's, spread of the ranks' micro-batch counts); a rank's time as
-    its `cp` CP ranks run its micro-batches (bench_cp_deal.rank_time: `cp_share`'s blocks, each at work / c)."""
-    loads = [rank_time([([s.positions for s in b], c) for b, c in rank], cp, max_tokens) for rank in plan]
+    its `cp` CP ranks run its micro-batches (`dp_rank_time`)."""
+    loads = [dp_rank_time([([s.positions for s in b], c) for b, c in rank], cp, max_tokens) for rank in plan]
     counts = [len(rank) for rank in plan]
     return max(loads), max(loads) / (sum(loads) / len(loads)), max(counts) - min(counts)
 

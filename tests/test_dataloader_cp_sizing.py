@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.dataloader.cp_sizing import (CPBudget, attention_cost, deal_by_cost, choose_cp_size,
+from services.dataloader.cp_sizing import (CPBudget, attention_cost, deal_by_cost, choose_cp_size, dp_rank_time,
                                            segment_lengths, work)
 
 
@@ -87,14 +87,12 @@ def test_a_micro_batch_costs_its_dp_rank_the_same_work_whatever_its_cp_size():
     (context_parallel.cp_share), and one left over runs on both; a size-2 one runs on both. So a dp rank's time is
     its micro-batches' summed work / 2 whatever their sizes, up to how the blocks split. Dealt by work / c instead,
     the size-2 micro-batches look half as costly as they are and land on one rank together."""
-    from bench.bench_cp_deal import rank_time
-
     scale = 1 << 30  # attention negligible: a micro-batch's work is its tokens
     step = [([12], 1), ([2], 1), ([20], 2), ([18], 2)]
     assert [work(lengths, scale) for lengths, _ in step] == pytest.approx([12, 2, 20, 18])
 
     def times(costs):
-        return sorted(rank_time([step[i] for i in g], 2, scale) for g in deal_by_cost(costs, 2, 2))
+        return sorted(dp_rank_time([step[i] for i in g], 2, scale) for g in deal_by_cost(costs, 2, 2))
     # by work: 20 (both ranks: 10) + 2 (left over, both ranks: 1); 18 (9) + 12 (6); the ideal is 52 / 4 = 13
     assert times([work(lengths, scale) for lengths, _ in step]) == pytest.approx([11, 15])
     # by work / c: 12 and 2 on one rank each (12); 20 and 18 on both ranks (10 + 9)

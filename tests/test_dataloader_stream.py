@@ -78,9 +78,9 @@ def dynamic_cp_cfg(tmp_path):
 
 
 def rank_time(micro_batches, seq_len):
-    """A dp rank's time as its CP ranks (the largest size, 4) run its micro-batches (bench/bench_cp_deal.py)."""
-    from bench.bench_cp_deal import rank_time as time_on_cp
-    return time_on_cp([(segment_lengths(mb.tensors["cu_seqlens"]), mb.cp_size) for mb in micro_batches], 4, seq_len)
+    """A dp rank's time as its CP ranks (the largest size, 4) run its micro-batches."""
+    from services.dataloader.cp_sizing import dp_rank_time
+    return dp_rank_time([(segment_lengths(mb.tensors["cu_seqlens"]), mb.cp_size) for mb in micro_batches], 4, seq_len)
 
 
 def test_dynamic_cp_gives_each_micro_batch_the_smallest_size_under_budget(tmp_path):

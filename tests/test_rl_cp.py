@@ -21,9 +21,10 @@ pre-training (`cp_share`):
   9-token ones on one rank each (half on each), so a rank runs uncut micro-batches right after cut ones (the attention
   cores and routers must drop the previous layout); in "packed" every micro-batch needs both ranks;
 - 4 ranks, CP2·EP2 with sizes [1, 2] and 40 tokens per rank (DP2): every "replay_kl" micro-batch runs on one rank,
-  while the EP all-to-alls pair the two CP ranks, which now run different micro-batches; in "packed" each replica gets
-  three micro-batches of size 1 (38, 36 and 18 tokens: the source's plan that deals samples wins there), the costliest
-  left over after equal shares runs on the whole group instead; and
+  while the EP all-to-alls pair the two CP ranks, which now run different micro-batches; in "packed" the replicas get
+  micro-batches of size 1 of 40 and 36 tokens, and of 36, 36 and 36 (the plan whose slowest rank, as its CP blocks run
+  it, finishes first: rollout_source.plan_step): the second replica's third is left over after equal shares and runs
+  on the whole group instead; and
   PP2·CP2 as the 2-rank case, each stage's CP ranks splitting the micro-batches alike inside the pipeline schedules.
 `test_dynamic_cp_layouts_give_micro_batches_both_sizes` proves those sizes, and each rank records the CP group size of
 every micro-batch it ran (`DYNAMIC_CUTS`): running every micro-batch over the whole group would match one process too.
@@ -76,11 +77,12 @@ def steps():
 
 # Dynamic CP: the CP group sizes each rank runs its micro-batches on over the two steps (`_sizes` below gives the
 # dataloader's sizes). DP1 (CP2, PP2·CP2): per step 4 micro-batches of size 2 on both CP ranks and 16 of size 1 shared
-# 8 / 8. DP2 (CP2·EP2): per step and replica 10 of size 1 shared 5 / 5, and in "packed" three of size 1: one on each
-# CP rank and the left-over one on both (size 2).
+# 8 / 8. DP2 (CP2·EP2): per step and replica 10 of size 1 shared 5 / 5, and in "packed" (ranks 0-1: the first
+# replica) two of size 1, one on each CP rank, and (ranks 2-3) three: one on each CP rank and the left-over one on
+# both (size 2). A dict: the same on every rank; a list: rank by rank.
 DP1_CUTS = {"replay_kl": {1: 16, 2: 8}, "packed": {2: 10}}
 DYNAMIC_CUTS = {2: {str(DYNAMIC_CP2): DP1_CUTS},
-                4: {str(DYNAMIC_CP2_EP2): {"replay_kl": {1: 10}, "packed": {2: 2, 1: 2}},
+                4: {str(DYNAMIC_CP2_EP2): {"replay_kl": {1: 10}, "packed": [{1: 2}] * 2 + [{2: 2, 1: 2}] * 2},
                     str(DYNAMIC_PP2_CP2): DP1_CUTS}}
 
 
@@ -89,7 +91,8 @@ def test_context_parallel_rl_steps_match_one_process_metrics_and_published_weigh
     ranks = run_and_compare(world, LAYOUTS[world], steps, str(tmp_path))
     for layout, by_scenario in DYNAMIC_CUTS[world].items():  # each micro-batch ran on the CP group of its size
         for scenario, cuts in by_scenario.items():
-            assert all(Counter(rank[(layout, scenario)]["cuts"]) == cuts for rank in ranks), (layout, scenario)
+            expected = cuts if isinstance(cuts, list) else [cuts] * world
+            assert [Counter(rank[(layout, scenario)]["cuts"]) for rank in ranks] == expected, (layout, scenario)
 
 
 def test_the_cp_cut_takes_every_per_token_tensor_at_the_tokens_index_and_pads_a_separate_ignored_document(steps):
@@ -127,11 +130,11 @@ def _sizes(layout: dict, dp: int, scenario: str, steps: list[list]) -> list[int]
 
 def test_dynamic_cp_layouts_give_micro_batches_both_sizes(steps):
     """What the dynamic-CP parity cases above run: micro-batches of size 1 and of size 2 in one step (2 ranks), and a
-    size-1 micro-batch left over after equal shares (4 ranks, "packed": one per replica and step)."""
+    size-1 micro-batch left over after equal shares (4 ranks, "packed": one per step, in the second replica)."""
     assert Counter(_sizes(DYNAMIC_CP2, 1, "replay_kl", steps)) == {1: 32, 2: 8}  # the 9- and 10-token samples
     assert set(_sizes(DYNAMIC_CP2, 1, "packed", steps)) == {2}
     assert set(_sizes(DYNAMIC_CP2_EP2, 2, "replay_kl", steps)) == {1}
-    assert Counter(_sizes(DYNAMIC_CP2_EP2, 2, "packed", steps)) == {1: 12}  # 2 replicas x 2 steps x [38, 36, 18]
+    assert Counter(_sizes(DYNAMIC_CP2_EP2, 2, "packed", steps)) == {1: 10}  # 2 steps x ([40, 36] + [36, 36, 36])
 
 
 def test_rl_config_accepts_static_and_dynamic_context_parallelism():

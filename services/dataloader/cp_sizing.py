@@ -68,6 +68,43 @@ def work(lengths: list[int], scale: int) -> float:
     return sum(lengths) + attention_cost(lengths) / scale
 
 
+def block_share(sizes: list[int], costs: list[float], cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """Which of its dp rank's micro-batches (CP sizes `sizes`, attention costs `costs`) CP rank `cp_rank` of `cp` runs,
+    as (index, the CP size it runs at), in the order it runs them (the trainer's `context_parallel.cp_share`).
+
+    A micro-batch sized c < cp runs on one aligned block of c ranks, not on all cp / c blocks (that would compute it
+    cp / c times): each block takes an equal share of the size-c micro-batches, dealt costliest first in snake order.
+    Every rank must run as many passes as its EP and PP peers in other blocks, whose collectives pair up pass by pass,
+    so the n mod (cp / c) costliest micro-batches left over after equal shares run on the whole CP group instead (at
+    size cp). Order: whole-group micro-batches first, as received, then the block's share size by size, largest
+    first: at every pass the ranks of a CP group run the same micro-batch."""
+    whole = [(i, c) for i, c in enumerate(sizes) if c >= cp]
+    shares = []
+    for c in sorted({c for c in sizes if c < cp}, reverse=True):
+        blocks = cp // c
+        costliest = sorted((i for i, size in enumerate(sizes) if size == c), key=lambda i: -costs[i])  # stable
+        left_over = len(costliest) % blocks
+        whole += [(i, cp) for i in costliest[:left_over]]
+        shares += [(i, c) for i in sorted(i for k, i in enumerate(costliest[left_over:])
+                                          if _snake(k, blocks) == cp_rank // c)]
+    return sorted(whole) + shares
+
+
+def _snake(k: int, blocks: int) -> int:
+    """The block the k-th costliest item goes to: 0, 1, .., b-1, b-1, .., 0, 0, 1, ..."""
+    lap, pos = divmod(k, blocks)
+    return pos if lap % 2 == 0 else blocks - 1 - pos
+
+
+def dp_rank_time(micro_batches: list[tuple[list[int], int]], cp: int, scale: int) -> float:
+    """A dp rank's time running `micro_batches` ((segment lengths, CP size) each) on its `cp` CP ranks, in `work`
+    units: the slowest CP rank's sum of work / (the size it runs at) over its `block_share`."""
+    sizes = [c for _, c in micro_batches]
+    costs = [attention_cost(lengths) for lengths, _ in micro_batches]
+    return max(sum(work(micro_batches[i][0], scale) / c for i, c in block_share(sizes, costs, cp, r))
+               for r in range(cp))
+
+
 def deal_by_cost(costs: list[float], groups: int, per_group: int | None = None) -> list[list[int]]:
     """Deal items to `groups` groups evening out the summed cost: longest processing time first (Graham's LPT), each
     item, costliest first, to the least-loaded group (ties: the one with fewer items, then the lower index, so the plan

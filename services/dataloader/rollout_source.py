@@ -30,8 +30,10 @@ one of its own), each micro-batch gets its CP size (`MicroBatch.cp_size`), and t
 ranks by their work, with the corpus stream's cost model and dealing (`cp_sizing.work`, the micro-batch budget as its
 scale; `cp_sizing.deal_by_cost`: costliest first, each to the least-loaded rank). Whole micro-batches are coarse where a
 rank gets only a few, so a second plan is made as well: the samples dealt by positions (the same dealing, longest
-first), each rank's share packed and sized as above. Of the two, the plan whose heaviest rank does less work is served
-(ties: the first). Each gives every rank at least one micro-batch (the first is made only when the step packs into at
+first), each rank's share packed and sized as above. Of the two, the plan whose slowest rank finishes first is served
+(ties: the first), a rank's time taken as the trainer runs its micro-batches: each on the CP block `cp_share` gives it
+(`cp_sizing.dp_rank_time`), so a plan whose summed work is even but whose small-CP micro-batches split unevenly over a
+rank's blocks loses. Each gives every rank at least one micro-batch (the first is made only when the step packs into at
 least as many micro-batches as there are dp ranks; a step of fewer samples than dp ranks is refused). Unlike in the
 corpus stream, the number of micro-batches of a rank is free and varies from step to step (under EP the trainer evens
 out the counts with fillers, services/trainer/rl/folded.py); there is no padding. bench/bench_rl_deal.py measures the
@@ -78,7 +80,7 @@ from torchdata.nodes import BaseNode
 
 from proto import rollout_pb2
 from services.common import rollout_stream
-from services.dataloader.cp_sizing import CPBudget, choose_cp_size, deal_by_cost, work
+from services.dataloader.cp_sizing import CPBudget, choose_cp_size, deal_by_cost, dp_rank_time, work
 from services.dataloader.errors import DataError
 from services.dataloader.packing import best_fit_decreasing
 from services.dataloader.stream import MicroBatch, Step, StepStream
@@ -230,25 +232,30 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
 Plan = list[list[tuple[list[RLSample], int]]]  # [dp rank][micro-batch] -> (its samples, its CP size)
 
 
-def plan_step(samples: list[RLSample], dp_size: int, max_tokens: int, cp_sizes: list[int], budget: CPBudget) -> Plan:
-    """Each dp rank's micro-batches, as the module docstring's packing, sizing and dealing make them."""
+def plan_step(samples: list[RLSample], dp_size: int, max_tokens: int, cp_sizes: list[int], budget: CPBudget,
+              cp: int | None = None) -> Plan:
+    """Each dp rank's micro-batches, as the module docstring's packing, sizing and dealing make them. `cp`: the CP
+    ranks of a dp rank (`parallel.cp`), over whose blocks the trainer splits its micro-batches; None: the largest of
+    `cp_sizes`."""
     if len(samples) < dp_size:
         raise DataError(f"a step of {len(samples)} samples cannot give each of {dp_size} dp ranks one; raise "
                         "rl.groups_per_step")
+    cp = cp or max(cp_sizes)
 
     def sized(bins: list[list[RLSample]]) -> list[tuple[list[RLSample], int]]:
         return [(b, choose_cp_size([s.positions for s in b], cp_sizes, budget)) for b in bins]
 
-    def mb_work(mb: tuple[list[RLSample], int]) -> float:
-        return work([s.positions for s in mb[0]], max_tokens)
+    def rank_time(rank: list[tuple[list[RLSample], int]]) -> float:
+        return dp_rank_time([([s.positions for s in b], c) for b, c in rank], cp, max_tokens)
 
     plans = []
     whole = sized(best_fit_decreasing(samples, max_tokens))
     if len(whole) >= dp_size:  # every rank gets a micro-batch
-        plans.append([[whole[i] for i in rank] for rank in deal_by_cost([mb_work(mb) for mb in whole], dp_size)])
+        costs = [work([s.positions for s in b], max_tokens) for b, _ in whole]
+        plans.append([[whole[i] for i in rank] for rank in deal_by_cost(costs, dp_size)])
     shares = deal_by_cost([s.positions for s in samples], dp_size)  # every rank gets a sample
     plans.append([sized(best_fit_decreasing([samples[i] for i in share], max_tokens)) for share in shares])
-    return min(plans, key=lambda plan: max(sum(map(mb_work, rank)) for rank in plan))  # ties: the first
+    return min(plans, key=lambda plan: max(map(rank_time, plan)))  # ties: the first
 
 
 def build_rl_micro_batch(samples: list[RLSample], layers: int, top_k: int) -> MicroBatch:
@@ -310,11 +317,11 @@ def build_rank(planned: list[tuple[list[RLSample], int]], layers: int, top_k: in
 
 def pack_step(groups: list[rollout_pb2.TrajectoryGroup], dp_size: int, max_tokens: int, std_normalize: bool,
               layers: int, top_k: int, dp_ranks: set[int] | None = None, cp_sizes: list[int] | None = None,
-              budget: CPBudget = CPBudget()) -> list[list[MicroBatch]]:
+              budget: CPBudget = CPBudget(), cp: int | None = None) -> list[list[MicroBatch]]:
     """One step's micro-batches per dp rank (empty for a rank not in `dp_ranks`: another replica builds it), each with
-    its CP size out of `cp_sizes` (None: [1]) under `budget`."""
+    its CP size out of `cp_sizes` (None: [1]) under `budget`, planned for `cp` CP ranks per dp rank (`plan_step`)."""
     samples, temperature = step_samples(groups, std_normalize, layers, top_k)
-    plan = plan_step(samples, dp_size, max_tokens, sorted(set(cp_sizes or [1])), budget)
+    plan = plan_step(samples, dp_size, max_tokens, sorted(set(cp_sizes or [1])), budget, cp)
     return [build_rank(rank, layers, top_k, temperature) if dp_ranks is None or r in dp_ranks else []
             for r, rank in enumerate(plan)]
 
@@ -326,6 +333,7 @@ class RolloutStepStream(StepStream):
     def __init__(self, log: TrajectoryLog, cfg, dp_size: int, cp_sizes: list[int] | None = None):
         self.log, self.cfg, self.rl, self.dp_size = log, cfg.data, cfg.rl, dp_size
         self.cp_sizes = sorted(set(cp_sizes or [1]))
+        self.cp = cfg.parallel.cp
         self.budget = CPBudget(cfg.data.cp_max_tokens_per_rank, cfg.data.cp_max_attn_per_rank)
         self.layers, self.top_k = cfg.model.num_layers - cfg.model.first_k_dense, cfg.model.top_k
         self.node = StepGroups(log, cfg.rl.groups_per_step, cfg.rl.max_staleness)
@@ -346,7 +354,7 @@ class RolloutStepStream(StepStream):
         before = self.node.state_dict()
         groups = next(self.node)
         per_rank = pack_step(groups, self.dp_size, self.rl.micro_batch_tokens, self.rl.std_normalize, self.layers,
-                             self.top_k, self.dp_ranks, self.cp_sizes, self.budget)
+                             self.top_k, self.dp_ranks, self.cp_sizes, self.budget, self.cp)
         self.tokens += sum(mb.real_tokens for rank in per_rank for mb in rank)
         self.log.mark_read(self.node.after, self.node.step)
         step = Step(self.step, per_rank, before)

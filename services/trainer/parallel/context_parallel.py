@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from services.dataloader.cp_sizing import attention_cost, segment_lengths
+from services.dataloader.cp_sizing import attention_cost, block_share, segment_lengths
 from services.trainer.model.attention import PackedAttention, document_ids, packed_causal_attention
 from services.trainer.model.flash_varlen import causal_gqa
 from services.trainer.model.moe.router import Router
@@ -163,37 +163,13 @@ def local_cu_seqlens(doc_ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor
 
 
 def cp_share(micro_batches: list[dict], cp: int, cp_rank: int) -> list[dict]:
-    """The micro-batches CP rank `cp_rank` runs, out of its dp rank's step (every CP peer receives all of them).
-
-    A micro-batch sized c < cp (dynamic CP) runs on one aligned block of c ranks, not on all cp / c blocks (that would
-    compute it cp / c times): each block takes an equal share of the size-c micro-batches, dealt costliest first
-    (attention ∝ Σ l², as the dataloader sizes them) in snake order. Every rank must run as many passes as its EP and PP
-    peers in other blocks, whose collectives pair up pass by pass, so the n mod (cp / c) costliest micro-batches left
-    over after equal shares run on the whole CP group instead (their `cp_size` becomes cp). Order: whole-group
-    micro-batches first, as received, then the block's share size by size, largest first: at every pass the ranks of a
-    CP group run the same micro-batch."""
-    whole, by_size = [], {}
-    for i, mb in enumerate(micro_batches):
-        c = int(mb.get("cp_size", cp))
-        if c >= cp:
-            whole.append((i, mb))
-        else:
-            by_size.setdefault(c, []).append((i, mb))
-    shares = []
-    for c in sorted(by_size, reverse=True):
-        items, blocks = by_size[c], cp // c
-        costliest = sorted(items, key=lambda item: -attention_cost(segment_lengths(item[1]["cu_seqlens"])))  # stable
-        left_over = len(items) % blocks
-        whole += [(i, {**mb, "cp_size": torch.tensor(cp)}) for i, mb in costliest[:left_over]]
-        mine = [item for k, item in enumerate(costliest[left_over:]) if _snake(k, blocks) == cp_rank // c]
-        shares += [mb for _, mb in sorted(mine, key=lambda item: item[0])]
-    return [mb for _, mb in sorted(whole, key=lambda item: item[0])] + shares
-
-
-def _snake(k: int, blocks: int) -> int:
-    """The block the k-th costliest item goes to: 0, 1, .., b-1, b-1, .., 0, 0, 1, ..."""
-    lap, pos = divmod(k, blocks)
-    return pos if lap % 2 == 0 else blocks - 1 - pos
+    """The micro-batches CP rank `cp_rank` runs, out of its dp rank's step (every CP peer receives all of them), in the
+    order it runs them: `cp_sizing.block_share`'s plan. A micro-batch it moves onto the whole CP group (left over after
+    equal block shares) comes with its `cp_size` set to `cp`."""
+    sizes = [int(mb.get("cp_size", cp)) for mb in micro_batches]
+    costs = [attention_cost(segment_lengths(mb["cu_seqlens"])) if c < cp else 0 for mb, c in zip(micro_batches, sizes)]
+    return [micro_batches[i] if c == sizes[i] else {**micro_batches[i], "cp_size": torch.tensor(c)}
+            for i, c in block_share(sizes, costs, cp, cp_rank)]
 
 
 def shard_micro_batch(mb: dict, groups: ParallelGroups, comm: CPComm = "ring", mtp_depths: int = 0) -> dict:
