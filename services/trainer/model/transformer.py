@@ -132,7 +132,10 @@ class MoETransformer(nn.Module):
                 m.router.expert_bias.zero_()
 
     def moe_layers(self) -> list[MoELayer]:
-        return [m for m in self.modules() if isinstance(m, MoELayer)]
+        """The MoE layers this model (or pipeline stage) holds: the decoder blocks' in layer order, then the
+        multi-token prediction depths'. Read off the blocks, not by walking every module: called per micro-batch."""
+        blocks = [*self.layers.values(), *(depth.block for depth in self.mtp or ())]
+        return [b.mlp for b in blocks if isinstance(b.mlp, MoELayer)]
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                 max_seqlen: int | None = None, hidden: torch.Tensor | None = None,
