@@ -9,8 +9,8 @@ The model is built on the meta device (no weights: the host work depends only on
 and once with its attention cores swapped for the context-parallel ones (`apply_context_parallel`). A CP model binds
 a new size-2 layout at every call, as consecutive micro-batches of static CP do (one group), and, as dynamic CP's may,
 a size-2 layout and None (a micro-batch of CP size 1) in turn. Per call: the median (and the 10th-90th percentile
-range) in microseconds of `--calls` calls each timed alone. For scale, `model.moe_layers()`: one walk of the modules
-(RL's `PolicyBinding` still walks once per policy forward, through it).
+range) in microseconds of `--calls` calls each timed alone. Also `model.moe_layers()` (RL's `PolicyBinding` takes it
+once per policy forward; pre-training once per step).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main() -> None:
                      ("bind_layout, dynamic CP (size 2 and 1 alternating)", lambda: bind(dynamic))] if cp else \
                 [("bind_layout (None: local attention)", lambda: bind([None]))]
             calls.append(("needs_folded_forward (an uncut micro-batch)", lambda: needs_folded_forward(model, uncut)))
-            calls.append(("for scale: model.moe_layers(), one walk", model.moe_layers))
+            calls.append(("model.moe_layers()", model.moe_layers))
             for name, fn in calls:
                 med, p10, p90 = per_call_us(fn, args.calls)
                 table.line(f"{layers:>6} {modules:>7} {'CP' if cp else 'no CP':<6} {name:<52} {med:>8.1f} "
