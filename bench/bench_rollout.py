@@ -8,9 +8,10 @@
    else CPU fp32) in an `Engine` built as the worker builds it (rl.max_batch slots of rl.max_seq_len), generating
    `--prompts` prompts of the configured task (rl.task, rl.difficulty) x rl.group_size samples with the configured
    temperature / top-p / top-k. Stop strings and EOS are ignored unless --keep-stops, so every completion is exactly
-   `--max-new-tokens` long and runs compare like with like. A short warm-up generate runs first. Prefill and decode
-   (the KV-cache forwards, synchronised) are timed by wrapping the engine's `CachedDecoder`; the rest is sampling and
-   bookkeeping.
+   `--max-new-tokens` long and runs compare like with like. The same requests are generated once untimed first (on
+   CUDA that captures every decode shape as a CUDA graph, `rl.cuda_graphs`; its wall time is printed). Prefill and
+   decode (the KV-cache forwards, synchronised) are timed by wrapping the engine's `CachedDecoder`; the rest is
+   sampling and bookkeeping.
 2. Weight sync: the trainer's `WeightPublisher` (from rl: weight_dtype, weight_chunk_mb) on 127.0.0.1 and the worker's
    `PolicyWeights` over a `WeightReceiver` into a second model instance, in this process. Each of `--syncs` rounds
    publishes a new version of the policy's state_dict (host copy in the sync dtype) and pulls it (`refresh()`: all
@@ -71,9 +72,12 @@ def bench_generation(cfg, model, device, args) -> dict:
                             stop=tuple(rl.stop) if args.keep_stops else (), stop_at_eos=args.keep_stops)
     prompts = [tokenizer.encode(task.make_prompt(rng, rl.difficulty)[0]) for _ in range(args.prompts)]
     requests = [Request(p, params, tag=(g, i)) for g, p in enumerate(prompts) for i in range(rl.group_size)]
-    engine = Engine(model, tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed)
-    warm = SamplingParams(temperature=rl.temperature, max_tokens=2, stop_at_eos=False)
-    engine.generate([Request(p, warm) for p in prompts[:rl.max_batch]])
+    engine = Engine(model, tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed, cuda_graphs=rl.cuda_graphs)
+    sync(device)
+    t0 = time.perf_counter()
+    engine.generate(requests)  # warm-up: every shape the timed pass meets (CUDA graph captures, Triton autotuning)
+    sync(device)
+    first = time.perf_counter() - t0
     prefill, decode = [0.0], [0.0]
     engine.cache.prefill = timed(engine.cache.prefill, device, prefill)
     engine.cache.decode = timed(engine.cache.decode, device, decode)
@@ -89,7 +93,7 @@ def bench_generation(cfg, model, device, args) -> dict:
             "gen_tokens": tokens, "gen_wall_s": wall, "gen_tokens_per_s": tokens / wall,
             "gen_prompts_per_s": len(prompts) / wall, "gen_completion_len_mean": tokens / len(requests),
             "gen_prefill_s": prefill[0], "gen_decode_s": decode[0], "gen_kv_cache_bytes": cache_bytes, "gen_other_s": wall - prefill[0] - decode[0],
-            "stops_honoured": args.keep_stops}
+            "gen_first_pass_s": first, "cuda_graphs": engine.cache.cuda_graphs, "stops_honoured": args.keep_stops}
 
 
 def bench_sync(cfg, model, device, dtype, syncs: int) -> dict:
@@ -183,6 +187,8 @@ def main() -> None:
         ("KV cache", f"{r['gen_kv_cache_bytes'] / 2**20:,.1f} MiB ({r['max_batch']} slots of "
                      f"{r['max_seq_len']} tokens)"),
         ("prefill / decode / other", f"{r['gen_prefill_s']:.2f}s / {r['gen_decode_s']:.2f}s / {r['gen_other_s']:.2f}s"),
+        ("decode", f"{'CUDA graphs' if r['cuda_graphs'] else 'eager'}; the untimed first pass of the same requests "
+                   f"took {r['gen_first_pass_s']:.2f}s"),
         ("weight sync", f"{r['sync_bytes'] / 1e6:,.1f} MB in {r['sync_dtype']}, chunks {r['sync_chunk_mb']:g} MiB, "
                         f"median of {args.syncs}"),
         ("publish + pull", f"{r['sync_publish_s']:.3f}s + {r['sync_pull_s']:.3f}s = {r['sync_total_s']:.3f}s"),

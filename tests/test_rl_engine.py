@@ -73,7 +73,7 @@ def test_mla_cache_holds_the_latent_and_rope_key_not_per_head_keys_and_values():
     cfg = model.cfg
     decoder = CachedDecoder(model, slots=3, max_len=64)
     per_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # fp32
-    assert decoder.cache_bytes == 3 * 64 * per_token
+    assert decoder.cache_bytes == (3 + 1) * 64 * per_token  # and the padding rows' spare slot
     expanded = cfg.num_layers * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim) * 4
     assert per_token < expanded  # 24 + 8 against 4 heads x (24 + 8); DeepSeek-V3: 576 against 128 x (192 + 128)
 
@@ -181,3 +181,51 @@ def test_a_model_without_moe_layers_generates_with_empty_routing():
     logits, _ = full_forward(model, c.prompt_tokens + c.tokens[:-1])
     assert c.tokens == logits[len(c.prompt_tokens) - 1:].argmax(-1).tolist()
     assert c.routing.shape == (0, len(c.prompt_tokens) + len(c.tokens) - 1, 0)
+
+
+def test_a_decode_step_pads_to_its_bucket_without_touching_another_slot_or_changing_a_row():
+    """Decode runs at fixed shapes (batch and span rounded up to powers of two): the padding rows write only the spare
+    slot past the real ones, and each real row's logits and routing are what that row decodes alone."""
+    model = _model("cpu")
+    decoder = CachedDecoder(model, slots=8, max_len=64, cuda_graphs=False)
+    prompts = [TOK.encode(p) for p in PROMPTS[:3]]
+    decoder.prefill(prompts, [0, 3, 5])
+    cache = [t.clone() for t in decoder.cache.tensors]
+    tokens, slots, positions = [7, 8, 9], [0, 3, 5], [len(p) for p in prompts]
+    logits, routing = decoder.decode(tokens, slots, positions)  # batch 3 -> 4, span 13 -> 16
+    assert set(decoder._steps) == {(4, 16)}
+    for before, after in zip(cache, decoder.cache.tensors):
+        changed = (before != after).flatten(2).any(-1).any(0).nonzero().flatten().tolist()  # slots written
+        assert changed == [0, 3, 5, 8], changed  # the three rows' slots and the spare one (8)
+    for i in range(3):  # each row alone: batch 1, its own span bucket; same cache contents
+        for t, c in zip(decoder.cache.tensors, cache):
+            t.copy_(c)
+        alone, alone_routing = decoder.decode(tokens[i:i + 1], slots[i:i + 1], positions[i:i + 1])
+        torch.testing.assert_close(alone[0], logits[i], atol=1e-5, rtol=0)
+        assert torch.equal(alone_routing[:, 0].sort(-1).values, routing[:, i].sort(-1).values)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["plain", "mla"])
+def test_decode_replayed_from_cuda_graphs_generates_what_eager_decode_generates(attention):
+    """Greedy completions, log-probs and routing of graphed decoding against eager decoding of the same model, through
+    continuous batching (batch buckets come and go), and again after new weights are loaded in place (the graphs read
+    the parameters' storage)."""
+    model = _model("cuda", **ATTENTION[attention])
+    reqs = [Request(r.prompt_tokens, _greedy(max_tokens=4 + 5 * i), tag=i) for i, r in enumerate(_requests(_greedy()))]
+    graphed = Engine(model, TOK, max_batch=4, max_seq_len=64)
+    eager = Engine(model, TOK, max_batch=4, max_seq_len=64, cuda_graphs=False)
+    assert graphed.cache.cuda_graphs and not eager.cache.cuda_graphs
+
+    def same(a, b):
+        assert [c.tokens for c in a] == [c.tokens for c in b]
+        for x, y in zip(a, b):
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=2e-2, rtol=0)
+            assert torch.equal(x.routing.sort(-1).values, y.routing.sort(-1).values)
+
+    same(graphed.generate(reqs), eager.generate(reqs))
+    assert len(graphed.cache._steps) >= 3  # several (batch, span) shapes were captured
+    new = _model("cuda", **ATTENTION[attention])
+    new.load_state_dict({k: v * 1.5 if v.is_floating_point() else v for k, v in new.state_dict().items()})
+    model.load_state_dict(new.state_dict())
+    same(graphed.generate(reqs), eager.generate(reqs))

@@ -276,6 +276,7 @@ class RLConfig:
     stop: list[str] = field(default_factory=lambda: ["\n"])  # stop strings (EOS always stops)
     max_batch: int = 64  # sequences decoding at once (KV cache slots)
     max_seq_len: int = 128  # prompt + completion tokens per sequence (KV cache length)
+    cuda_graphs: bool = True  # on GPU, decode steps replay CUDA graphs (one per batch and length bucket); false: eager
     max_staleness: int = 1  # trajectories may come from weights at most this many versions behind the trainer
     max_queued_groups: int = 64  # a worker pauses while this many groups wait unconsumed in the stream
     weight_dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of published weights

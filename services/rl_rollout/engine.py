@@ -57,10 +57,11 @@ class _Running:
 class Engine:
     """Generation over a model that the caller owns (and may reload weights into between `generate` calls)."""
 
-    def __init__(self, model: MoETransformer, tokenizer, max_batch: int = 32, max_seq_len: int = 256, seed: int = 0):
+    def __init__(self, model: MoETransformer, tokenizer, max_batch: int = 32, max_seq_len: int = 256, seed: int = 0,
+                 cuda_graphs: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.cache = CachedDecoder(model, max_batch, max_seq_len)
+        self.cache = CachedDecoder(model, max_batch, max_seq_len, cuda_graphs)  # decode steps as CUDA graphs on GPU
         self.generator = torch.Generator(self.cache.device).manual_seed(seed)
 
     def close(self) -> None:

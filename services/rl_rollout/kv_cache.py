@@ -12,6 +12,15 @@ What is cached depends on the attention (one class each, same methods):
 The cache is slot based: `slots` sequences of at most `max_len` tokens, one slot per running sequence. A slot is reused
 as soon as its sequence finishes, which is what continuous batching needs; nothing is ever compacted.
 
+Decode steps run at fixed shapes: the batch padded to a power of two (at most `slots`) and the keys attended to the
+next power of two of the longest sequence (at least 16, at most `max_len`), masked. Padding rows decode token 0 at
+position 0 of one spare slot past the real ones, so they write nothing a sequence reads. On CUDA each (batch, span)
+shape is captured once as a CUDA graph (`cuda_graphs`, `rl.cuda_graphs`) and replayed: a decode step at rollout batch
+sizes is launch-bound (bench/RESULTS.md), and a replay issues the step's hundreds of kernels at once. The MoE layers'
+dropless path reads its expert counts on the device (tests/test_moe_sync_free.py), so nothing in a step waits for the
+host. Weights reload in place (`load_state_dict`), which the graphs see. Prefill runs eagerly (one call per joining
+batch, shapes vary).
+
 Every forward also records the experts each MoE layer chose for each token (a forward hook on the routers), in
 layer order, so the trainer can replay the rollout's routing. A model's multi-token prediction depths (training only)
 are not run.
@@ -75,8 +84,21 @@ class LatentCache:
         return attn.attend_latent(q, self.latent[li][slot, :span], self.k_rope[li][slot, :span], visible)
 
 
+def _bucket(n: int, least: int, most: int) -> int:
+    """The smallest power of two >= max(n, least), capped at `most`."""
+    return min(1 << (max(n, least) - 1).bit_length(), most)
+
+
+class _DecodeStep:
+    """One decode shape: its input buffer [3, batch] (tokens, slots, positions) and a call that runs the step on it,
+    returning (logits [batch, V], routing [L, batch, k] or None): a CUDA graph's replay or the eager forward."""
+
+    def __init__(self, inputs: torch.Tensor, run):
+        self.inputs, self.run = inputs, run
+
+
 class CachedDecoder:
-    def __init__(self, model: MoETransformer, slots: int, max_len: int):
+    def __init__(self, model: MoETransformer, slots: int, max_len: int, cuda_graphs: bool = True):
         cfg = model.cfg
         if cfg.capacity_factor > 0:
             raise ValueError(f"rollout generates with a dropless MoE (model.capacity_factor=0, got "
@@ -87,7 +109,10 @@ class CachedDecoder:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         cache = LatentCache if cfg.attention == "mla" else HeadCache
-        self.cache = cache(cfg, slots, max_len, self.device, self.dtype)
+        self.cache = cache(cfg, slots + 1, max_len, self.device, self.dtype)  # slot `slots`: padding rows'
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._steps: dict[tuple[int, int], _DecodeStep] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         # The main model's MoE layers, in order (`model.moe_layers()` without multi-token prediction's, which
         # decoding does not run)
         self._routers = [block.mlp.router for block in model.layers.values() if block.is_moe]
@@ -151,12 +176,44 @@ class CachedDecoder:
         """
         if max(positions) >= self.max_len:
             raise ValueError(f"a sequence reached the cache length {self.max_len}; raise rl.max_seq_len")
-        dev = self.device
-        tok = torch.tensor(tokens, device=dev)
-        slot = torch.tensor(slots, device=dev)
-        pos = torch.tensor(positions, device=dev)
-        visible = torch.arange(max(positions) + 1, device=dev)[None, :] <= pos[:, None]  # [B, span]
+        n = len(tokens)
+        batch, span = _bucket(n, 1, self.slots), _bucket(max(positions) + 1, 16, self.max_len)
+        step = self._steps.get((batch, span)) or self._new_step(batch, span)
+        pad = batch - n
+        step.inputs.copy_(torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad]))
+        logits, routing = step.run()
+        routing = routing[:, :n].cpu() if routing is not None else torch.zeros(0, n, 0, dtype=torch.int64)
+        return logits[:n].clone(), routing  # a copy: the next replay overwrites the graph's output
+
+    def _forward(self, inputs: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode step on `inputs` [3, batch], attending to the first `span` cache positions (masked)."""
+        tok, slot, pos = inputs
+        visible = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
         x = self.model.embed(tok)
         for li, block in enumerate(self.model.layers.values()):
             x = self._block(block, x, self.cache.decode(li, block.attn, block.attn_norm(x), slot, pos, visible))
-        return self.model.output(self.model.norm(x)), self._routing(x.shape[0])
+        return self.model.output(self.model.norm(x)), (torch.stack(self._taps) if self._routers else None)
+
+    def _new_step(self, batch: int, span: int) -> _DecodeStep:
+        inputs = torch.zeros(3, batch, dtype=torch.int64, device=self.device)
+        inputs[1] = self.slots  # every row padding until a step fills it: warm-up and capture write the spare slot
+        if not self.cuda_graphs:
+            step = _DecodeStep(inputs, lambda: self._forward(inputs, span))
+        else:
+            # Warm up on a side stream first (Triton's autotuning and lazy initialisations must not run under capture).
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(inputs, span)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = self._forward(inputs, span)
+
+            def replay():
+                graph.replay()
+                return outputs
+            step = _DecodeStep(inputs, replay)
+        self._steps[(batch, span)] = step
+        return step

@@ -125,7 +125,8 @@ class RolloutWorker:
         dtype = torch.bfloat16 if self.device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
         self.model = MoETransformer(rollout_model_config(cfg.model)).to(device=self.device, dtype=dtype).eval()
         self.engine = Engine(self.model, self.tokenizer, rl.max_batch, rl.max_seq_len,
-                             seed=random.Random(f"{cfg.run.seed}:{self.worker_id}:sampling").getrandbits(63))
+                             seed=random.Random(f"{cfg.run.seed}:{self.worker_id}:sampling").getrandbits(63),
+                             cuda_graphs=rl.cuda_graphs)
         self.params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
