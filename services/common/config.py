@@ -280,7 +280,7 @@ class RLConfig:
     max_staleness: int = 1  # trajectories may come from weights at most this many versions behind the trainer
     max_queued_groups: int = 64  # a worker pauses while this many groups wait unconsumed in the stream
     weight_dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of published weights
-    weight_chunk_mb: float = 64.0  # published weights travel to the workers in ZMQ messages of about this size
+    weight_chunk_mb: float = 4.0  # published weights travel to the workers in ZMQ messages of about this size
 
     # training (services/trainer/rl)
     groups_per_step: int = 4  # trajectory groups per optimizer step

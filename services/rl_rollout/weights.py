@@ -66,11 +66,13 @@ class WeightReceiver:
                 raise WeightSyncError(f"the weight publisher at {self.endpoint} did not answer within "
                                       f"{self.timeout_s:.0f}s; is the trainer running?")
         frames = self._sock.recv_multipart(copy=False)
-        got, _, _ = wire.decode(frames)
+        # Tensors as views of the frames (copy=False): `fetch` copies each piece once, into its place. (Decoded with a
+        # copy, a chunk was copied three times; bench/RESULTS.md.)
+        got, _, _ = wire.decode(frames, copy=False)
         if got == "weights_error":
-            _, err, _ = wire.decode(frames, pb.WeightsError)
+            _, err, _ = wire.decode(frames, pb.WeightsError, copy=False)
             raise (VersionGone if err.version_gone else WeightSyncError)(f"weight publisher: {err.message}")
-        return wire.decode(frames, reply_type)
+        return wire.decode(frames, reply_type, copy=False)
 
     def latest(self) -> pb.WeightsManifest:
         _, manifest, _ = self._ask("weights_latest", pb.WeightsRequest(), pb.WeightsManifest)

@@ -51,7 +51,7 @@ def chunk_state(state: dict[str, torch.Tensor], chunk_bytes: int) -> list[Chunk]
 class WeightPublisher:
     """`start()` binds a ROUTER on `host`; `endpoint` is what workers connect to (the trainer registers it)."""
 
-    def __init__(self, host: str = "127.0.0.1", dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 64 << 20,
+    def __init__(self, host: str = "127.0.0.1", dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = 4 << 20,
                  keep: int = 2, advertise: str = "", token: str | None = None):
         """`host`: the interface to bind; `advertise`: the host workers dial (net.advertised); `token`: the one every
         request must carry (None: FOLDMOE_AUTH_TOKEN)."""
