@@ -165,3 +165,18 @@ def test_the_tokens_and_every_depths_inputs_are_embedded_in_one_lookup():
     batch = make_batches(model.cfg, steps=1, micro=1, tokens=40, seed=3)[0][0]
     model(batch["tokens"], batch["position_ids"], batch["cu_seqlens"], labels=batch["labels"]).backward()
     assert calls == [(40, 3)]
+
+
+def test_moe_layers_are_the_blocks_then_the_mtp_depths_moe_layers_in_order_on_a_stage_too():
+    """`moe_layers()` reads the layers off the blocks (it is called per micro-batch); it must list what a walk of every
+    module finds, in the same order: leading dense layers left out, MTP depths' MoE layers last, a pipeline stage's
+    own only."""
+    from services.trainer.model.moe.moe_layer import MoELayer
+    cfg = tiny_config().model
+    cfg.num_layers, cfg.first_k_dense, cfg.mtp_num_layers = 4, 1, 2
+    model = MoETransformer(cfg)
+    walked = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert model.moe_layers() == walked and len(walked) == 3 + 2
+    del model.layers["0"], model.layers["1"]  # what a later pipeline stage holds
+    model.mtp = None
+    assert model.moe_layers() == [m for m in model.modules() if isinstance(m, MoELayer)] and len(model.moe_layers()) == 2
