@@ -115,8 +115,8 @@ class Engine:
                 seqs = [running[s] for s in stepping]
                 positions = [len(q.request.prompt_tokens) + len(q.tokens) - 1 for q in seqs]
                 logits, routing = self.cache.decode([q.tokens[-1] for q in seqs], stepping, positions)
-                for i, q in enumerate(seqs):
-                    q.routing.append(routing[:, i:i + 1])
+                for q, r in zip(seqs, routing.split(1, dim=1)):  # one call for the step's views, not one per sequence
+                    q.routing.append(r)
                 self._append(stepping, logits, running, finish)
         return done
 

@@ -180,7 +180,8 @@ class CachedDecoder:
         batch, span = _bucket(n, 1, self.slots), _bucket(max(positions) + 1, 16, self.max_len)
         step = self._steps.get((batch, span)) or self._new_step(batch, span)
         pad = batch - n
-        step.inputs.copy_(torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad]))
+        inputs = torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad])
+        step.inputs.copy_(inputs, non_blocking=True)  # staged from pageable memory at once; no wait for the device
         logits, routing = step.run()
         routing = routing[:, :n].cpu() if routing is not None else torch.zeros(0, n, 0, dtype=torch.int64)
         return logits[:n].clone(), routing  # a copy: the next replay overwrites the graph's output

@@ -39,9 +39,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """logits [B, V] -> (tokens [B] int64, log-probs [B] fp32 of those tokens)."""
     logits = logits.float()
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev)
-    top_k = torch.tensor([p.top_k for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    # One copy for the three, not waiting for the device (a blocking copy would wait for the queued decode step).
+    temp, top_k, top_p = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params]).to(dev, non_blocking=True).T
+    top_k = top_k.long()
     greedy = temp <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
