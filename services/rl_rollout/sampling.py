@@ -40,7 +40,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     logits = logits.float()
     dev = logits.device
     # One copy for the three, not waiting for the device (a blocking copy would wait for the queued decode step).
-    temp, top_k, top_p = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params]).to(dev, non_blocking=True).T
+    temp, top_k, top_p = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params],
+                                     dtype=torch.float32).to(dev, non_blocking=True).T
     top_k = top_k.long()
     greedy = temp <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
