@@ -184,7 +184,8 @@ class CachedDecoder:
         step.inputs.copy_(inputs, non_blocking=True)  # staged from pageable memory at once; no wait for the device
         logits, routing = step.run()
         routing = routing[:, :n].cpu() if routing is not None else torch.zeros(0, n, 0, dtype=torch.int64)
-        return logits[:n].clone(), routing  # a copy: the next replay overwrites the graph's output
+        # A graph's output is overwritten by its next replay: the caller gets a copy. An eager step's is its own.
+        return (logits[:n].clone() if self.cuda_graphs else logits[:n]), routing
 
     def _forward(self, inputs: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step on `inputs` [3, batch], attending to the first `span` cache positions (masked)."""
