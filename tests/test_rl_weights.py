@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import zmq
 import torch
 
 from services.rl_rollout.weights import PolicyWeights, SyncStopped, VersionGone, WeightReceiver, WeightSyncError
@@ -148,3 +149,53 @@ def test_a_stopping_worker_abandons_a_wait_on_a_silent_publisher_at_once():
         receiver.latest()
     assert time.monotonic() - t0 < 2  # not the 30 s timeout
     receiver.close()
+
+
+def test_a_dropped_versions_buffers_are_reused_only_once_zmq_has_let_go_of_its_frames():
+    """Versions live in host buffers that later versions reuse (page-locking them is as slow as the copy); a buffer
+    whose frames ZMQ may still be sending to a slow worker must not be overwritten."""
+    pub = WeightPublisher(chunk_bytes=4096, keep=1).start()
+    try:
+        pub.publish(1, {"w": torch.full((64,), 1.0)})
+        first = pub._versions[1]
+        in_flight = threading.Event()  # a send ZMQ has not finished with
+        first.sends.append(zmq.MessageTracker(in_flight))
+        pub.publish(2, {"w": torch.full((64,), 2.0)})  # version 1 dropped, its frames still held
+        pub.publish(3, {"w": torch.full((64,), 3.0)})
+        assert pub._versions[3].arena is not first.arena
+        assert torch.equal(first.arena.views["w"], torch.full((64,), 1.0, dtype=torch.bfloat16))
+        in_flight.set()
+        second = pub._retired[-1].arena  # version 2's, dropped by version 3, never sent
+        pub.publish(4, {"w": torch.full((64,), 4.0)})
+        assert pub._versions[4].arena in (first.arena, second)  # reused, not a new buffer
+        receiver = WeightReceiver(pub.endpoint, timeout_s=5)
+        got = receiver.fetch(receiver.latest())
+        assert torch.equal(got["w"], torch.full((64,), 4.0, dtype=torch.bfloat16))
+        receiver.close()
+    finally:
+        pub.stop()
+
+
+def test_served_chunks_are_tracked_until_sent_and_then_free_their_buffers(publisher):
+    publisher.publish(0, {"w": torch.arange(4096.0)})
+    receiver = WeightReceiver(publisher.endpoint, timeout_s=5)
+    got = receiver.fetch(receiver.latest())
+    assert torch.equal(got["w"], torch.arange(4096.0).to(torch.bfloat16))
+    held = publisher._versions[0]
+    assert held.sends, "chunk sends are not tracked"
+    deadline = time.monotonic() + 5
+    while not held.sent() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert held.sent()
+    receiver.close()
+
+
+def test_an_error_while_filling_a_version_publishes_nothing(publisher):
+    publisher.publish(0, {"w": torch.zeros(8)})
+    with pytest.raises(RuntimeError, match="gather failed"):
+        with publisher.new_version(1, {"w": publisher.spec(torch.zeros(8))}) as host:
+            host["w"].fill_(7)
+            raise RuntimeError("gather failed")
+    assert publisher.latest == 0
+    with pytest.raises(ValueError, match="not newer"):
+        publisher.publish(0, {"w": torch.zeros(8)})

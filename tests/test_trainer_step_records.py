@@ -9,6 +9,8 @@ those for real)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import json
 import time
 from types import SimpleNamespace
@@ -247,8 +249,11 @@ class _Publisher:
     def start(self):
         return self
 
-    def publish(self, version, state):
-        self.published[version] = {k: v.clone() for k, v in state.items()}
+    @contextmanager
+    def new_version(self, version, specs):
+        host = {k: torch.empty(spec.shape, dtype=spec.dtype) for k, spec in specs.items()}
+        yield host
+        self.published[version] = host
 
     def stop(self):
         pass

@@ -5,7 +5,9 @@ Every rank of a folded layout holds boxes of the single-process tensors: TP slic
 DP/EDP/TP copies). `WeightGather` reuses that geometry: at construction the ranks exchange it once (one small object
 all-gather), and every call streams, name by name in the single-process `state_dict` order, the writers' pieces to the
 destination rank point to point, cast to the sync dtype *before* they travel. The destination assembles one full tensor
-at a time on the host; no other rank ever holds more than its own pieces, and no all-gather of the model happens.
+at a time on its device (a tensor it holds whole is handed out as it is, no copy) and its caller copies each to the host
+as it comes (the RL publisher: into its page-locked buffers, without a wait per tensor); no other rank ever holds more
+than its own pieces, and no all-gather of the model happens.
 
 Every rank must run the generator to its end (the sends are collective with the destination's receives); only the
 destination gets tensors out of it.
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.checkpointer.arena import TensorSpec
 from services.trainer.parallel.checkpoint_shards import model_shards
 from services.trainer.parallel.groups import ParallelGroups
 
@@ -95,31 +98,45 @@ class WeightGather:
         g = shard.global_shape
         return (g[0], g[1], g[2] * g[3]) if len(g) == 4 else g  # w13's [E, h, 2, f] box view is [E, h, 2f] whole
 
+    def specs(self, dtype: torch.dtype | None = None) -> dict[str, TensorSpec]:
+        """What `items(dtype)` yields on `dst`: each full tensor's shape and dtype, in its order."""
+        return {plan.name: TensorSpec(tuple(plan.full_shape), self._wire(plan, dtype)) for plan in self.plan}
+
+    @staticmethod
+    def _wire(plan: _Plan, dtype: torch.dtype | None) -> torch.dtype:
+        return plan.dtype if (dtype is None or not plan.dtype.is_floating_point) else dtype
+
     @torch.no_grad()
     def items(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream the full tensors (floating ones cast to `dtype`, None: as stored) to `dst`, one at a time."""
+        """Stream the full tensors (floating ones cast to `dtype`, None: as stored) to `dst`, one at a time, on its
+        device: valid until the next one is asked for (a tensor `dst` holds whole may be its own parameter)."""
         self.model.state_dict(keep_vars=True)  # its pre-hook waits for a distributed optimizer's parameter all-gathers
         local = self._local()
+        device = self._device()
         for plan in self.plan:
-            wire = plan.dtype if (dtype is None or not plan.dtype.is_floating_point) else dtype
-            full = torch.empty(plan.global_shape, dtype=wire) if self.rank == self.dst else None
+            wire = self._wire(plan, dtype)
+            whole = len(plan.pieces) == 1 and plan.pieces[0].rank == self.rank == self.dst
+            full = None if whole or self.rank != self.dst else torch.empty(plan.global_shape, dtype=wire,
+                                                                           device=device)
             for piece in plan.pieces:
                 if piece.rank == self.rank:
-                    t = local[plan.name].tensor.to(wire).contiguous()
-                    if full is not None:
-                        full[_box(piece)] = t.cpu()
+                    t = local[plan.name].tensor.detach().to(wire)
+                    if whole:
+                        full = t
+                    elif full is not None:
+                        full[_box(piece)] = t
                     else:
-                        dist.send(t, self.dst)
+                        dist.send(t.contiguous(), self.dst)
                 elif full is not None:
-                    buf = torch.empty(piece.shape, dtype=wire, device=self._device())
+                    buf = torch.empty(piece.shape, dtype=wire, device=device)
                     dist.recv(buf, piece.rank)
-                    full[_box(piece)] = buf.cpu()
+                    full[_box(piece)] = buf
             if full is not None:
                 yield plan.name, full.reshape(plan.full_shape)
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-        """Every full tensor on `dst` (None elsewhere); collective."""
-        out = dict(self.items(dtype))
+        """Every full tensor on `dst`, copied to the host (None elsewhere); collective."""
+        out = {name: t.to("cpu", copy=True) for name, t in self.items(dtype)}
         return out if self.rank == self.dst else None
 
     def _device(self) -> torch.device:

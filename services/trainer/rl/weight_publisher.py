@@ -3,22 +3,33 @@
 `publish(version, state_dict)` copies the full tensors to host memory in the sync dtype (bf16 by default; integer buffers
 keep theirs), cuts them into chunks of about `chunk_bytes`, and serves them from a background thread over a ZMQ ROUTER
 socket; the exchange is `proto/rollout.proto` (WeightsRequest / WeightsManifest / WeightsChunk / WeightsError). A
-sharded trainer gathers full tensors before calling it (`parallel/gather_weights.py`, already cast). Workers pull (the
-trainer never pushes), so a worker that starts late, or restarts, gets the current weights, and no worker can slow the
-trainer down: the trainer's cost is the one host copy. The worker side is `services/rl_rollout/weights.py`; the two
-share only the proto messages. With FOLDMOE_AUTH_TOKEN set, requests without it are answered with a `WeightsError`
-(services/common/net.py).
+sharded trainer streams the full tensors into `new_version`'s buffers as it gathers them (`parallel/gather_weights.py`,
+already cast). Workers pull (the trainer never pushes), so a worker that starts late, or restarts, gets the current
+weights, and no worker can slow the trainer down: the trainer's cost is the one host copy.
+
+That copy lands in page-locked buffers (`checkpointer/arena.HostArena`, exactly the bytes needed), so device tensors
+come over at the copy engine's rate, queued without a wait each, with one wait at the end: a pageable copy per tensor
+ran at ~1.3 GB/s (bench/RESULTS.md). Page-locking costs about as much as the copy, so a dropped version's buffers
+are reused by a later one, once ZMQ has let go of every frame sent from them (the frames are sent zero-copy and
+tracked): a worker still receiving an old chunk never sees it overwritten.
+
+The worker side is `services/rl_rollout/weights.py`; the two share only the proto messages. With FOLDMOE_AUTH_TOKEN
+set, requests without it are answered with a `WeightsError` (services/common/net.py).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import zmq
 
 from proto import rollout_pb2 as pb
+from services.checkpointer.arena import HostArena, TensorSpec
 from services.common import net, wire
 
 Chunk = tuple[list[pb.WeightPiece], list[torch.Tensor]]
@@ -48,6 +59,18 @@ def chunk_state(state: dict[str, torch.Tensor], chunk_bytes: int) -> list[Chunk]
     return chunks
 
 
+@dataclass
+class _Version:
+    """A published version: its host buffers, its chunks (views of them), and the sends ZMQ may still read them for."""
+
+    arena: HostArena
+    chunks: list[Chunk]
+    sends: list[zmq.MessageTracker] = field(default_factory=list)
+
+    def sent(self) -> bool:
+        return all(t.done for t in self.sends)
+
+
 class WeightPublisher:
     """`start()` binds a ROUTER on `host`; `endpoint` is what workers connect to (the trainer registers it)."""
 
@@ -58,7 +81,8 @@ class WeightPublisher:
         self.host, self.dtype, self.chunk_bytes, self.keep = host, dtype, chunk_bytes, keep
         self.advertise = net.advertised(host, advertise)
         self.token = net.auth_token() if token is None else token
-        self._versions: OrderedDict[int, list[Chunk]] = OrderedDict()
+        self._versions: OrderedDict[int, _Version] = OrderedDict()
+        self._retired: list[_Version] = []  # dropped versions: their buffers are reused once their sends are done
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
@@ -86,16 +110,47 @@ class WeightPublisher:
 
     @torch.no_grad()
     def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """Make `state` (full tensors) the newest weights. Versions must increase; the tensors are copied."""
+        """Make `state` (full tensors, on any device) the newest weights. Versions must increase; the tensors are
+        copied."""
+        specs = {k: self.spec(v) for k, v in state.items()}
+        with self.new_version(version, specs) as host:
+            for k, v in state.items():
+                host[k].copy_(v.detach().reshape(host[k].shape), non_blocking=True)
+
+    def spec(self, t: torch.Tensor) -> TensorSpec:
+        """How `t` travels: floating tensors in the sync dtype, others as they are."""
+        return TensorSpec(tuple(t.shape), self.dtype if t.is_floating_point() else t.dtype)
+
+    @contextmanager
+    def new_version(self, version: int, specs: dict[str, TensorSpec]) -> Iterator[dict[str, torch.Tensor]]:
+        """Host buffers for `version`'s tensors (`specs`: name -> shape and dtype, in the order workers load them),
+        to be filled in the `with` block, by copies that may be non-blocking; on leaving it the device copies are
+        waited for and the version is published. Versions must increase; an exception in the block publishes nothing."""
         if version <= self.latest:
             raise ValueError(f"weights version {version} is not newer than the published {self.latest}")
-        host = {k: (v.detach().to("cpu", self.dtype) if v.is_floating_point() else v.detach().to("cpu")).contiguous()
-                for k, v in state.items()}
-        chunks = chunk_state(host, self.chunk_bytes)
+        arena = self._take_arena(specs)
+        try:
+            yield arena.views
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        except BaseException:
+            with self._lock:
+                self._retired.append(_Version(arena, []))
+            raise
+        published = _Version(arena, chunk_state(arena.views, self.chunk_bytes))
         with self._lock:
-            self._versions[version] = chunks
+            self._versions[version] = published
             while len(self._versions) > self.keep:
-                self._versions.popitem(last=False)
+                self._retired.append(self._versions.popitem(last=False)[1])
+
+    def _take_arena(self, specs: dict[str, TensorSpec]) -> HostArena:
+        """A retired version's buffers, if they fit `specs` and ZMQ has let go of them; else new ones."""
+        with self._lock:
+            for old in self._retired:
+                if old.arena.matches(specs) and old.sent():
+                    self._retired.remove(old)
+                    return old.arena
+        return HostArena(specs, pin=torch.cuda.is_available(), shared=False, tag="weights-")
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -109,39 +164,55 @@ class WeightPublisher:
             split = next((i for i, f in enumerate(frames) if len(f.buffer) == 0), None)
             if split is None:
                 continue  # not from a REQ socket: nothing we can answer
+            source = None
             try:
-                reply = self._answer(frames[split + 1:])
+                reply, source = self._answer(frames[split + 1:])
             except wire.Unauthenticated as e:
                 reply = wire.encode("weights_error", pb.WeightsError(message=f"refused: {e}"))
             except wire.WireError as e:
                 reply = wire.encode("weights_error", pb.WeightsError(message=f"malformed request: {e}"))
+            if source is not None:  # tensor frames view the version's buffers: tracked until ZMQ lets go of them
+                reply = [reply[0], *(zmq.Frame(f, track=True) for f in reply[1:])]
+                tracker = zmq.MessageTracker(*reply[1:])
+                with self._lock:
+                    source.sends = [t for t in source.sends if not t.done] + [tracker]
             self._sock.send_multipart([*frames[:split + 1], *reply], copy=False)
+            del reply  # the frames' last references here: ZMQ's own end the tracking
 
-    def _answer(self, frames) -> list:
+    def _answer(self, frames) -> tuple[list, _Version | None]:
+        """The reply's frames, and the version whose buffers its tensor frames view (None: no tensors)."""
         kind, req, _ = wire.decode(frames, pb.WeightsRequest, token=self.token)
         with self._lock:
             if kind == "weights_latest":
                 if not self._versions:
-                    return wire.encode("weights_manifest", pb.WeightsManifest(version=-1))
-                version, chunks = next(reversed(self._versions.items()))
+                    return wire.encode("weights_manifest", pb.WeightsManifest(version=-1)), None
+                version, latest = next(reversed(self._versions.items()))
+                chunks = latest.chunks
                 total = sum(t.numel() * t.element_size() for _, ts in chunks for t in ts)
                 return wire.encode("weights_manifest", pb.WeightsManifest(version=version, num_chunks=len(chunks),
-                                                                          total_bytes=total))
+                                                                          total_bytes=total)), None
             if kind == "weights_chunk":
-                chunks = self._versions.get(req.version)
-                if chunks is None:
+                held = self._versions.get(req.version)
+                if held is None:
                     return wire.encode("weights_error", pb.WeightsError(
-                        message=f"version {req.version} is no longer published", version_gone=True))
+                        message=f"version {req.version} is no longer published", version_gone=True)), None
+                chunks = held.chunks
                 if req.chunk >= len(chunks):
                     return wire.encode("weights_error", pb.WeightsError(
-                        message=f"version {req.version} has {len(chunks)} chunks, asked for chunk {req.chunk}"))
+                        message=f"version {req.version} has {len(chunks)} chunks, asked for chunk {req.chunk}")), None
                 pieces, tensors = chunks[req.chunk]
                 body = pb.WeightsChunk(version=req.version, chunk=req.chunk, num_chunks=len(chunks), pieces=pieces)
-                return wire.encode("weights_chunk", body, {str(i): t for i, t in enumerate(tensors)})
-        return wire.encode("weights_error", pb.WeightsError(message=f"unknown request kind {kind!r}"))
+                return wire.encode("weights_chunk", body, {str(i): t for i, t in enumerate(tensors)}), held
+        return wire.encode("weights_error", pb.WeightsError(message=f"unknown request kind {kind!r}")), None
 
     def stop(self) -> None:
         self._stop.set()
         if hasattr(self, "_thread"):
             self._thread.join(timeout=5)
             self._sock.close(linger=0)
+        with self._lock:
+            for held in [*self._versions.values(), *self._retired]:
+                held.chunks = []
+                held.arena.close()
+            self._versions.clear()
+            self._retired.clear()
