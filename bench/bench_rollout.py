@@ -18,6 +18,8 @@
    chunks over ZMQ + load_state_dict); the pulled weights are checked bit-equal (in the sync dtype) to the published.
    The publisher's first `keep + 1` versions page-lock new host buffers, later ones reuse them: the publish is
    reported apart for those first rounds and for the rest (the median of each); give --syncs > 3 for the latter.
+   Publisher and worker share this host, so the worker reads the publisher's shared-memory files where /dev/shm has
+   room for them (the transport is printed); `FOLDMOE_SHM_DIR=/nonexistent` measures the chunks over ZMQ instead.
    The second model is zeroed before each pull (untimed) so the check cannot pass by accident. Note: the published
    model is the rollout model (bf16 on CUDA), while the trainer publishes its fp32 master weights.
 
@@ -134,13 +136,14 @@ def bench_sync(cfg, model, device, dtype, syncs: int) -> dict:
     finally:
         policy.close()
         publisher.stop()
+    transport = "shared memory" if policy.receiver.shared_reads else "ZMQ chunks"
     fresh = publisher.keep + 1  # rounds that page-locked new buffers
     steady = pubs[fresh:] or pubs
     totals = [p + q for p, q in zip(steady, pulls[fresh:] or pulls)]
     total = statistics.median(totals)
     return {"sync_publish_first_s": statistics.median(pubs[:fresh]), "sync_steady_rounds": len(pubs[fresh:]),
             "sync_dtype": str(wire_dtype).removeprefix("torch."), "sync_bytes": nbytes, "sync_params": n_params,
-            "sync_chunk_mb": cfg.rl.weight_chunk_mb, "sync_rounds": syncs,
+            "sync_chunk_mb": cfg.rl.weight_chunk_mb, "sync_rounds": syncs, "sync_transport": transport,
             "sync_publish_s": statistics.median(steady), "sync_pull_s": statistics.median(pulls), "sync_total_s": total,
             "sync_s_per_billion_params": total / (n_params / 1e9), "sync_gb_per_s": nbytes / 1e9 / total}
 
@@ -194,8 +197,8 @@ def main() -> None:
         ("prefill / decode / other", f"{r['gen_prefill_s']:.2f}s / {r['gen_decode_s']:.2f}s / {r['gen_other_s']:.2f}s"),
         ("decode", f"{'CUDA graphs' if r['cuda_graphs'] else 'eager'}; the untimed first pass of the same requests "
                    f"took {r['gen_first_pass_s']:.2f}s"),
-        ("weight sync", f"{r['sync_bytes'] / 1e6:,.1f} MB in {r['sync_dtype']}, chunks {r['sync_chunk_mb']:g} MiB, "
-                        f"median of {args.syncs}"),
+        ("weight sync", f"{r['sync_bytes'] / 1e6:,.1f} MB in {r['sync_dtype']}, pulled from {r['sync_transport']} "
+                        f"(chunks {r['sync_chunk_mb']:g} MiB), median of {args.syncs}"),
         ("publish + pull", f"{r['sync_publish_s']:.3f}s + {r['sync_pull_s']:.3f}s = {r['sync_total_s']:.3f}s "
                            f"(publish over {r['sync_steady_rounds'] or args.syncs} rounds into reused buffers; the "
                            f"first rounds, into new ones: {r['sync_publish_first_s']:.3f}s)"),

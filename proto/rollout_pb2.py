@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/rollout.proto\x12\nfoldmoe.v1\"0\n\x0eWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\"K\n\x0fWeightsManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"I\n\x0bWeightPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\"k\n\x0cWeightsChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\'\n\x06pieces\x18\x04 \x03(\x0b\x32\x17.foldmoe.v1.WeightPiece\"5\n\x0cWeightsError\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x14\n\x0cversion_gone\x18\x02 \x01(\x08\"t\n\nTrajectory\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0f\n\x07routing\x18\x03 \x03(\x05\x12\x0e\n\x06reward\x18\x04 \x01(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x0c\n\x04text\x18\x06 \x01(\t\"\x8a\x02\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x03(\x05\x12\x11\n\tmeta_json\x18\x07 \x01(\t\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\x12\n\nmoe_layers\x18\t \x01(\r\x12\r\n\x05top_k\x18\n \x01(\r\x12\'\n\x07samples\x18\x0b \x03(\x0b\x32\x16.foldmoe.v1.Trajectory\x12\x14\n\x0c\x63reated_unix\x18\x0c \x01(\x01\"\x16\n\x14RolloutStatusRequest\"\x89\x01\n\rRolloutStatus\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x1b\n\x13newest_version_seen\x18\x03 \x01(\x03\x12\x18\n\x10groups_published\x18\x04 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x05 \x01(\x04\x32W\n\x0eRolloutControl\x12\x45\n\x06Status\x12 .foldmoe.v1.RolloutStatusRequest\x1a\x19.foldmoe.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/rollout.proto\x12\nfoldmoe.v1\"0\n\x0eWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\"\x8a\x01\n\x0fWeightsManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshared_path\x18\x04 \x01(\t\x12(\n\x06shared\x18\x05 \x03(\x0b\x32\x18.foldmoe.v1.SharedTensor\"O\n\x0cSharedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\"I\n\x0bWeightPiece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\"k\n\x0cWeightsChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\'\n\x06pieces\x18\x04 \x03(\x0b\x32\x17.foldmoe.v1.WeightPiece\"5\n\x0cWeightsError\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x14\n\x0cversion_gone\x18\x02 \x01(\x08\"t\n\nTrajectory\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0f\n\x07routing\x18\x03 \x03(\x05\x12\x0e\n\x06reward\x18\x04 \x01(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x0c\n\x04text\x18\x06 \x01(\t\"\x8a\x02\n\x0fTrajectoryGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x0e\n\x06prompt\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x03(\x05\x12\x11\n\tmeta_json\x18\x07 \x01(\t\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\x12\n\nmoe_layers\x18\t \x01(\r\x12\r\n\x05top_k\x18\n \x01(\r\x12\'\n\x07samples\x18\x0b \x03(\x0b\x32\x16.foldmoe.v1.Trajectory\x12\x14\n\x0c\x63reated_unix\x18\x0c \x01(\x01\"\x16\n\x14RolloutStatusRequest\"\x89\x01\n\rRolloutStatus\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x1b\n\x13newest_version_seen\x18\x03 \x01(\x03\x12\x18\n\x10groups_published\x18\x04 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x05 \x01(\x04\x32W\n\x0eRolloutControl\x12\x45\n\x06Status\x12 .foldmoe.v1.RolloutStatusRequest\x1a\x19.foldmoe.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WEIGHTSREQUEST']._serialized_start=35
   _globals['_WEIGHTSREQUEST']._serialized_end=83
-  _globals['_WEIGHTSMANIFEST']._serialized_start=85
-  _globals['_WEIGHTSMANIFEST']._serialized_end=160
-  _globals['_WEIGHTPIECE']._serialized_start=162
-  _globals['_WEIGHTPIECE']._serialized_end=235
-  _globals['_WEIGHTSCHUNK']._serialized_start=237
-  _globals['_WEIGHTSCHUNK']._serialized_end=344
-  _globals['_WEIGHTSERROR']._serialized_start=346
-  _globals['_WEIGHTSERROR']._serialized_end=399
-  _globals['_TRAJECTORY']._serialized_start=401
-  _globals['_TRAJECTORY']._serialized_end=517
-  _globals['_TRAJECTORYGROUP']._serialized_start=520
-  _globals['_TRAJECTORYGROUP']._serialized_end=786
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=788
-  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=810
-  _globals['_ROLLOUTSTATUS']._serialized_start=813
-  _globals['_ROLLOUTSTATUS']._serialized_end=950
-  _globals['_ROLLOUTCONTROL']._serialized_start=952
-  _globals['_ROLLOUTCONTROL']._serialized_end=1039
+  _globals['_WEIGHTSMANIFEST']._serialized_start=86
+  _globals['_WEIGHTSMANIFEST']._serialized_end=224
+  _globals['_SHAREDTENSOR']._serialized_start=226
+  _globals['_SHAREDTENSOR']._serialized_end=305
+  _globals['_WEIGHTPIECE']._serialized_start=307
+  _globals['_WEIGHTPIECE']._serialized_end=380
+  _globals['_WEIGHTSCHUNK']._serialized_start=382
+  _globals['_WEIGHTSCHUNK']._serialized_end=489
+  _globals['_WEIGHTSERROR']._serialized_start=491
+  _globals['_WEIGHTSERROR']._serialized_end=544
+  _globals['_TRAJECTORY']._serialized_start=546
+  _globals['_TRAJECTORY']._serialized_end=662
+  _globals['_TRAJECTORYGROUP']._serialized_start=665
+  _globals['_TRAJECTORYGROUP']._serialized_end=931
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_start=933
+  _globals['_ROLLOUTSTATUSREQUEST']._serialized_end=955
+  _globals['_ROLLOUTSTATUS']._serialized_start=958
+  _globals['_ROLLOUTSTATUS']._serialized_end=1095
+  _globals['_ROLLOUTCONTROL']._serialized_start=1097
+  _globals['_ROLLOUTCONTROL']._serialized_end=1184
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,6 @@
-"""Weight sync: what a worker receives is exactly the published state in the sync dtype, whatever the chunking, and the
-staleness bound holds (a worker too far behind waits)."""
+"""Weight sync: what a worker receives is exactly the published state in the sync dtype, whatever the chunking and
+whether it reads the publisher's shared-memory file (same host) or pulls chunks over ZMQ, and the staleness bound holds
+(a worker too far behind waits)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,22 @@ import pytest
 import zmq
 import torch
 
+from services.checkpointer.arena import shm_dir
 from services.rl_rollout.weights import PolicyWeights, SyncStopped, VersionGone, WeightReceiver, WeightSyncError
 from services.trainer.rl.weight_publisher import WeightPublisher, chunk_state
 from tests.rl_helpers import tiny_model
+
+
+@pytest.fixture(params=["shared", "chunks"], autouse=True)
+def transport(request, monkeypatch, tmp_path):
+    """"shared": the publisher's buffers are files in a shared-memory directory workers can open (this host's
+    /dev/shm, or a temporary one); "chunks": there is none, so every byte travels in chunks over ZMQ."""
+    if request.param == "chunks":
+        monkeypatch.setenv("FOLDMOE_SHM_DIR", str(tmp_path / "no-such-dir"))
+    elif not shm_dir().is_dir():
+        (tmp_path / "shm").mkdir()
+        monkeypatch.setenv("FOLDMOE_SHM_DIR", str(tmp_path / "shm"))
+    return request.param
 
 
 @pytest.fixture
@@ -35,7 +49,7 @@ def test_chunks_cover_every_tensor_exactly_once_and_respect_the_size():
     assert seen == {k: v.numel() for k, v in state.items()}
 
 
-def test_worker_receives_the_published_state_in_bf16_with_integer_buffers_intact(publisher):
+def test_worker_receives_the_published_state_in_bf16_with_integer_buffers_intact(publisher, transport):
     trainer = tiny_model(seed=1)
     with torch.no_grad():
         trainer.moe_layers()[0].router.expert_bias.copy_(torch.tensor([0.5, -0.25, 0.0, 1.0]))
@@ -49,6 +63,8 @@ def test_worker_receives_the_published_state_in_bf16_with_integer_buffers_intact
     for name, t in expected.items():
         assert got[name].dtype == (torch.bfloat16 if t.is_floating_point() else t.dtype), name
         assert torch.equal(got[name], t.to(got[name].dtype)), name
+    receiver.confirm(manifest)
+    assert receiver.shared_reads == (transport == "shared")
     receiver.close()
 
 
@@ -104,7 +120,8 @@ def test_a_version_superseded_mid_pull_is_reported_and_the_newest_is_loaded_inst
         stale = receiver.latest()
         pub.publish(1, state)
         with pytest.raises(VersionGone):
-            receiver.fetch(stale)
+            receiver.fetch(stale)  # in chunks: the first chunk's request finds the version gone
+            receiver.confirm(stale)  # from shared memory: read whole only if the version is still kept after
         policy = PolicyWeights(tiny_model(seed=6), receiver, max_staleness=0)
         assert policy.refresh(timeout_s=5) and policy.version == 1
     finally:
@@ -176,6 +193,7 @@ def test_a_dropped_versions_buffers_are_reused_only_once_zmq_has_let_go_of_its_f
         pub.stop()
 
 
+@pytest.mark.parametrize("transport", ["chunks"], indirect=True)
 def test_served_chunks_are_tracked_until_sent_and_then_free_their_buffers(publisher):
     publisher.publish(0, {"w": torch.arange(4096.0)})
     receiver = WeightReceiver(publisher.endpoint, timeout_s=5)
@@ -199,3 +217,31 @@ def test_an_error_while_filling_a_version_publishes_nothing(publisher):
     assert publisher.latest == 0
     with pytest.raises(ValueError, match="not newer"):
         publisher.publish(0, {"w": torch.zeros(8)})
+
+
+@pytest.mark.parametrize("transport", ["shared"], indirect=True)
+def test_a_shared_read_overtaken_by_buffer_reuse_is_not_taken_for_the_version_it_started_as():
+    """A worker reads a version from the publisher's shared file while the trainer publishes two more, the second into
+    the same (reused) buffers: what it loaded is not that version. It must pull again, not keep generating with it."""
+    pub = WeightPublisher(chunk_bytes=4096, keep=1).start()
+    states = [tiny_model(seed=s).state_dict() for s in (11, 12, 13)]
+
+    class Overtaken(WeightReceiver):
+        def fetch(self, manifest):
+            views = super().fetch(manifest)
+            if manifest.version == 0:
+                pub.publish(1, states[1])
+                pub.publish(2, states[2])  # into version 0's buffers, which no send holds
+            return views
+
+    try:
+        pub.publish(0, states[0])
+        receiver = Overtaken(pub.endpoint, timeout_s=5)
+        worker = tiny_model(seed=14)
+        policy = PolicyWeights(worker, receiver, max_staleness=5)
+        assert policy.refresh(timeout_s=5)
+        assert receiver.shared_reads == 2 and policy.version == 2
+        assert torch.equal(worker.output.weight, states[2]["output.weight"].to(torch.bfloat16).float())
+        policy.close()
+    finally:
+        pub.stop()

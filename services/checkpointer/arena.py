@@ -105,8 +105,10 @@ def clear_cuda_error() -> None:
 class HostArena:
     """Host buffers for `specs` in one mapping. `pin=True` registers them with CUDA (needs a CUDA device)."""
 
-    def __init__(self, specs: dict[str, TensorSpec], *, pin: bool, shared: bool = True, tag: str = ""):
-        self.specs = dict(specs)
+    def __init__(self, specs: dict[str, TensorSpec], *, pin: bool, shared: bool = True, tag: str = "",
+                 what: str = "snapshot"):
+        """`tag`: part of the shared file's name; `what`: what the buffers hold, for the log ("snapshot", "weights")."""
+        self.specs, self.what = dict(specs), what
         self.offsets: dict[str, int] = {}
         size = 0
         for name, spec in self.specs.items():
@@ -124,8 +126,8 @@ class HostArena:
                 return
             except RuntimeError as e:
                 # CUDA page-locks shared mappings of tmpfs files only (FOLDMOE_SHM_DIR on a disk filesystem fails).
-                log.warning("snapshot buffers in anonymous memory: %s cannot be page-locked (%s); a writer on this "
-                            "host will receive them over ZMQ", self.path, e)
+                log.warning("%s buffers in anonymous memory: %s cannot be page-locked (%s); a reader on this "
+                            "host will receive them over ZMQ", self.what, self.path, e)
                 self.close()
         self._map = mmap.mmap(-1, self.size)
         try:
@@ -153,7 +155,7 @@ class HostArena:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as e:
-            log.warning("snapshot buffers in anonymous memory: cannot create %s (%s)", path, e)
+            log.warning("%s buffers in anonymous memory: cannot create %s (%s)", self.what, path, e)
             return None
         try:
             # Reserve every page now: a tmpfs that is too small fails here, not with SIGBUS in the middle of a save.
@@ -162,8 +164,8 @@ class HostArena:
         except OSError as e:
             os.close(fd)
             path.unlink(missing_ok=True)
-            log.warning("snapshot buffers in anonymous memory: %s cannot hold %.2f GB (%s); a writer on this host "
-                        "will receive them over ZMQ (enlarge /dev/shm, e.g. docker --shm-size)", directory,
+            log.warning("%s buffers in anonymous memory: %s cannot hold %.2f GB (%s); a reader on this host "
+                        "will receive them over ZMQ (enlarge /dev/shm, e.g. docker --shm-size)", self.what, directory,
                         self.size / 1e9, e)
             return None
         self.path, self._fd = path, fd

@@ -35,18 +35,23 @@ class SharedSnapshot:
         self.path = path
 
     def blob(self, r: pb.TensorRecord) -> Blob:
-        dtype = DTYPE_NAMES.get(r.dtype)
+        dtype, data = self.bytes_of(r.name, r.dtype, r.shape, r.shm_offset)
+        return Blob(dtype, tuple(r.shape), data)
+
+    def bytes_of(self, name: str, dtype_name: str, shape, offset: int) -> tuple[Any, memoryview]:
+        """The torch dtype named `dtype_name` (e.g. "bfloat16") and the bytes of tensor `name`, of `shape`, at byte
+        `offset`: a view of the mapping, checked to lie inside it."""
+        dtype = DTYPE_NAMES.get(dtype_name)
         if dtype is None:
-            raise ValueError(f"tensor {r.name!r} has unknown dtype {r.dtype!r}")
+            raise ValueError(f"tensor {name!r} has unknown dtype {dtype_name!r}")
         numel = 1
-        for d in r.shape:
+        for d in shape:
             numel *= d
         nbytes = numel * dtype.itemsize
-        if r.shm_offset < 0 or r.shm_offset + nbytes > self.size:
-            raise ValueError(f"tensor {r.name!r} at [{r.shm_offset}, {r.shm_offset + nbytes}) lies outside "
-                             f"{self.path} ({self.size} bytes)")
-        data = memoryview(self._map)[r.shm_offset:r.shm_offset + nbytes] if nbytes else memoryview(b"")
-        return Blob(dtype, tuple(r.shape), data)
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"tensor {name!r} at [{offset}, {offset + nbytes}) lies outside {self.path} "
+                             f"({self.size} bytes)")
+        return dtype, memoryview(self._map)[offset:offset + nbytes] if nbytes else memoryview(b"")
 
     def close(self) -> None:
         if self._map is not None:

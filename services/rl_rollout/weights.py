@@ -2,7 +2,11 @@
 
 The trainer serves versioned weights (`services/trainer/rl/weight_publisher.py`; the exchange is the weight messages of
 `proto/rollout.proto`) and registers the endpoint as service "rl_weights" {"zmq": endpoint}. `WeightReceiver` pulls one
-chunk per request (memory bounded by a chunk). `PolicyWeights` swaps the weights into the rollout model between batches
+chunk per request (memory bounded by a chunk); on the publisher's host, where the manifest names a shared-memory file
+it can open, it reads the tensors from that file instead (no bytes over TCP), and `confirm` then asks whether the
+version is still kept: the publisher reuses a version's buffers only after dropping it, so a kept version was read
+whole, and a dropped one may have been overwritten mid-read (VersionGone: the weights loaded from it are not a
+policy; pull again). `PolicyWeights` swaps the weights into the rollout model between batches
 and enforces the staleness bound: it never lets the worker generate with weights more than `max_staleness` versions
 behind the newest published, waiting for a newer version instead.
 
@@ -16,12 +20,17 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import zmq
 
 from proto import rollout_pb2 as pb
+from services.checkpointer.arena import SHM_PREFIX, shm_dir
+from services.checkpointer.shm import SharedSnapshot
 from services.common import logs, net, wire
 
 log = logs.logger("rollout")
@@ -54,6 +63,8 @@ class WeightReceiver:
         self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
+        self._maps: OrderedDict[str, SharedSnapshot] = OrderedDict()  # the publisher's files we mapped, newest last
+        self.shared_reads = 0  # versions read from the publisher's shared-memory files (the rest came in chunks)
 
     def _ask(self, kind: str, req: pb.WeightsRequest, reply_type):
         wire.send(self._sock, kind, req, token=self.token)
@@ -79,7 +90,47 @@ class WeightReceiver:
         return manifest
 
     def fetch(self, manifest: pb.WeightsManifest) -> dict[str, torch.Tensor]:
-        """All chunks of the version in `manifest`, reassembled into full tensors (raises VersionGone if superseded)."""
+        """The tensors of the version in `manifest`: views of the publisher's shared-memory file where we can open it
+        (read-only, valid until `confirm` says otherwise), else all chunks reassembled (raises VersionGone if
+        superseded)."""
+        shared = self._open_shared(manifest.shared_path) if manifest.shared_path else None
+        if shared is None:
+            return self._fetch_chunks(manifest)
+        out = {}
+        with warnings.catch_warnings():  # torch warns that the read-only mapping is not writable: we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            for t in manifest.shared:
+                dtype, data = shared.bytes_of(t.name, t.dtype, t.shape, t.byte_offset)
+                out[t.name] = (torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
+                               ).view(list(t.shape))
+        self.shared_reads += 1
+        return out
+
+    def confirm(self, manifest: pb.WeightsManifest) -> None:
+        """After reading what `fetch` returned: raises VersionGone if it came from shared memory that the publisher
+        may have reused during the read (the version was dropped); chunks were checked as they came."""
+        if manifest.shared_path and manifest.shared_path in self._maps:
+            self._ask("weights_held", pb.WeightsRequest(version=manifest.version), pb.WeightsManifest)
+
+    def _open_shared(self, path: str) -> SharedSnapshot | None:
+        """A read-only mapping of the publisher's file `path`, kept for the next versions (the publisher cycles
+        through a few files); None where we cannot open it (another host or container) or it is not such a file."""
+        if path in self._maps:
+            self._maps.move_to_end(path)
+            return self._maps[path]
+        p = Path(path)
+        try:
+            if not p.name.startswith(SHM_PREFIX) or not p.parent.samefile(shm_dir()):
+                return None
+            shared = SharedSnapshot(path)
+        except (OSError, ValueError):
+            return None
+        self._maps[path] = shared
+        while len(self._maps) > 4:  # the publisher keeps a few versions' files; older ones are gone
+            self._maps.popitem(last=False)[1].close()
+        return shared
+
+    def _fetch_chunks(self, manifest: pb.WeightsManifest) -> dict[str, torch.Tensor]:
         flats: dict[str, torch.Tensor] = {}
         shapes: dict[str, list[int]] = {}
         for i in range(manifest.num_chunks):
@@ -95,6 +146,9 @@ class WeightReceiver:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+        for shared in self._maps.values():
+            shared.close()
+        self._maps.clear()
 
 
 class PolicyWeights:
@@ -149,6 +203,11 @@ class PolicyWeights:
                     self.latest_seen = max(self.latest_seen, manifest.version)
                     if manifest.version > self.version:
                         self.model.load_state_dict(self.receiver.fetch(manifest))
+                        try:
+                            self.receiver.confirm(manifest)
+                        except VersionGone:
+                            self.version = -1  # what was loaded may be torn: no policy until a whole version is
+                            raise
                         self.version = manifest.version
                         log.info("loaded weights version %d (%.1f MB)", self.version, manifest.total_bytes / 1e6)
             except VersionGone:

@@ -11,7 +11,10 @@ That copy lands in page-locked buffers (`checkpointer/arena.HostArena`, exactly 
 come over at the copy engine's rate, queued without a wait each, with one wait at the end: a pageable copy per tensor
 ran at ~1.3 GB/s (bench/RESULTS.md). Page-locking costs about as much as the copy, so a dropped version's buffers
 are reused by a later one, once ZMQ has let go of every frame sent from them (the frames are sent zero-copy and
-tracked): a worker still receiving an old chunk never sees it overwritten.
+tracked): a worker still receiving an old chunk never sees it overwritten. The buffers are a file in /dev/shm where
+it has room (`FOLDMOE_SHM_DIR`); its path and the tensors' places go in the manifest, and a worker that can open it
+(same host and mount) reads the tensors from it rather than over TCP, then asks whether the version is still kept:
+buffers are reused only after their version is dropped, so a yes means the read was whole.
 
 The worker side is `services/rl_rollout/weights.py`; the two share only the proto messages. With FOLDMOE_AUTH_TOKEN
 set, requests without it are answered with a `WeightsError` (services/common/net.py).
@@ -66,9 +69,22 @@ class _Version:
     arena: HostArena
     chunks: list[Chunk]
     sends: list[zmq.MessageTracker] = field(default_factory=list)
+    manifest: pb.WeightsManifest | None = None  # set once published
 
     def sent(self) -> bool:
         return all(t.done for t in self.sends)
+
+
+def _manifest(version: int, held: _Version) -> pb.WeightsManifest:
+    arena = held.arena
+    total = sum(t.numel() * t.element_size() for _, ts in held.chunks for t in ts)
+    manifest = pb.WeightsManifest(version=version, num_chunks=len(held.chunks), total_bytes=total)
+    if arena.shared:
+        manifest.shared_path = str(arena.path)
+        for name, spec in arena.specs.items():
+            manifest.shared.add(name=name, dtype=str(spec.dtype).removeprefix("torch."), shape=list(spec.shape),
+                                byte_offset=arena.offsets[name])
+    return manifest
 
 
 class WeightPublisher:
@@ -138,6 +154,7 @@ class WeightPublisher:
                 self._retired.append(_Version(arena, []))
             raise
         published = _Version(arena, chunk_state(arena.views, self.chunk_bytes))
+        published.manifest = _manifest(version, published)
         with self._lock:
             self._versions[version] = published
             while len(self._versions) > self.keep:
@@ -150,7 +167,7 @@ class WeightPublisher:
                 if old.arena.matches(specs) and old.sent():
                     self._retired.remove(old)
                     return old.arena
-        return HostArena(specs, pin=torch.cuda.is_available(), shared=False, tag="weights-")
+        return HostArena(specs, pin=torch.cuda.is_available(), tag="weights-", what="weights")
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -186,11 +203,13 @@ class WeightPublisher:
             if kind == "weights_latest":
                 if not self._versions:
                     return wire.encode("weights_manifest", pb.WeightsManifest(version=-1)), None
-                version, latest = next(reversed(self._versions.items()))
-                chunks = latest.chunks
-                total = sum(t.numel() * t.element_size() for _, ts in chunks for t in ts)
-                return wire.encode("weights_manifest", pb.WeightsManifest(version=version, num_chunks=len(chunks),
-                                                                          total_bytes=total)), None
+                return wire.encode("weights_manifest", next(reversed(self._versions.values())).manifest), None
+            if kind == "weights_held":
+                held = self._versions.get(req.version)
+                if held is None:
+                    return wire.encode("weights_error", pb.WeightsError(
+                        message=f"version {req.version} is no longer published", version_gone=True)), None
+                return wire.encode("weights_manifest", held.manifest), None
             if kind == "weights_chunk":
                 held = self._versions.get(req.version)
                 if held is None:
