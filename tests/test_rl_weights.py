@@ -4,6 +4,7 @@ whether it reads the publisher's shared-memory file (same host) or pulls chunks 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -245,3 +246,14 @@ def test_a_shared_read_overtaken_by_buffer_reuse_is_not_taken_for_the_version_it
         policy.close()
     finally:
         pub.stop()
+
+
+@pytest.mark.parametrize("transport", ["shared"], indirect=True)
+def test_the_publishers_shared_files_are_gone_once_it_stops():
+    pub = WeightPublisher(chunk_bytes=4096, keep=1).start()
+    for version in range(3):  # in two files: the kept version's and the dropped one's, reused
+        pub.publish(version, {"w": torch.full((64,), float(version))})
+    mine = f"pid{os.getpid()}-weights-"
+    assert len([p for p in shm_dir().iterdir() if mine in p.name]) == 2
+    pub.stop()
+    assert not [p for p in shm_dir().iterdir() if mine in p.name]

@@ -32,7 +32,7 @@ import torch
 import zmq
 
 from proto import rollout_pb2 as pb
-from services.checkpointer.arena import HostArena, TensorSpec
+from services.checkpointer.arena import HostArena, TensorSpec, remove_stale_files
 from services.common import net, wire
 
 Chunk = tuple[list[pb.WeightPiece], list[torch.Tensor]]
@@ -111,6 +111,7 @@ class WeightPublisher:
         return cls(host, dtype=sync_dtype(rl), chunk_bytes=int(rl.weight_chunk_mb * 2**20), advertise=advertise)
 
     def start(self) -> "WeightPublisher":
+        remove_stale_files()  # buffers a crashed trainer left in shared memory
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port(f"tcp://{self.host}")
