@@ -51,7 +51,11 @@ class _Running:
     request: Request
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    routing: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def fed(self) -> int:
+        """Tokens fed to the model so far: the prompt and every sampled token but the last."""
+        return len(self.request.prompt_tokens) + len(self.tokens) - 1
 
 
 class Engine:
@@ -63,6 +67,13 @@ class Engine:
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.cache = CachedDecoder(model, max_batch, max_seq_len, cuda_graphs)  # decode steps as CUDA graphs on GPU
         self.generator = torch.Generator(self.cache.device).manual_seed(seed)
+        # Each slot's routing, position by position, written once per step for all sequences together (a host
+        # tensor of int16 ids: slots x layers x max_seq_len x top_k x 2 B); a completion copies its slot's rows.
+        layers = self.cache.num_moe_layers
+        top_k = model.cfg.top_k if layers else 0
+        if layers and model.cfg.num_experts > torch.iinfo(torch.int16).max:
+            raise EngineError(f"{model.cfg.num_experts} experts do not fit the routing record's int16 ids")
+        self.routing = torch.empty(max_batch, layers, max_seq_len, top_k, dtype=torch.int16)
 
     def close(self) -> None:
         self.cache.close()
@@ -91,7 +102,7 @@ class Engine:
         def finish(slot: int, reason: str) -> None:
             seq = running.pop(slot)
             c = Completion(seq.request.tag, list(seq.request.prompt_tokens), seq.tokens, seq.logprobs,
-                           torch.cat(seq.routing, dim=1), reason, self.tokenizer.decode(seq.tokens))
+                           self.routing[slot, :, :seq.fed].to(torch.int64), reason, self.tokenizer.decode(seq.tokens))
             done[seq.index] = c
             if on_complete is not None:
                 on_complete(c)
@@ -107,22 +118,26 @@ class Engine:
             if joining:
                 logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in joining], joining)
                 lens = [len(running[s].request.prompt_tokens) for s in joining]
-                for s, r in zip(joining, routing.split(lens, dim=1)):
-                    running[s].routing.append(r)
-                self._append(joining, logits, running, finish)
+                self._append(joining, logits, _to_host(routing), running, finish, [0] * len(joining), lens)
             stepping = [s for s in running if s not in joining]
             if stepping:
-                seqs = [running[s] for s in stepping]
-                positions = [len(q.request.prompt_tokens) + len(q.tokens) - 1 for q in seqs]
-                logits, routing = self.cache.decode([q.tokens[-1] for q in seqs], stepping, positions)
-                for q, r in zip(seqs, routing.split(1, dim=1)):  # one call for the step's views, not one per sequence
-                    q.routing.append(r)
-                self._append(stepping, logits, running, finish)
+                positions = [running[s].fed for s in stepping]
+                logits, routing = self.cache.decode([running[s].tokens[-1] for s in stepping], stepping, positions)
+                self._append(stepping, logits, _to_host(routing), running, finish, positions, [1] * len(stepping))
         return done
 
-    def _append(self, slots: list[int], logits: torch.Tensor, running: dict[int, _Running], finish) -> None:
+    def _append(self, slots: list[int], logits: torch.Tensor, routing: torch.Tensor, running: dict[int, _Running],
+                finish, starts: list[int], lens: list[int]) -> None:
+        """Sample each slot's next token and record the routing of the tokens just fed: `routing` [L, Σ lens, k], slot
+        i's `lens[i]` tokens from position `starts[i]` on (a prefill's prompts, or a decode step's one token each)."""
         tokens, logprobs = sample(logits, [running[s].request.params for s in slots], self.generator)
-        for s, t, lp in zip(slots, tokens.tolist(), logprobs.tolist()):
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # the step's wait for the device: its routing is here too
+        if all(n == 1 for n in lens):  # a decode step: every sequence's row in one indexed write
+            self.routing[torch.tensor(slots), :, torch.tensor(starts)] = routing.transpose(0, 1).to(torch.int16)
+        else:
+            for s, at, part in zip(slots, starts, routing.split(lens, dim=1)):
+                self.routing[s, :, at:at + part.shape[1]] = part
+        for s, t, lp in zip(slots, tokens, logprobs):
             seq = running[s]
             seq.tokens.append(t)
             seq.logprobs.append(lp)
@@ -143,3 +158,12 @@ class Engine:
         if len(seq.tokens) >= p.max_tokens:
             return "length"
         return ""
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host, copied without a wait from a CUDA device into pinned memory: read it after the step's next
+    wait for the device (the caching host allocator keeps the buffer until the copy has run)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

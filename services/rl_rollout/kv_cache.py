@@ -137,10 +137,11 @@ class CachedDecoder:
             h.remove()
 
     def _routing(self, tokens: int) -> torch.Tensor:
-        """Expert ids of the last forward: [moe layers, tokens, top_k] int64 on the CPU ([0, tokens, 0]: no MoE layer)."""
+        """Expert ids of the last forward: [moe layers, tokens, top_k] int64 on the device ([0, tokens, 0]: no MoE
+        layer)."""
         if not self._routers:
-            return torch.zeros(0, tokens, 0, dtype=torch.int64)
-        return torch.stack(self._taps).cpu()
+            return torch.zeros(0, tokens, 0, dtype=torch.int64, device=self.device)
+        return torch.stack(self._taps)
 
     def _block(self, block, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         x = x + block.attn.o_proj(attention.reshape(x.shape[0], -1))
@@ -150,7 +151,8 @@ class CachedDecoder:
     def prefill(self, prompts: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run whole prompts (packed, document-masked) and fill their slots.
 
-        Returns logits at each prompt's last token [n, V] and the routing of every prompt token [L, Σ len, k].
+        Returns logits at each prompt's last token [n, V] and the routing of every prompt token [L, Σ len, k], both on
+        the device.
         """
         lens = [len(p) for p in prompts]
         if min(lens) < 1 or max(lens) > self.max_len:
@@ -172,7 +174,7 @@ class CachedDecoder:
     def decode(self, tokens: list[int], slots: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed one token per sequence at `positions` (= tokens already cached in that slot).
 
-        Returns next-token logits [B, V] and the routing of the fed tokens [L, B, k].
+        Returns next-token logits [B, V] and the routing of the fed tokens [L, B, k], both on the device.
         """
         if max(positions) >= self.max_len:
             raise ValueError(f"a sequence reached the cache length {self.max_len}; raise rl.max_seq_len")
@@ -183,9 +185,10 @@ class CachedDecoder:
         inputs = torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad])
         step.inputs.copy_(inputs, non_blocking=True)  # staged from pageable memory at once; no wait for the device
         logits, routing = step.run()
-        routing = routing[:, :n].cpu() if routing is not None else torch.zeros(0, n, 0, dtype=torch.int64)
-        # A graph's output is overwritten by its next replay: the caller gets a copy. An eager step's is its own.
-        return (logits[:n].clone() if self.cuda_graphs else logits[:n]), routing
+        if routing is None:
+            return logits[:n].clone() if self.cuda_graphs else logits[:n], self._routing(n)
+        # A graph's outputs are overwritten by its next replay: the caller gets copies. An eager step's are its own.
+        return (logits[:n].clone(), routing[:, :n].clone()) if self.cuda_graphs else (logits[:n], routing[:, :n])
 
     def _forward(self, inputs: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step on `inputs` [3, batch], attending to the first `span` cache positions (masked)."""
