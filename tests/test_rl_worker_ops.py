@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -171,3 +172,27 @@ def test_a_worker_that_fails_to_start_leaves_no_registration(run, monkeypatch):
     with pytest.raises(RuntimeError, match="engine could not start"):
         RolloutWorker(cfg, registry, worker_id="rollout0")
     assert registry.lookup("rollout") == []
+
+
+def test_a_worker_pauses_once_the_backlog_holds_what_the_trainer_can_read_before_it_goes_stale(run, monkeypatch):
+    """Step s trains on groups of versions s - max_staleness .. s, so a group made now is read by at most
+    max_staleness + 1 steps of groups_per_step groups: a worker stops there even under a larger max_queued_groups
+    (a longer backlog only goes stale), and generates again below it."""
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY, "rl.groups_per_step=3", "rl.max_staleness=1",
+                                               "rl.max_queued_groups=64"])
+    worker = RolloutWorker(cfg, Registry(REDIS_URL, run), worker_id="rollout0")
+    try:
+        assert worker.backlog_bound == 6
+        asked, refreshed = [], []
+        for backlog, generates in ((6, False), (5, True)):
+            monkeypatch.setattr(worker.stream, "backlog", lambda limit, staleness, n=backlog: asked.append(limit) or n)
+            monkeypatch.setattr(worker.policy, "refresh", lambda: refreshed.append(backlog) and False)
+            timer = threading.Timer(0.5, worker.stop.set)
+            timer.start()
+            worker.run()
+            timer.join()
+            worker.stop.clear()
+            assert (backlog in refreshed) == generates, f"backlog {backlog}"
+        assert set(asked) == {6}
+    finally:
+        worker.close()

@@ -131,6 +131,15 @@ class RolloutWorker:
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
 
+    @property
+    def backlog_bound(self) -> int:
+        """Fresh groups worth waiting in the stream: `rl.max_queued_groups`, and no more than the steps that can still
+        train on a group generated now will read. Those are the trainer's next step to the one `rl.max_staleness`
+        versions past the worker's weights, at most `max_staleness + 1` steps of `rl.groups_per_step` groups; a longer
+        backlog goes stale before it is read (`dropped_stale`), generated on GPU time the trainer may share."""
+        rl = self.cfg.rl
+        return max(1, min(rl.max_queued_groups, rl.groups_per_step * (rl.max_staleness + 1)))
+
     def _publisher(self) -> str | None:
         """The newest trainer's weight endpoint (a dead trainer's record outlives it by at most the heartbeat TTL)."""
         records = [r for r in self.registry.lookup("rl_weights") if r.get("zmq")]
@@ -140,8 +149,8 @@ class RolloutWorker:
         while not self.stop.is_set() and (max_groups is None or self.groups_published < max_groups):
             # Throttle first, refresh second: weights are pulled right before they are used, not before a wait.
             # Groups too stale for the dataloader's next step are not backlog (services/common/rollout_stream.py).
-            rl = self.cfg.rl
-            while self.stream.backlog(rl.max_queued_groups, rl.max_staleness) >= rl.max_queued_groups:
+            bound = self.backlog_bound
+            while self.stream.backlog(bound, self.cfg.rl.max_staleness) >= bound:
                 if self.stop.wait(0.1):
                     return
             if not self.policy.refresh():
