@@ -175,24 +175,30 @@ def test_a_worker_that_fails_to_start_leaves_no_registration(run, monkeypatch):
 
 
 def test_a_worker_pauses_once_the_backlog_holds_what_the_trainer_can_read_before_it_goes_stale(run, monkeypatch):
-    """Step s trains on groups of versions s - max_staleness .. s, so a group made now is read by at most
-    max_staleness + 1 steps of groups_per_step groups: a worker stops there even under a larger max_queued_groups
-    (a longer backlog only goes stale), and generates again below it."""
+    """Step s trains on groups of versions s - max_staleness .. s, so a group made now with version v is read, if at
+    all, by the dataloader's next step n up to step v + max_staleness: a worker stops once the fresh backlog fills
+    those steps, even under a larger max_queued_groups (a longer backlog only goes stale), generates below it, and
+    generates nothing while its weights are too old for the next step."""
     cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY, "rl.groups_per_step=3", "rl.max_staleness=1",
                                                "rl.max_queued_groups=64"])
     worker = RolloutWorker(cfg, Registry(REDIS_URL, run), worker_id="rollout0")
     try:
-        assert worker.backlog_bound == 6
-        asked, refreshed = [], []
-        for backlog, generates in ((6, False), (5, True)):
+        worker.policy.version = 5
+        # (next step, fresh groups waiting) -> (bound, generates): before the dataloader's first step, when it next
+        # builds step 5 (ours: 5 and 6 may read our groups), step 6 (only 6) or step 7 (none)
+        for next_step, backlog, bound, generates in ((None, 5, 6, True), (None, 6, 6, False), (5, 5, 6, True),
+                                                     (6, 2, 3, True), (6, 3, 3, False), (7, 0, 0, False)):
+            asked, generated = [], []
+            monkeypatch.setattr(worker.stream, "next_step", lambda n=next_step: n)
             monkeypatch.setattr(worker.stream, "backlog", lambda limit, staleness, n=backlog: asked.append(limit) or n)
-            monkeypatch.setattr(worker.policy, "refresh", lambda: refreshed.append(backlog) and False)
-            timer = threading.Timer(0.5, worker.stop.set)
+            monkeypatch.setattr(worker, "run_batch", lambda: generated.append(True) or worker.stop.set())
+            monkeypatch.setattr(worker.policy, "refresh", lambda: True)
+            timer = threading.Timer(0.3, worker.stop.set)
             timer.start()
             worker.run()
-            timer.join()
+            timer.cancel()
             worker.stop.clear()
-            assert (backlog in refreshed) == generates, f"backlog {backlog}"
-        assert set(asked) == {6}
+            case = f"next step {next_step}, backlog {backlog}"
+            assert set(asked) == {bound} and bool(generated) == generates, case
     finally:
         worker.close()

@@ -131,14 +131,18 @@ class RolloutWorker:
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
 
-    @property
     def backlog_bound(self) -> int:
-        """Fresh groups worth waiting in the stream: `rl.max_queued_groups`, and no more than the steps that can still
-        train on a group generated now will read. Those are the trainer's next step to the one `rl.max_staleness`
-        versions past the worker's weights, at most `max_staleness + 1` steps of `rl.groups_per_step` groups; a longer
-        backlog goes stale before it is read (`dropped_stale`), generated on GPU time the trainer may share."""
-        rl = self.cfg.rl
-        return max(1, min(rl.max_queued_groups, rl.groups_per_step * (rl.max_staleness + 1)))
+        """Fresh groups worth waiting in the stream before this worker generates more: `rl.max_queued_groups`, and no
+        more than the steps that can still train on a group generated now will read. Step s trains on versions
+        s - `rl.max_staleness` .. s, so a group of our version v is read, if at all, by the dataloader's next step n
+        up to step v + max_staleness: v + max_staleness - n + 1 steps of `rl.groups_per_step` groups, which the groups
+        already waiting (older, read first) fill before ours. A longer backlog goes stale before it is read
+        (`dropped_stale`), generated on GPU time the trainer may share; none at all (0) while our weights are too
+        old for the next step (`run` pulls newer ones meanwhile). No stall: a bound above zero holds at least one
+        step's groups, all usable by the next step, so a worker waits only while that step has what it needs."""
+        rl, next_step = self.cfg.rl, self.stream.next_step()
+        steps = rl.max_staleness + 1 if next_step is None else self.policy.version + rl.max_staleness - next_step + 1
+        return min(rl.max_queued_groups, rl.groups_per_step * max(steps, 0))
 
     def _publisher(self) -> str | None:
         """The newest trainer's weight endpoint (a dead trainer's record outlives it by at most the heartbeat TTL)."""
@@ -147,14 +151,16 @@ class RolloutWorker:
 
     def run(self, max_groups: int | None = None) -> None:
         while not self.stop.is_set() and (max_groups is None or self.groups_published < max_groups):
-            # Throttle first, refresh second: weights are pulled right before they are used, not before a wait.
-            # Groups too stale for the dataloader's next step are not backlog (services/common/rollout_stream.py).
-            bound = self.backlog_bound
-            while self.stream.backlog(bound, self.cfg.rl.max_staleness) >= bound:
+            # The newest weights first, then the throttle for them: groups too stale for the dataloader's next step are
+            # not backlog (services/common/rollout_stream.py), and the room left depends on the weights' version.
+            while True:
+                if not self.policy.refresh():
+                    return
+                bound = self.backlog_bound()
+                if self.stream.backlog(bound, self.cfg.rl.max_staleness) < bound:
+                    break
                 if self.stop.wait(0.1):
                     return
-            if not self.policy.refresh():
-                return
             self.run_batch()
 
     def run_batch(self) -> None:
