@@ -97,11 +97,11 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
         got = scrape(record["metrics"])
         entries = worker.stream.client.xrange(worker.stream.key)
         groups = [rollout_pb2.TrajectoryGroup.FromString(fields[b"group"]) for _, fields in entries]
-        # the backlog the worker throttles on counts what the dataloader has not consumed yet
-        assert worker.stream.backlog() == len(entries) == cfg.rl.prompts_per_batch
-        rollout_stream.mark_read(worker.stream.client, worker.stream.key, entries[1][0].decode())
-        assert worker.stream.backlog() == len(entries) - 2
-        assert worker.stream.backlog(limit=1) == 1  # counted up to the limit
+        # the backlog the worker throttles on: the versions of what the dataloader has not consumed yet
+        assert worker.stream.waiting(100) == ([1] * len(entries), None) and len(entries) == cfg.rl.prompts_per_batch
+        rollout_stream.mark_read(worker.stream.client, worker.stream.key, entries[1][0].decode(), next_step=2)
+        assert worker.stream.waiting(100) == ([1] * (len(entries) - 2), 2)
+        assert worker.stream.waiting(1) == ([1], 2)  # up to the limit
     samples = [s for g in groups for s in g.samples]
     assert got[("foldmoe_rollout_samples_total", ())] == len(samples) == 12
     assert got[("foldmoe_rollout_groups_total", ())] == 3
@@ -174,23 +174,27 @@ def test_a_worker_that_fails_to_start_leaves_no_registration(run, monkeypatch):
     assert registry.lookup("rollout") == []
 
 
-def test_a_worker_pauses_once_the_backlog_holds_what_the_trainer_can_read_before_it_goes_stale(run, monkeypatch):
-    """Step s trains on groups of versions s - max_staleness .. s, so a group made now with version v is read, if at
-    all, by the dataloader's next step n up to step v + max_staleness: a worker stops once the fresh backlog fills
-    those steps, even under a larger max_queued_groups (a longer backlog only goes stale), generates below it, and
-    generates nothing while its weights are too old for the next step."""
+def test_a_worker_generates_only_what_the_steps_that_can_train_on_it_will_read(run, monkeypatch):
+    """Step s trains on groups of versions s - max_staleness .. s, reading them in stream order: a worker with weights
+    of version v stops once the groups waiting fill the steps up to v + max_staleness (a longer backlog only goes
+    stale), generates while they leave room, counts none of the waiting groups those steps will drop as stale, and
+    stops at `max_queued_groups` whatever the room."""
     cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY, "rl.groups_per_step=3", "rl.max_staleness=1",
-                                               "rl.max_queued_groups=64"])
+                                               "rl.max_queued_groups=8"])
     worker = RolloutWorker(cfg, Registry(REDIS_URL, run), worker_id="rollout0")
     try:
         worker.policy.version = 5
-        # (next step, fresh groups waiting) -> (bound, generates): before the dataloader's first step, when it next
-        # builds step 5 (ours: 5 and 6 may read our groups), step 6 (only 6) or step 7 (none)
-        for next_step, backlog, bound, generates in ((None, 5, 6, True), (None, 6, 6, False), (5, 5, 6, True),
-                                                     (6, 2, 3, True), (6, 3, 3, False), (7, 0, 0, False)):
+        # (waiting versions, next step) -> generates: steps 5 and 6 read at most 6 groups of version 5 (5 waiting: room,
+        # 6: none); step 6 alone 3 (it drops the 4s: room after two 5s, none after three); step 7 none; step 5 reads
+        # three 4s and step 6 drops the fourth (room after two 5s); 8 waiting is max_queued_groups; before the
+        # dataloader's first step, from our version's step on
+        for waiting, next_step, generates in (([5] * 5, 5, True), ([5] * 6, 5, False), ([4] * 2 + [5] * 2, 6, True),
+                                              ([4] * 2 + [5] * 3, 6, False), ([4] * 6, 6, True), ([], 7, False),
+                                              ([4] * 4 + [5] * 2, 5, True), ([5] * 8, None, False),
+                                              ([5] * 5, None, True)):
             asked, generated = [], []
-            monkeypatch.setattr(worker.stream, "next_step", lambda n=next_step: n)
-            monkeypatch.setattr(worker.stream, "backlog", lambda limit, staleness, n=backlog: asked.append(limit) or n)
+            monkeypatch.setattr(worker.stream, "waiting", lambda limit, w=waiting, n=next_step: asked.append(limit)
+                                or (w, n))
             monkeypatch.setattr(worker, "run_batch", lambda: generated.append(True) or worker.stop.set())
             monkeypatch.setattr(worker.policy, "refresh", lambda: True)
             timer = threading.Timer(0.3, worker.stop.set)
@@ -198,7 +202,6 @@ def test_a_worker_pauses_once_the_backlog_holds_what_the_trainer_can_read_before
             worker.run()
             timer.cancel()
             worker.stop.clear()
-            case = f"next step {next_step}, backlog {backlog}"
-            assert set(asked) == {bound} and bool(generated) == generates, case
+            assert set(asked) == {8} and bool(generated) == generates, f"waiting {waiting}, next step {next_step}"
     finally:
         worker.close()

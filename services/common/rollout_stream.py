@@ -4,12 +4,16 @@ The stream (one entry per trajectory group, field "group" = a `foldmoe.v1.Trajec
 the dataloader keeps its entries until every trainer rank is a few steps past them, so that a restarted dataloader can
 replay a step exactly. Its length is therefore not the backlog the workers throttle on. The reader records the id of
 the last entry it has consumed under `read_position_key(stream)` and the step it builds next under `step_key(stream)`;
-the backlog is the count of entries after that position that the next step could still use: a group more than
-`rl.max_staleness` versions older than that step will be dropped whatever happens. Counting those would let a backlog
-of stale groups hold the workers back while the dataloader waits for fresh ones, and the run would stall.
+from the versions of the entries after that position (`unread_versions`) a worker computes how many more groups of its
+weights' version the steps will still read (`room`), as the dataloader reads them: step by step, in stream order,
+dropping the groups too stale for the step. Stale groups therefore never hold the workers back (counting them would
+stop the workers while the dataloader waits for fresh groups: the run would stall), and fresh ones beyond what the
+steps that can use them will read do (they would only go stale).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import redis
 
@@ -29,21 +33,27 @@ def mark_read(client: redis.Redis, stream: str, entry_id: str, next_step: int | 
         client.set(step_key(stream), next_step)
 
 
-def unread(client: redis.Redis, stream: str, limit: int, max_staleness: int | None = None) -> int:
-    """Entries after the read position, counted up to `limit` (the workers only ask whether the backlog is full).
-    With `max_staleness` (and a recorded next step), only the groups that step could use count (module docstring)."""
+def unread_versions(client: redis.Redis, stream: str, limit: int) -> tuple[list[int], int | None]:
+    """The versions of up to `limit` entries after the read position, in stream order, and the step the dataloader
+    builds next (None before its first)."""
     after, step = client.mget(read_position_key(stream), step_key(stream))
     start = f"({after.decode()}" if after else "-"
-    if max_staleness is None or step is None:
-        return len(client.xrange(stream, min=start, max="+", count=max(1, limit)))
-    oldest, counted = int(step) - max_staleness, 0
-    while counted < limit:
-        entries = client.xrange(stream, min=start, max="+", count=max(64, limit))
-        if not entries:
-            break
-        counted += sum(1 for _, fields in entries if _version(fields) >= oldest)
-        start = f"({entries[-1][0].decode()}"
-    return min(counted, limit)
+    entries = client.xrange(stream, min=start, max="+", count=max(1, limit)) if limit > 0 else []
+    return [_version(fields) for _, fields in entries], None if step is None else int(step)
+
+
+def room(waiting: list[int], next_step: int, version: int, max_staleness: int, groups_per_step: int) -> int:
+    """How many groups of `version` made now the steps will still read, behind the `waiting` ones (their versions, in
+    stream order). Step k reads, in stream order, the first `groups_per_step` groups of versions k - max_staleness
+    .. k and drops the older ones it passes (services/dataloader/rollout_source.py), from `next_step` on; a group of
+    `version` is read by step version + max_staleness at the latest, or never."""
+    queue, free = deque(waiting), 0
+    for k in range(next_step, version + max_staleness + 1):
+        taken = 0
+        while taken < groups_per_step and queue:
+            taken += k - max_staleness <= queue.popleft() <= k
+        free += groups_per_step - taken
+    return free
 
 
 def _version(fields: dict) -> int:

@@ -42,15 +42,9 @@ class TrajectoryStream:
     def publish(self, group: pb.TrajectoryGroup) -> bytes:
         return self.client.xadd(self.key, {"group": group.SerializeToString(), "version": group.policy_version})
 
-    def next_step(self) -> int | None:
-        """The step the dataloader builds next (None before its first)."""
-        step = self.client.get(rollout_stream.step_key(self.key))
-        return None if step is None else int(step)
-
-    def backlog(self, limit: int = 1 << 16, max_staleness: int | None = None) -> int:
-        """Groups published and not yet consumed, counted up to `limit` (the dataloader keeps consumed entries a few
-        steps: services/common/rollout_stream.py); with `max_staleness`, only those its next step could still use."""
-        return rollout_stream.unread(self.client, self.key, limit, max_staleness)
+    def waiting(self, limit: int) -> tuple[list[int], int | None]:
+        """The versions of the groups not consumed yet (up to `limit`, in stream order) and the dataloader's next step."""
+        return rollout_stream.unread_versions(self.client, self.key, limit)
 
     def close(self) -> None:
         self.client.close()

@@ -9,8 +9,9 @@ Its id is `--worker-id`, or
 else "worker<i>" for the lowest of the `rl.workers` slots no live worker holds (claimed atomically in Redis), so the
 launcher's and compose's workers get stable ids, and with them reproducible prompts and samples (the launcher waits
 for that before it starts the trainer, and the trainer learns the stream from it), then loops until SIGTERM/SIGINT:
-wait while the stream backlog is full -> refresh weights from the trainer's publisher (registry service "rl_weights",
-record {"zmq": endpoint}; bounded staleness, `weights.PolicyWeights`) -> generate `rl.prompts_per_batch` prompts x
+refresh weights from the trainer's publisher (registry service "rl_weights", record {"zmq": endpoint}; bounded
+staleness, `weights.PolicyWeights`) -> wait, pulling newer weights, while the steps that could train on groups of
+these weights already have theirs waiting in the stream (`room`) -> generate `rl.prompts_per_batch` prompts x
 `rl.group_size` samples with one engine batch -> publish each group (XADD) as soon as its last sample finishes. Every
 group records the weights version that generated it. Several workers may run at once; a worker that dies loses only
 the groups it had not finished, and a restarted one starts from the trainer's current weights.
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proto import rollout_pb2, rollout_pb2_grpc
-from services.common import grpc_server, logs, net, procs
+from services.common import grpc_server, logs, net, procs, rollout_stream
 from services.common.config import Config, ConfigError, ModelConfig, load_config
 from services.common.metrics import RolloutMetrics
 from services.common.registry import Registry, RegistryError, redis_url
@@ -131,18 +132,18 @@ class RolloutWorker:
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
 
-    def backlog_bound(self) -> int:
-        """Fresh groups worth waiting in the stream before this worker generates more: `rl.max_queued_groups`, and no
-        more than the steps that can still train on a group generated now will read. Step s trains on versions
-        s - `rl.max_staleness` .. s, so a group of our version v is read, if at all, by the dataloader's next step n
-        up to step v + max_staleness: v + max_staleness - n + 1 steps of `rl.groups_per_step` groups, which the groups
-        already waiting (older, read first) fill before ours. A longer backlog goes stale before it is read
-        (`dropped_stale`), generated on GPU time the trainer may share; none at all (0) while our weights are too
-        old for the next step (`run` pulls newer ones meanwhile). No stall: a bound above zero holds at least one
-        step's groups, all usable by the next step, so a worker waits only while that step has what it needs."""
-        rl, next_step = self.cfg.rl, self.stream.next_step()
-        steps = rl.max_staleness + 1 if next_step is None else self.policy.version + rl.max_staleness - next_step + 1
-        return min(rl.max_queued_groups, rl.groups_per_step * max(steps, 0))
+    def room(self) -> int:
+        """How many more groups made now with our weights the trainer will read (`rollout_stream.room`): none once the
+        groups waiting in the stream fill every step that can still train on ours (step s trains on versions
+        s - `rl.max_staleness` .. s), or `rl.max_queued_groups` wait. More would only go stale (`dropped_stale`),
+        generated on GPU time the trainer may share; meanwhile `run` keeps pulling newer weights, which open room."""
+        rl = self.cfg.rl
+        waiting, next_step = self.stream.waiting(rl.max_queued_groups)
+        if len(waiting) >= rl.max_queued_groups:
+            return 0
+        version = self.policy.version
+        return rollout_stream.room(waiting, version if next_step is None else next_step, version, rl.max_staleness,
+                                   rl.groups_per_step)
 
     def _publisher(self) -> str | None:
         """The newest trainer's weight endpoint (a dead trainer's record outlives it by at most the heartbeat TTL)."""
@@ -151,13 +152,12 @@ class RolloutWorker:
 
     def run(self, max_groups: int | None = None) -> None:
         while not self.stop.is_set() and (max_groups is None or self.groups_published < max_groups):
-            # The newest weights first, then the throttle for them: groups too stale for the dataloader's next step are
-            # not backlog (services/common/rollout_stream.py), and the room left depends on the weights' version.
+            # The newest weights first, then the throttle for them: the room left depends on the weights' version
+            # (services/common/rollout_stream.py).
             while True:
                 if not self.policy.refresh():
                     return
-                bound = self.backlog_bound()
-                if self.stream.backlog(bound, self.cfg.rl.max_staleness) < bound:
+                if self.room() > 0:
                     break
                 if self.stop.wait(0.1):
                     return
