@@ -262,14 +262,15 @@ def test_the_workers_room_leaves_out_groups_too_stale_for_the_steps_that_would_r
     stream.next_step()  # step 0 consumed g0; the next step is 1
     assert int(client.get(rollout_stream.step_key(stream_key))) == 1
     publish(stream_key, [make_group(rng, f"s{i}", version=0) for i in range(3)])  # usable by step 1 (v >= 0)
-    assert rollout_stream.unread_versions(client, stream_key, 100) == ([0, 0, 0], 1)
+    assert rollout_stream.unread_versions(client, stream_key, 100, 1) == ([0, 0, 0], 1)
     # a worker with version 1: step 1 reads one of them, step 2 drops the other two (too stale): room for one group
     assert rollout_stream.room([0, 0, 0], 1, 1, 1, 1) == 1
     stream.next_step()  # step 1 takes s0; s1, s2 are too stale for step 2 and later
     publish(stream_key, [make_group(rng, "f0", version=2), make_group(rng, "f1", version=1)])
-    waiting, next_step = rollout_stream.unread_versions(client, stream_key, 100)
+    waiting, next_step = rollout_stream.unread_versions(client, stream_key, 100, 1)
     assert (waiting, next_step) == ([0, 0, 2, 1], 2)  # everything after the read position
-    assert rollout_stream.unread_versions(client, stream_key, 1) == ([0], 2)  # up to the limit
+    # read up to the first group step 2 could use: the stale ones before it come along
+    assert rollout_stream.unread_versions(client, stream_key, 1, 1) == ([0, 0, 2], 2)
     # groups of version 2: step 2 drops s1, s2 and reads f0; step 3 drops f1 (too stale for it) and has room for one
     assert rollout_stream.room(waiting, next_step, 2, 1, 1) == 1
     stream.next_step()  # step 2 drops s1, s2 and takes f0
@@ -295,7 +296,7 @@ def test_service_builds_each_step_only_when_asked_serves_every_action_once_and_t
         got = c.next_step()
         time.sleep(0.5)
         assert server.engine.stream.step == 1  # nothing was built ahead of the trainer's request
-        assert len(rollout_stream.unread_versions(redis_client, stream_key, 100)[0]) == len(groups) - 4  # backlog
+        assert len(rollout_stream.unread_versions(redis_client, stream_key, 100, 1)[0]) == len(groups) - 4  # backlog
         for _ in range(6):
             got += c.next_step()
         assert all(mb["routing_ids"].shape[1:] == (LAYERS, TOP_K) and mb["loss_mask"].dtype == torch.bool

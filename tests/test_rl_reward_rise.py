@@ -120,7 +120,7 @@ def test_grpo_raises_the_reward_of_a_pretrained_model(pretrained, tmp_path, one_
     rewards, t0 = [], time.perf_counter()
     try:
         for step in range(STEPS):
-            while len(worker.stream.waiting(cfg.rl.groups_per_step)[0]) < cfg.rl.groups_per_step:
+            while len(worker.stream.waiting(cfg.rl.groups_per_step, 0)[0]) < cfg.rl.groups_per_step:
                 assert worker.policy.refresh(timeout_s=30)
                 assert worker.policy.version == step  # the rollout generates with the weights the trainer just published
                 worker.run_batch()

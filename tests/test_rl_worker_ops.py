@@ -98,10 +98,11 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
         entries = worker.stream.client.xrange(worker.stream.key)
         groups = [rollout_pb2.TrajectoryGroup.FromString(fields[b"group"]) for _, fields in entries]
         # the backlog the worker throttles on: the versions of what the dataloader has not consumed yet
-        assert worker.stream.waiting(100) == ([1] * len(entries), None) and len(entries) == cfg.rl.prompts_per_batch
+        assert worker.stream.waiting(100, 1) == ([1] * len(entries), None) and len(entries) == cfg.rl.prompts_per_batch
         rollout_stream.mark_read(worker.stream.client, worker.stream.key, entries[1][0].decode(), next_step=2)
-        assert worker.stream.waiting(100) == ([1] * (len(entries) - 2), 2)
-        assert worker.stream.waiting(1) == ([1], 2)  # up to the limit
+        assert worker.stream.waiting(100, 1) == ([1] * (len(entries) - 2), 2)
+        assert worker.stream.waiting(1, 1) == ([1], 2)  # up to the first fresh one
+        assert worker.stream.waiting(1, 0) == ([1], 2)  # a stale one comes along, and there is no fresh one after it
     samples = [s for g in groups for s in g.samples]
     assert got[("foldmoe_rollout_samples_total", ())] == len(samples) == 12
     assert got[("foldmoe_rollout_groups_total", ())] == 3
@@ -187,14 +188,14 @@ def test_a_worker_generates_only_what_the_steps_that_can_train_on_it_will_read(r
         # (waiting versions, next step) -> generates: steps 5 and 6 read at most 6 groups of version 5 (5 waiting: room,
         # 6: none); step 6 alone 3 (it drops the 4s: room after two 5s, none after three); step 7 none; step 5 reads
         # three 4s and step 6 drops the fourth (room after two 5s); 8 waiting is max_queued_groups; before the
-        # dataloader's first step, from our version's step on
+        # dataloader's first step, from our version's step on; 8 stale groups (too old for step 5) hold no worker back
         for waiting, next_step, generates in (([5] * 5, 5, True), ([5] * 6, 5, False), ([4] * 2 + [5] * 2, 6, True),
                                               ([4] * 2 + [5] * 3, 6, False), ([4] * 6, 6, True), ([], 7, False),
                                               ([4] * 4 + [5] * 2, 5, True), ([5] * 8, None, False),
-                                              ([5] * 5, None, True)):
+                                              ([5] * 5, None, True), ([3] * 8 + [5] * 5, 5, True)):
             asked, generated = [], []
-            monkeypatch.setattr(worker.stream, "waiting", lambda limit, w=waiting, n=next_step: asked.append(limit)
-                                or (w, n))
+            monkeypatch.setattr(worker.stream, "waiting", lambda limit, staleness, w=waiting, n=next_step:
+                                asked.append(limit) or (w, n))
             monkeypatch.setattr(worker, "run_batch", lambda: generated.append(True) or worker.stop.set())
             monkeypatch.setattr(worker.policy, "refresh", lambda: True)
             timer = threading.Timer(0.3, worker.stop.set)

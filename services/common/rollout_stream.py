@@ -33,13 +33,25 @@ def mark_read(client: redis.Redis, stream: str, entry_id: str, next_step: int | 
         client.set(step_key(stream), next_step)
 
 
-def unread_versions(client: redis.Redis, stream: str, limit: int) -> tuple[list[int], int | None]:
-    """The versions of up to `limit` entries after the read position, in stream order, and the step the dataloader
-    builds next (None before its first)."""
+def unread_versions(client: redis.Redis, stream: str, fresh: int, max_staleness: int) -> tuple[list[int], int | None]:
+    """The versions of the entries after the read position, in stream order, read until `fresh` of them are groups the
+    next step could use (or the stream ends), and the step the dataloader builds next (None before its first; then
+    every group counts as fresh). The stale ones come along: the steps drop them as they pass (`room`)."""
     after, step = client.mget(read_position_key(stream), step_key(stream))
     start = f"({after.decode()}" if after else "-"
-    entries = client.xrange(stream, min=start, max="+", count=max(1, limit)) if limit > 0 else []
-    return [_version(fields) for _, fields in entries], None if step is None else int(step)
+    oldest = None if step is None else int(step) - max_staleness
+    versions, counted = [], 0
+    while counted < fresh:
+        entries = client.xrange(stream, min=start, max="+", count=max(64, fresh - counted))
+        if not entries:
+            break
+        for _, fields in entries:
+            versions.append(_version(fields))
+            counted += oldest is None or versions[-1] >= oldest
+            if counted >= fresh:
+                break
+        start = f"({entries[-1][0].decode()}"
+    return versions, None if step is None else int(step)
 
 
 def room(waiting: list[int], next_step: int, version: int, max_staleness: int, groups_per_step: int) -> int:

@@ -42,9 +42,10 @@ class TrajectoryStream:
     def publish(self, group: pb.TrajectoryGroup) -> bytes:
         return self.client.xadd(self.key, {"group": group.SerializeToString(), "version": group.policy_version})
 
-    def waiting(self, limit: int) -> tuple[list[int], int | None]:
-        """The versions of the groups not consumed yet (up to `limit`, in stream order) and the dataloader's next step."""
-        return rollout_stream.unread_versions(self.client, self.key, limit)
+    def waiting(self, fresh: int, max_staleness: int) -> tuple[list[int], int | None]:
+        """The versions of the groups not consumed yet, in stream order, up to the `fresh`-th one the dataloader's next
+        step could use, and that step (`rollout_stream.unread_versions`)."""
+        return rollout_stream.unread_versions(self.client, self.key, fresh, max_staleness)
 
     def close(self) -> None:
         self.client.close()

@@ -135,11 +135,14 @@ class RolloutWorker:
     def room(self) -> int:
         """How many more groups made now with our weights the trainer will read (`rollout_stream.room`): none once the
         groups waiting in the stream fill every step that can still train on ours (step s trains on versions
-        s - `rl.max_staleness` .. s), or `rl.max_queued_groups` wait. More would only go stale (`dropped_stale`),
-        generated on GPU time the trainer may share; meanwhile `run` keeps pulling newer weights, which open room."""
+        s - `rl.max_staleness` .. s), or `rl.max_queued_groups` wait that the next step could use (counting stale
+        ones would stop the workers while the dataloader waits for fresh groups: the run would stall). More would
+        only go stale (`dropped_stale`), generated on GPU time the trainer may share; meanwhile `run` keeps pulling
+        newer weights, which open room."""
         rl = self.cfg.rl
-        waiting, next_step = self.stream.waiting(rl.max_queued_groups)
-        if len(waiting) >= rl.max_queued_groups:
+        waiting, next_step = self.stream.waiting(rl.max_queued_groups, rl.max_staleness)
+        oldest = -1 if next_step is None else next_step - rl.max_staleness
+        if sum(v >= oldest for v in waiting) >= rl.max_queued_groups:  # stale ones never hold a worker back
             return 0
         version = self.policy.version
         return rollout_stream.room(waiting, version if next_step is None else next_step, version, rl.max_staleness,
