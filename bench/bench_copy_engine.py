@@ -14,7 +14,7 @@ import sys, threading, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
-from services.checkpointer.arena import HostArena, TensorSpec
+from services.common.host_memory import HostArena, TensorSpec
 
 dev = torch.device("cuda")
 N, SZ = 32, 64 << 20  # 32 x 256 MB fp32 = 8.6 GB

@@ -25,7 +25,6 @@ import torch
 import zmq
 
 from proto import checkpointer_pb2 as pb
-from services.checkpointer.arena import SHM_PREFIX, HostArena, TensorSpec, remove_stale_files
 from services.checkpointer.load import load_checkpoint
 from services.checkpointer.shard import Shard
 from services.checkpointer.shm import make_shm_probe
@@ -33,6 +32,7 @@ from services.checkpointer.snapshot import Snapshotter
 from services.checkpointer.store import CheckpointStore
 from services.checkpointer.writer import Writer
 from services.common import wire
+from services.common.host_memory import SHM_PREFIX, HostArena, TensorSpec, remove_stale_files
 from services.common.registry import Registry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import pytest
 import zmq
 import torch
 
-from services.checkpointer.arena import shm_dir
+from services.common.host_memory import shm_dir
 from services.rl_rollout.weights import PolicyWeights, SyncStopped, VersionGone, WeightReceiver, WeightSyncError
 from services.trainer.rl.weight_publisher import WeightPublisher, chunk_state
 from tests.rl_helpers import tiny_model

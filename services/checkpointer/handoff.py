@@ -26,9 +26,9 @@ import redis
 import zmq
 
 from proto import checkpointer_pb2 as pb
-from services.checkpointer.arena import HostArena
 from services.checkpointer.shm import shares_memory_with
 from services.common import logs, wire
+from services.common.host_memory import HostArena
 from services.common.registry import Registry
 
 log = logs.logger("checkpointer")

@@ -9,57 +9,23 @@ shared: containers on one host have their own /dev/shm.
 
 from __future__ import annotations
 
-import mmap
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
 from proto import checkpointer_pb2 as pb
-from services.checkpointer.arena import SHM_PREFIX, process_alive, shm_dir
-from services.checkpointer.layout import DTYPE_NAMES, Blob
+from services.checkpointer.layout import Blob
+from services.common import procs
+from services.common.host_memory import SharedFile, shm_dir
 
 
-class SharedSnapshot:
-    """A read-only mapping of one rank's snapshot file (services/checkpointer/arena.py) for the parts that name it."""
-
-    def __init__(self, path: str):
-        if not Path(path).name.startswith(SHM_PREFIX):
-            raise ValueError(f"shm_path {path!r} is not a foldmoe snapshot file")
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            self.size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ) if self.size else None
-        finally:
-            os.close(fd)  # the mapping keeps the file alive, even once the trainer unlinks it
-        self.path = path
+class SharedSnapshot(SharedFile):
+    """A read-only mapping of one rank's snapshot file (services/common/host_memory.py) for the parts that name it."""
 
     def blob(self, r: pb.TensorRecord) -> Blob:
         dtype, data = self.bytes_of(r.name, r.dtype, r.shape, r.shm_offset)
         return Blob(dtype, tuple(r.shape), data)
-
-    def bytes_of(self, name: str, dtype_name: str, shape, offset: int) -> tuple[Any, memoryview]:
-        """The torch dtype named `dtype_name` (e.g. "bfloat16") and the bytes of tensor `name`, of `shape`, at byte
-        `offset`: a view of the mapping, checked to lie inside it."""
-        dtype = DTYPE_NAMES.get(dtype_name)
-        if dtype is None:
-            raise ValueError(f"tensor {name!r} has unknown dtype {dtype_name!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
-        if offset < 0 or offset + nbytes > self.size:
-            raise ValueError(f"tensor {name!r} at [{offset}, {offset + nbytes}) lies outside {self.path} "
-                             f"({self.size} bytes)")
-        return dtype, memoryview(self._map)[offset:offset + nbytes] if nbytes else memoryview(b"")
-
-    def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still referenced; the mapping goes when it is collected
-                pass
-            self._map = None
 
 
 def make_shm_probe() -> tuple[str, str]:
@@ -69,7 +35,7 @@ def make_shm_probe() -> tuple[str, str]:
         return "", ""
     for stale in directory.glob("foldmoe-writer-pid*.probe"):  # left by writers that were killed
         pid = stale.name.removeprefix("foldmoe-writer-pid").split("-")[0]
-        if pid.isdigit() and not process_alive(int(pid)):
+        if pid.isdigit() and not procs.alive(int(pid)):
             stale.unlink(missing_ok=True)
     token = uuid.uuid4().hex
     path = directory / f"foldmoe-writer-pid{os.getpid()}-{token[:12]}.probe"

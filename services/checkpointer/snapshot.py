@@ -1,7 +1,7 @@
 """Trainer side of a checkpoint: copy this rank's shards to host memory, hand them to a writer, keep training.
 
 The stall is only *enqueuing* the device-to-host copies:
-- the host buffers (`arena.HostArena`, page-locked, in /dev/shm when possible) are allocated once, ahead of the first
+- the host buffers (`common/host_memory.HostArena`, page-locked, in /dev/shm when possible) are allocated once, ahead of the first
   save, by `prepare` (in a background thread);
 - `save` orders a side CUDA stream after the training stream and returns; a copier thread then queues the
   device-to-host copies on that stream `DRAIN_CHUNK_BYTES` at a time, at most two chunks in flight, and the sender
@@ -42,10 +42,10 @@ from typing import Any, Literal
 import torch
 
 from proto import checkpointer_pb2 as pb
-from services.checkpointer.arena import HostArena, TensorSpec, remove_stale_files
 from services.checkpointer.handoff import Parcel, SaveError, WriterLink
 from services.checkpointer.shard import Shard, as_shard
 from services.common import logs, net
+from services.common.host_memory import HostArena, TensorSpec, remove_stale_files
 from services.common.registry import Registry
 
 log = logs.logger("checkpointer")

@@ -278,8 +278,8 @@ class RLConfig:
     max_seq_len: int = 128  # prompt + completion tokens per sequence (KV cache length)
     cuda_graphs: bool = True  # on GPU, decode steps replay CUDA graphs (one per batch and length bucket); false: eager
     max_staleness: int = 1  # trajectories may come from weights at most this many versions behind the trainer
-    # a worker pauses while this many groups wait unconsumed in the stream, or fewer: no more than the steps that can
-    # still train on a group it makes now will read (worker.py `backlog_bound`; a longer backlog goes stale)
+    # a worker pauses while this many groups the next step could use wait unconsumed in the stream, or fewer: once the
+    # steps that can still train on a group it makes now have their groups waiting (worker.py `room`; more go stale)
     max_queued_groups: int = 64
     weight_dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of published weights
     weight_chunk_mb: float = 4.0  # published weights travel to the workers in ZMQ messages of about this size

@@ -107,7 +107,7 @@ def sweep_orphans(known: set[int], grace: float = 2.0) -> list[int]:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_alive(p) for p in strays):
+        while time.monotonic() < deadline and any(alive(p) for p in strays):
             for pid in strays:
                 reap(pid)
             time.sleep(0.05)
@@ -116,11 +116,14 @@ def sweep_orphans(known: set[int], grace: float = 2.0) -> list[int]:
     return strays
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts; a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:
+        pass  # another user's live process
     # A zombie still answers signal 0; it is dead for our purposes.
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"

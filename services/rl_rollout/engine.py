@@ -132,7 +132,7 @@ class Engine:
         i's `lens[i]` tokens from position `starts[i]` on (a prefill's prompts, or a decode step's one token each)."""
         tokens, logprobs = sample(logits, [running[s].request.params for s in slots], self.generator)
         tokens, logprobs = tokens.tolist(), logprobs.tolist()  # the step's wait for the device: its routing is here too
-        if all(n == 1 for n in lens):  # a decode step: every sequence's row in one indexed write
+        if all(n == 1 for n in lens):  # one token a slot (a decode step, or one-token prompts): one indexed write
             self.routing[torch.tensor(slots), :, torch.tensor(starts)] = routing.transpose(0, 1).to(torch.int16)
         else:
             for s, at, part in zip(slots, starts, routing.split(lens, dim=1)):

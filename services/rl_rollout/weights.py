@@ -29,9 +29,8 @@ import torch
 import zmq
 
 from proto import rollout_pb2 as pb
-from services.checkpointer.arena import SHM_PREFIX, shm_dir
-from services.checkpointer.shm import SharedSnapshot
 from services.common import logs, net, wire
+from services.common.host_memory import SHM_PREFIX, SharedFile, shm_dir
 
 log = logs.logger("rollout")
 
@@ -63,7 +62,7 @@ class WeightReceiver:
         self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
-        self._maps: OrderedDict[str, SharedSnapshot] = OrderedDict()  # the publisher's files we mapped, newest last
+        self._maps: OrderedDict[str, SharedFile] = OrderedDict()  # the publisher's files we mapped, newest last
         self.shared_reads = 0  # versions read from the publisher's shared-memory files (the rest came in chunks)
 
     def _ask(self, kind: str, req: pb.WeightsRequest, reply_type):
@@ -112,7 +111,7 @@ class WeightReceiver:
         if manifest.shared_path and manifest.shared_path in self._maps:
             self._ask("weights_held", pb.WeightsRequest(version=manifest.version), pb.WeightsManifest)
 
-    def _open_shared(self, path: str) -> SharedSnapshot | None:
+    def _open_shared(self, path: str) -> SharedFile | None:
         """A read-only mapping of the publisher's file `path`, kept for the next versions (the publisher cycles
         through a few files); None where we cannot open it (another host or container) or it is not such a file."""
         if path in self._maps:
@@ -122,7 +121,7 @@ class WeightReceiver:
         try:
             if not p.name.startswith(SHM_PREFIX) or not p.parent.samefile(shm_dir()):
                 return None
-            shared = SharedSnapshot(path)
+            shared = SharedFile(path)
         except (OSError, ValueError):
             return None
         self._maps[path] = shared

@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.adamw import join_master
-from services.checkpointer.arena import TensorSpec
 from services.checkpointer.fit import diff_hint, state_mismatch
 from services.checkpointer.handoff import SERVICE, pick_writer
 from services.checkpointer.layout import read_store_id
@@ -51,6 +50,7 @@ from services.checkpointer.snapshot import Snapshotter, specs_of
 from services.checkpointer.writer import host_name
 from services.common import logs, net
 from services.common.config import Config
+from services.common.host_memory import TensorSpec
 from services.common.registry import Registry
 
 log = logs.logger("trainer")

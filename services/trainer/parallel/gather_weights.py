@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from services.checkpointer.arena import TensorSpec
+from services.common.host_memory import TensorSpec
 from services.trainer.parallel.checkpoint_shards import model_shards
 from services.trainer.parallel.groups import ParallelGroups
 

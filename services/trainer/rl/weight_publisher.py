@@ -7,7 +7,7 @@ sharded trainer streams the full tensors into `new_version`'s buffers as it gath
 already cast). Workers pull (the trainer never pushes), so a worker that starts late, or restarts, gets the current
 weights, and no worker can slow the trainer down: the trainer's cost is the one host copy.
 
-That copy lands in page-locked buffers (`checkpointer/arena.HostArena`, exactly the bytes needed), so device tensors
+That copy lands in page-locked buffers (`common/host_memory.HostArena`, exactly the bytes needed), so device tensors
 come over at the copy engine's rate, queued without a wait each, with one wait at the end: a pageable copy per tensor
 ran at ~1.3 GB/s (bench/RESULTS.md). Page-locking costs about as much as the copy, so a dropped version's buffers
 are reused by a later one, once ZMQ has let go of every frame sent from them (the frames are sent zero-copy and
@@ -32,8 +32,8 @@ import torch
 import zmq
 
 from proto import rollout_pb2 as pb
-from services.checkpointer.arena import HostArena, TensorSpec, remove_stale_files
 from services.common import net, wire
+from services.common.host_memory import HostArena, TensorSpec, remove_stale_files
 
 Chunk = tuple[list[pb.WeightPiece], list[torch.Tensor]]
 
@@ -68,17 +68,16 @@ class _Version:
 
     arena: HostArena
     chunks: list[Chunk]
+    manifest: pb.WeightsManifest | None = None  # None: filled and dropped unpublished (an error while filling)
     sends: list[zmq.MessageTracker] = field(default_factory=list)
-    manifest: pb.WeightsManifest | None = None  # set once published
 
     def sent(self) -> bool:
         return all(t.done for t in self.sends)
 
 
-def _manifest(version: int, held: _Version) -> pb.WeightsManifest:
-    arena = held.arena
-    total = sum(t.numel() * t.element_size() for _, ts in held.chunks for t in ts)
-    manifest = pb.WeightsManifest(version=version, num_chunks=len(held.chunks), total_bytes=total)
+def _manifest(version: int, arena: HostArena, chunks: list[Chunk]) -> pb.WeightsManifest:
+    total = sum(t.numel() * t.element_size() for _, ts in chunks for t in ts)
+    manifest = pb.WeightsManifest(version=version, num_chunks=len(chunks), total_bytes=total)
     if arena.shared:
         manifest.shared_path = str(arena.path)
         for name, spec in arena.specs.items():
@@ -154,8 +153,8 @@ class WeightPublisher:
             with self._lock:
                 self._retired.append(_Version(arena, []))
             raise
-        published = _Version(arena, chunk_state(arena.views, self.chunk_bytes))
-        published.manifest = _manifest(version, published)
+        chunks = chunk_state(arena.views, self.chunk_bytes)
+        published = _Version(arena, chunks, _manifest(version, arena, chunks))
         with self._lock:
             self._versions[version] = published
             while len(self._versions) > self.keep:

@@ -1,9 +1,12 @@
-"""Host memory a trainer rank snapshots into: one mapping laid out once for a fixed set of tensors, reused by every save.
+"""Host memory that device tensors are copied into and other processes on the host read: one mapping laid out once
+for a fixed set of tensors and reused (`HostArena`), and the reader's side of it (`SharedFile`). A trainer rank's
+checkpoint snapshots live in one (services/checkpointer/snapshot.py, read by the checkpoint writer), the RL trainer's
+published weights in others (services/trainer/rl/weight_publisher.py, read by the rollout workers).
 
-Why one mapping, allocated ahead of the first save:
+Why one mapping, allocated ahead of the first use:
 - page-locking tens of GB costs seconds (that was the first save's whole stall), so it is paid once, off the step path;
-- a mapping of a file in /dev/shm is readable by a writer process on the same host: the writer streams the snapshot
-  straight from it, so no tensor byte crosses a socket (ZMQ stays the path to a writer on another host);
+- a mapping of a file in /dev/shm is readable by another process on the same host: the checkpoint writer (or a
+  rollout worker) reads the tensors straight from it, so no byte crosses a socket (ZMQ stays the path to another host);
 - `cudaHostRegister` on exactly the bytes needed; `torch.empty(pin_memory=True)` would round every tensor (or one flat
   buffer) up to a power of two in the caching host allocator, up to twice the memory for a 22 GB state.
 
@@ -22,17 +25,17 @@ from pathlib import Path
 
 import torch
 
-from services.common import logs
+from services.common import logs, procs
 
-log = logs.logger("checkpointer")
+log = logs.logger("host_memory")
 
 PAGE = mmap.PAGESIZE
-SHM_PREFIX = "foldmoe-snapshot-"
+SHM_PREFIX = "foldmoe-shm-"
 _STALE_RE = re.compile(rf"^{SHM_PREFIX}pid(\d+)-")
 
 
 def shm_dir() -> Path:
-    """Where shared snapshot files live; FOLDMOE_SHM_DIR overrides /dev/shm (tests, hosts with tmpfs elsewhere)."""
+    """Where shared buffer files live; FOLDMOE_SHM_DIR overrides /dev/shm (tests, hosts with tmpfs elsewhere)."""
     return Path(os.environ.get("FOLDMOE_SHM_DIR", "/dev/shm"))
 
 
@@ -59,7 +62,7 @@ def _align(n: int) -> int:
 
 
 def remove_stale_files(directory: Path | None = None) -> list[Path]:
-    """Delete snapshot files whose trainer process is gone (a crashed rank never unlinks its arena)."""
+    """Delete buffer files whose process is gone (a crashed rank never unlinks its arena)."""
     directory = directory or shm_dir()
     removed = []
     try:
@@ -68,7 +71,7 @@ def remove_stale_files(directory: Path | None = None) -> list[Path]:
         return removed
     for p in entries:
         m = _STALE_RE.match(p.name)
-        if m is None or process_alive(int(m.group(1))):
+        if m is None or procs.alive(int(m.group(1))):
             continue
         try:
             p.unlink()
@@ -76,16 +79,6 @@ def remove_stale_files(directory: Path | None = None) -> list[Path]:
         except OSError:
             pass
     return removed
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 def clear_cuda_error() -> None:
@@ -192,14 +185,14 @@ class HostArena:
             err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
             if err != 0:
                 clear_cuda_error()
-                log.warning("cudaHostUnregister of a snapshot buffer failed with cudaError %d", err)
+                log.warning("cudaHostUnregister of a %s buffer failed with cudaError %d", self.what, err)
         self._registered = []
         self.views = {}
         if self._map is not None:
             try:
                 self._map.close()
             except BufferError:  # a view escaped; the mapping lives until it is collected
-                log.debug("snapshot arena still referenced at close")
+                log.debug("%s arena still referenced at close", self.what)
             self._map = None
         if self._fd >= 0:
             os.close(self._fd)
@@ -207,3 +200,39 @@ class HostArena:
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+
+
+class SharedFile:
+    """A read-only mapping of another process's arena file, for the tensors its producer names by place (`bytes_of`).
+    The mapping keeps the file's pages alive even once the producer unlinks it."""
+
+    def __init__(self, path: str):
+        if not Path(path).name.startswith(SHM_PREFIX):
+            raise ValueError(f"{path!r} is not a foldmoe shared buffer file")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ) if self.size else None
+        finally:
+            os.close(fd)
+        self.path = path
+
+    def bytes_of(self, name: str, dtype_name: str, shape, offset: int) -> tuple[torch.dtype, memoryview]:
+        """The torch dtype named `dtype_name` (e.g. "bfloat16") and the bytes of tensor `name`, of `shape`, at byte
+        `offset`: a view of the mapping, checked to lie inside it."""
+        dtype = getattr(torch, dtype_name, None) if dtype_name.isidentifier() else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"tensor {name!r} has unknown dtype {dtype_name!r}")
+        nbytes = TensorSpec(tuple(shape), dtype).nbytes
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"tensor {name!r} at [{offset}, {offset + nbytes}) lies outside {self.path} "
+                             f"({self.size} bytes)")
+        return dtype, memoryview(self._map)[offset:offset + nbytes] if nbytes else memoryview(b"")
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still referenced; the mapping goes when it is collected
+                pass
+            self._map = None
