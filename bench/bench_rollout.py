@@ -15,11 +15,12 @@
 2. Weight sync: the trainer's `WeightPublisher` (from rl: weight_dtype, weight_chunk_mb) on 127.0.0.1 and the worker's
    `PolicyWeights` over a `WeightReceiver` into a second model instance, in this process. Each of `--syncs` rounds
    publishes a new version of the policy's state_dict (host copy in the sync dtype) and pulls it (`refresh()`: all
-   chunks over ZMQ + load_state_dict); the pulled weights are checked bit-equal (in the sync dtype) to the published.
-   The publisher's first `keep + 1` versions page-lock new host buffers, later ones reuse them: the publish is
+   the shared file or the chunks + load_state_dict); the pulled weights are checked bit-equal (in the sync dtype) to the published.
+   The publisher's first `keep + 1` versions page-lock new host buffers, later ones reuse them: publish and pull are
    reported apart for those first rounds and for the rest (the median of each); give --syncs > 3 for the latter.
    Publisher and worker share this host, so the worker reads the publisher's shared-memory files where /dev/shm has
-   room for them (the transport is printed); `FOLDMOE_SHM_DIR=/nonexistent` measures the chunks over ZMQ instead.
+   room for them (the transport is printed; on CUDA it registers each file with CUDA once, on its first read, as a
+   worker does); `FOLDMOE_SHM_DIR=/nonexistent` measures the chunks over ZMQ instead.
    The second model is zeroed before each pull (untimed) so the check cannot pass by accident. Note: the published
    model is the rollout model (bf16 on CUDA), while the trainer publishes its fp32 master weights.
 
@@ -105,7 +106,8 @@ def bench_sync(cfg, model, device, dtype, syncs: int) -> dict:
     with torch.device(device):
         target = MoETransformer(cfg.model)
     target.to(dtype=dtype).eval()
-    policy = PolicyWeights(target, WeightReceiver(publisher.endpoint, timeout_s=600.0), cfg.rl.max_staleness)
+    receiver = WeightReceiver(publisher.endpoint, timeout_s=600.0, pin=device.type == "cuda")  # as PolicyWeights' own
+    policy = PolicyWeights(target, receiver, cfg.rl.max_staleness)
     state = model.state_dict()
     wire_dtype = publisher.dtype
     nbytes = sum(t.numel() * (wire_dtype.itemsize if t.is_floating_point() else t.element_size())
@@ -144,7 +146,8 @@ def bench_sync(cfg, model, device, dtype, syncs: int) -> dict:
     return {"sync_publish_first_s": statistics.median(pubs[:fresh]), "sync_steady_rounds": len(pubs[fresh:]),
             "sync_dtype": str(wire_dtype).removeprefix("torch."), "sync_bytes": nbytes, "sync_params": n_params,
             "sync_chunk_mb": cfg.rl.weight_chunk_mb, "sync_rounds": syncs, "sync_transport": transport,
-            "sync_publish_s": statistics.median(steady), "sync_pull_s": statistics.median(pulls), "sync_total_s": total,
+            "sync_publish_s": statistics.median(steady), "sync_pull_s": statistics.median(pulls[fresh:] or pulls),
+            "sync_pull_first_s": statistics.median(pulls[:fresh]), "sync_total_s": total,
             "sync_s_per_billion_params": total / (n_params / 1e9), "sync_gb_per_s": nbytes / 1e9 / total}
 
 
@@ -200,8 +203,8 @@ def main() -> None:
         ("weight sync", f"{r['sync_bytes'] / 1e6:,.1f} MB in {r['sync_dtype']}, pulled from {r['sync_transport']} "
                         f"(chunks {r['sync_chunk_mb']:g} MiB), median of {args.syncs}"),
         ("publish + pull", f"{r['sync_publish_s']:.3f}s + {r['sync_pull_s']:.3f}s = {r['sync_total_s']:.3f}s "
-                           f"(publish over {r['sync_steady_rounds'] or args.syncs} rounds into reused buffers; the "
-                           f"first rounds, into new ones: {r['sync_publish_first_s']:.3f}s)"),
+                           f"(over {r['sync_steady_rounds'] or args.syncs} rounds through reused buffers; the first "
+                           f"rounds, through new ones: {r['sync_publish_first_s']:.3f}s + {r['sync_pull_first_s']:.3f}s)"),
         ("s per B params", f"{r['sync_s_per_billion_params']:.3f}"),
         ("GB/s", f"{r['sync_gb_per_s']:.3f}"),
     ]

@@ -257,3 +257,53 @@ def test_the_publishers_shared_files_are_gone_once_it_stops():
     assert len([p for p in shm_dir().iterdir() if mine in p.name]) == 2
     pub.stop()
     assert not [p for p in shm_dir().iterdir() if mine in p.name]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="registering host memory needs a CUDA device")
+@pytest.mark.parametrize("transport", ["shared"], indirect=True)
+def test_cuda_a_worker_with_a_cuda_model_registers_each_shared_file_once_and_loads_exactly_the_published():
+    """Read-only registration makes the copies into the model DMA from the file; it must change no byte, and each file
+    the publisher cycles through is registered on its first read only (a registration locks every page: seconds)."""
+    pub = WeightPublisher(chunk_bytes=4096, keep=1).start()
+    worker = tiny_model(seed=21).cuda()
+    policy = PolicyWeights(worker, None, max_staleness=0, locate=lambda: pub.endpoint)
+    try:
+        registered = set()
+        for version in range(4):  # two files: the kept version's and the dropped one's, reused
+            trainer = tiny_model(seed=30 + version)
+            pub.publish(version, trainer.state_dict())
+            assert policy.refresh(timeout_s=10) and policy.version == version
+            for name, t in trainer.state_dict().items():
+                want = t.to(torch.bfloat16) if t.is_floating_point() else t
+                assert torch.equal(worker.state_dict()[name].cpu().to(want.dtype), want), name
+            maps = policy.receiver._maps
+            assert all(m._registered for m in maps.values())
+            registered |= {m._registered for m in maps.values()}
+        assert policy.receiver.pin and policy.receiver.shared_reads == 4 and len(registered) == 2
+    finally:
+        policy.close()
+        pub.stop()
+
+
+def test_prepared_buffers_serve_the_first_versions_so_no_publish_allocates(monkeypatch):
+    """`prepare` page-locks the first keep + 1 versions' buffers in its own thread; the publishes take them (the first
+    waits for them) and, once versions are dropped, reuse them: no publish allocates. A version of other shapes
+    allocates its own rather than waiting for ever."""
+    made: list[str] = []
+    new_arena = WeightPublisher._new_arena
+    monkeypatch.setattr(WeightPublisher, "_new_arena",
+                        staticmethod(lambda specs: made.append(threading.current_thread().name) or new_arena(specs)))
+    pub = WeightPublisher(chunk_bytes=4096, keep=2).start()
+    try:
+        state = tiny_model(seed=40).state_dict()
+        pub.prepare({k: pub.spec(v) for k, v in state.items()})
+        for version in range(6):
+            pub.publish(version, state)
+        assert made == ["weights-prepare"] * 3
+        pub.publish(6, {"other": torch.ones(3)})
+        assert made[3:] == ["MainThread"]
+        receiver = WeightReceiver(pub.endpoint, timeout_s=5)
+        assert torch.equal(receiver.fetch(receiver.latest())["other"], torch.ones(3, dtype=torch.bfloat16))
+        receiver.close()
+    finally:
+        pub.stop()

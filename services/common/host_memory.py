@@ -20,6 +20,7 @@ import mmap
 import os
 import re
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from services.common import logs, procs
 log = logs.logger("host_memory")
 
 PAGE = mmap.PAGESIZE
+CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads the registered range
 SHM_PREFIX = "foldmoe-shm-"
 _STALE_RE = re.compile(rf"^{SHM_PREFIX}pid(\d+)-")
 
@@ -216,6 +218,26 @@ class SharedFile:
         finally:
             os.close(fd)
         self.path = path
+        self._registered = 0  # address of our read-only CUDA registration of the whole mapping (0: none)
+
+    def pin(self) -> bool:
+        """Register the mapping with CUDA, read-only, so copies from it to a device run by DMA at the link's rate rather
+        than through the driver's pageable staging. Costs about as much as one such copy (the pages are locked), so
+        it pays for files read again and again. False, with nothing held, where CUDA refuses (no read-only host
+        registration on this device or driver, or the host limits locked memory)."""
+        if self._map is None or self._registered:
+            return bool(self._registered)
+        with warnings.catch_warnings():  # torch warns that the read-only mapping is not writable: CUDA only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            ptr = torch.frombuffer(self._map, dtype=torch.uint8).data_ptr()
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, self.size, CUDA_HOST_REGISTER_READ_ONLY))
+        if err != 0:
+            clear_cuda_error()
+            log.warning("reading %s from pageable memory: CUDA refused a read-only registration of it (cudaError %d)",
+                        self.path, err)
+            return False
+        self._registered = ptr
+        return True
 
     def bytes_of(self, name: str, dtype_name: str, shape, offset: int) -> tuple[torch.dtype, memoryview]:
         """The torch dtype named `dtype_name` (e.g. "bfloat16") and the bytes of tensor `name`, of `shape`, at byte
@@ -230,6 +252,13 @@ class SharedFile:
         return dtype, memoryview(self._map)[offset:offset + nbytes] if nbytes else memoryview(b"")
 
     def close(self) -> None:
+        """Unregister and unmap. Tensors still viewing the mapping keep it (unregistered) until they are collected."""
+        if self._registered:
+            err = int(torch.cuda.cudart().cudaHostUnregister(self._registered))
+            if err != 0:
+                clear_cuda_error()
+                log.warning("cudaHostUnregister of %s failed with cudaError %d", self.path, err)
+            self._registered = 0
         if self._map is not None:
             try:
                 self._map.close()

@@ -145,6 +145,8 @@ class PolicyVersions:
         self.gather, self.dtype, self.registry = WeightGather(model, groups), sync_dtype(cfg.rl), registry
         self.publisher = WeightPublisher.from_config(cfg.rl, cfg.run.bind_host, cfg.run.advertise_host).start() \
             if lead else None
+        if self.publisher is not None:
+            self.publisher.prepare(self.gather.specs(self.dtype))  # page-locked while the first steps run
         self.beat = None
 
     def publish(self, version: int) -> None:

@@ -11,7 +11,8 @@ That copy lands in page-locked buffers (`common/host_memory.HostArena`, exactly 
 come over at the copy engine's rate, queued without a wait each, with one wait at the end: a pageable copy per tensor
 ran at ~1.3 GB/s (bench/RESULTS.md). Page-locking costs about as much as the copy, so a dropped version's buffers
 are reused by a later one, once ZMQ has let go of every frame sent from them (the frames are sent zero-copy and
-tracked): a worker still receiving an old chunk never sees it overwritten. The buffers are a file in /dev/shm where
+tracked): a worker still receiving an old chunk never sees it overwritten. The first `keep + 1` versions' buffers
+are page-locked in the background ahead of use (`prepare`, called as the trainer starts). The buffers are a file in /dev/shm where
 it has room (`FOLDMOE_SHM_DIR`); its path and the tensors' places go in the manifest, and a worker that can open it
 (same host and mount) reads the tensors from it rather than over TCP, then asks whether the version is still kept:
 buffers are reused only after their version is dropped, so a yes means the read was whole.
@@ -32,8 +33,10 @@ import torch
 import zmq
 
 from proto import rollout_pb2 as pb
-from services.common import net, wire
+from services.common import logs, net, wire
 from services.common.host_memory import HostArena, TensorSpec, remove_stale_files
+
+log = logs.logger("trainer")
 
 Chunk = tuple[list[pb.WeightPiece], list[torch.Tensor]]
 
@@ -98,7 +101,8 @@ class WeightPublisher:
         self.token = net.auth_token() if token is None else token
         self._versions: OrderedDict[int, _Version] = OrderedDict()
         self._retired: list[_Version] = []  # dropped versions: their buffers are reused once their sends are done
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified as `prepare` readies buffers
+        self._preparing: threading.Thread | None = None
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
         self.endpoint = ""
@@ -160,13 +164,41 @@ class WeightPublisher:
             while len(self._versions) > self.keep:
                 self._retired.append(self._versions.popitem(last=False)[1])
 
+    def prepare(self, specs: dict[str, TensorSpec]) -> None:
+        """Allocate the buffers of the first `keep + 1` versions of `specs` in a background thread, so that no publish
+        pays for page-locking them (about as long as the copy into them: ~1.9 s per 3.7 GB, bench/RESULTS.md) but the
+        first, which waits for the first buffers ready. Where they do not fit a version, it allocates its own."""
+
+        def allocate() -> None:
+            try:
+                for _ in range(self.keep + 1):
+                    if self._stop.is_set():
+                        return
+                    arena = self._new_arena(specs)
+                    with self._lock:
+                        self._retired.append(_Version(arena, []))
+                        self._lock.notify_all()
+            except Exception as e:  # the publishes allocate what is missing
+                log.warning("preparing weight buffers failed (%s); publishes allocate their own", e)
+
+        self._preparing = threading.Thread(target=allocate, name="weights-prepare", daemon=True)
+        self._preparing.start()
+
     def _take_arena(self, specs: dict[str, TensorSpec]) -> HostArena:
-        """A retired version's buffers, if they fit `specs` and ZMQ has let go of them; else new ones."""
+        """A retired (or prepared) version's buffers, if they fit `specs` and ZMQ has let go of them; else new ones."""
         with self._lock:
-            for old in self._retired:
-                if old.arena.matches(specs) and old.sent():
-                    self._retired.remove(old)
-                    return old.arena
+            while True:
+                for old in self._retired:
+                    if old.arena.matches(specs) and old.sent():
+                        self._retired.remove(old)
+                        return old.arena
+                if self._preparing is None or not self._preparing.is_alive():
+                    break
+                self._lock.wait(0.1)  # buffers being prepared: waiting costs less than allocating more
+        return self._new_arena(specs)
+
+    @staticmethod
+    def _new_arena(specs: dict[str, TensorSpec]) -> HostArena:
         return HostArena(specs, pin=torch.cuda.is_available(), tag="weights-", what="weights")
 
     def _serve(self) -> None:
@@ -226,6 +258,8 @@ class WeightPublisher:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._preparing is not None:
+            self._preparing.join()  # it may be page-locking a buffer: closed below with the rest
         if hasattr(self, "_thread"):
             self._thread.join(timeout=5)
             self._sock.close(linger=0)
