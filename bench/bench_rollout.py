@@ -16,8 +16,9 @@
    `PolicyWeights` over a `WeightReceiver` into a second model instance, in this process. Each of `--syncs` rounds
    publishes a new version of the policy's state_dict (host copy in the sync dtype) and pulls it (`refresh()`: all
    the shared file or the chunks + load_state_dict); the pulled weights are checked bit-equal (in the sync dtype) to the published.
-   The publisher's first `keep + 1` versions page-lock new host buffers, later ones reuse them: publish and pull are
-   reported apart for those first rounds and for the rest (the median of each); give --syncs > 3 for the latter.
+   The publisher's first `keep + 1` versions page-lock new host buffers (prepared in the background, as the RL trainer
+   does, so the first publish waits for them), later ones reuse them: publish and pull are reported apart for those
+   first rounds and for the rest (the median of each); give --syncs > 3 for the latter.
    Publisher and worker share this host, so the worker reads the publisher's shared-memory files where /dev/shm has
    room for them (the transport is printed; on CUDA it registers each file with CUDA once, on its first read, as a
    worker does); `FOLDMOE_SHM_DIR=/nonexistent` measures the chunks over ZMQ instead.
@@ -106,6 +107,7 @@ def bench_sync(cfg, model, device, dtype, syncs: int) -> dict:
     with torch.device(device):
         target = MoETransformer(cfg.model)
     target.to(dtype=dtype).eval()
+    publisher.prepare({k: publisher.spec(v) for k, v in model.state_dict().items()})  # as the RL trainer does
     receiver = WeightReceiver(publisher.endpoint, timeout_s=600.0, pin=device.type == "cuda")  # as PolicyWeights' own
     policy = PolicyWeights(target, receiver, cfg.rl.max_staleness)
     state = model.state_dict()
