@@ -192,7 +192,9 @@ def test_a_decode_step_pads_to_its_bucket_without_touching_another_slot_or_chang
     decoder.prefill(prompts, [0, 3, 5])
     cache = [t.clone() for t in decoder.cache.tensors]
     tokens, slots, positions = [7, 8, 9], [0, 3, 5], [len(p) for p in prompts]
-    logits, routing = decoder.decode(tokens, slots, positions)  # batch 3 -> 4, span 13 -> 16
+    by_slot = torch.zeros(9, dtype=torch.int64)
+    by_slot[slots] = torch.tensor(tokens)
+    logits, routing = decoder.decode(by_slot, slots, positions)  # batch 3 -> 4, span 13 -> 16
     assert set(decoder._steps) == {(4, 16)}
     for before, after in zip(cache, decoder.cache.tensors):
         changed = (before != after).flatten(2).any(-1).any(0).nonzero().flatten().tolist()  # slots written
@@ -200,7 +202,7 @@ def test_a_decode_step_pads_to_its_bucket_without_touching_another_slot_or_chang
     for i in range(3):  # each row alone: batch 1, its own span bucket; same cache contents
         for t, c in zip(decoder.cache.tensors, cache):
             t.copy_(c)
-        alone, alone_routing = decoder.decode(tokens[i:i + 1], slots[i:i + 1], positions[i:i + 1])
+        alone, alone_routing = decoder.decode(by_slot, slots[i:i + 1], positions[i:i + 1])
         torch.testing.assert_close(alone[0], logits[i], atol=1e-5, rtol=0)
         assert torch.equal(alone_routing[:, 0].sort(-1).values, routing[:, i].sort(-1).values)
 

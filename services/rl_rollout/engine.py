@@ -1,9 +1,11 @@
 """Batched autoregressive generation with a KV cache and continuous batching.
 
-`Engine.generate(requests)` keeps up to `max_batch` sequences decoding together. A sequence leaves the batch the step it
-finishes (EOS, a stop string, or its token limit) and a waiting prompt takes its cache slot at the next step, so a long
-completion never holds a batch of short ones hostage. Prompts that join together are prefilled together as one packed
-batch.
+`Engine.generate(requests)` keeps up to `max_batch` sequences decoding together. A sequence leaves the batch once the
+host has seen it finish (EOS, a stop string, or its token limit) and a waiting prompt takes its cache slot at the next
+step, so a long completion never holds a batch of short ones hostage. Prompts that join together are prefilled together
+as one packed batch. The host runs one step behind the device: step t + 1 is queued, feeding the tokens step t sampled
+straight from device memory, before the host reads step t's tokens, so the host's per-step work (stop checks, routing
+records) overlaps the device's instead of adding to it.
 
 Each completion carries the log-prob of every sampled token (see `sampling.py` for which distribution) and the experts
 every MoE layer chose for every token the model was fed (prompt and completion but the last token, which is never fed):
@@ -49,13 +51,28 @@ class Completion:
 class _Running:
     index: int
     request: Request
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # sampled tokens whose values have reached the host
     logprobs: list[float] = field(default_factory=list)
+    sampled: int = 0  # tokens sampled on the device, the step in flight's included
+    done: bool = False
 
     @property
     def fed(self) -> int:
-        """Tokens fed to the model so far: the prompt and every sampled token but the last."""
-        return len(self.request.prompt_tokens) + len(self.tokens) - 1
+        """Tokens fed to the model once the step in flight has run: the prompt and every sampled token but the last."""
+        return len(self.request.prompt_tokens) + self.sampled - 1
+
+
+@dataclass
+class _Step:
+    """A queued forward and its sampling: the sequences it advances, and where its results land on the host."""
+    seqs: list[_Running]
+    slots: list[int]
+    starts: list[int]  # each sequence's first position fed, and how many (a prefill's prompt, or one token)
+    lens: list[int]
+    tokens: torch.Tensor  # [n] sampled ids, host
+    logprobs: torch.Tensor  # [n], host
+    routing: torch.Tensor  # [L, Σ lens, k] expert ids of the fed tokens, host
+    ready: torch.cuda.Event | None  # recorded after the copies to the host (None: computed on the host)
 
 
 class Engine:
@@ -74,6 +91,8 @@ class Engine:
         if layers and model.cfg.num_experts > torch.iinfo(torch.int16).max:
             raise EngineError(f"{model.cfg.num_experts} experts do not fit the routing record's int16 ids")
         self.routing = torch.empty(max_batch, layers, max_seq_len, top_k, dtype=torch.int16)
+        # Each slot's next token to feed, on the device, written by the sampling (entry `max_batch`: padding rows', 0)
+        self._next = torch.zeros(max_batch + 1, dtype=torch.int64, device=self.cache.device)
 
     def close(self) -> None:
         self.cache.close()
@@ -95,18 +114,25 @@ class Engine:
             self.model.train(was_training)
 
     def _run(self, requests, on_complete):
+        """Steps are queued one ahead of the host: a decode step reads the tokens it feeds on the device (`_next`), so
+        it is queued before the previous step's tokens reach the host, and the host's bookkeeping of step t (stop
+        checks, routing records, finishing) runs while step t + 1 computes. The cost: a sequence that ends on a token
+        the host has not seen yet (EOS, a stop string) is fed once more; that row is discarded."""
         waiting = deque(enumerate(requests))
         running: dict[int, _Running] = {}  # slot -> sequence
         done: list[Completion | None] = [None] * len(requests)
 
         def finish(slot: int, reason: str) -> None:
             seq = running.pop(slot)
+            seq.done = True
+            fed = len(seq.request.prompt_tokens) + len(seq.tokens) - 1
             c = Completion(seq.request.tag, list(seq.request.prompt_tokens), seq.tokens, seq.logprobs,
-                           self.routing[slot, :, :seq.fed].to(torch.int64), reason, self.tokenizer.decode(seq.tokens))
+                           self.routing[slot, :, :fed].to(torch.int64), reason, self.tokenizer.decode(seq.tokens))
             done[seq.index] = c
             if on_complete is not None:
                 on_complete(c)
 
+        in_flight: list[_Step] = []
         while waiting or running:
             free = [s for s in range(self.max_batch) if s not in running]
             joining = []
@@ -115,35 +141,66 @@ class Engine:
                 slot = free.pop(0)
                 running[slot] = _Running(index, req)
                 joining.append(slot)
+            queued = []
             if joining:
                 logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in joining], joining)
-                lens = [len(running[s].request.prompt_tokens) for s in joining]
-                self._append(joining, logits, _to_host(routing), running, finish, [0] * len(joining), lens)
-            stepping = [s for s in running if s not in joining]
+                queued.append(self._sample(joining, running, logits, routing, [0] * len(joining),
+                                           [len(running[s].request.prompt_tokens) for s in joining]))
+            # A sequence whose last allowed token is sampled waits for it to land (it then finishes by length).
+            stepping = [s for s in running if s not in joining
+                        and running[s].sampled < running[s].request.params.max_tokens]
             if stepping:
                 positions = [running[s].fed for s in stepping]
-                logits, routing = self.cache.decode([running[s].tokens[-1] for s in stepping], stepping, positions)
-                self._append(stepping, logits, _to_host(routing), running, finish, positions, [1] * len(stepping))
+                logits, routing = self.cache.decode(self._next, stepping, positions)
+                queued.append(self._sample(stepping, running, logits, routing, positions, [1] * len(stepping)))
+            if not queued and not in_flight:
+                raise RuntimeError("generation made no progress")  # unreachable: every running sequence steps or lands
+            for step in in_flight:
+                self._land(step, running, finish)
+            in_flight = queued
         return done
 
-    def _append(self, slots: list[int], logits: torch.Tensor, routing: torch.Tensor, running: dict[int, _Running],
-                finish, starts: list[int], lens: list[int]) -> None:
-        """Sample each slot's next token and record the routing of the tokens just fed: `routing` [L, Σ lens, k], slot
-        i's `lens[i]` tokens from position `starts[i]` on (a prefill's prompts, or a decode step's one token each)."""
-        tokens, logprobs = sample(logits, [running[s].request.params for s in slots], self.generator)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()  # the step's wait for the device: its routing is here too
-        if all(n == 1 for n in lens):  # one token a slot (a decode step, or one-token prompts): one indexed write
-            self.routing[torch.tensor(slots), :, torch.tensor(starts)] = routing.transpose(0, 1).to(torch.int16)
+    def _sample(self, slots: list[int], running: dict[int, _Running], logits: torch.Tensor, routing: torch.Tensor,
+                starts: list[int], lens: list[int]) -> _Step:
+        """Queue the sampling of each slot's next token after a forward; its copies to the host go without a wait."""
+        seqs = [running[s] for s in slots]
+        tokens, logprobs = sample(logits, [q.request.params for q in seqs], self.generator)
+        index = torch.tensor(slots).to(self._next.device, non_blocking=True)
+        self._next.index_copy_(0, index, tokens)  # what the next decode step feeds
+        for q in seqs:
+            q.sampled += 1
+        ready = None
+        tokens, logprobs, routing = _to_host(tokens), _to_host(logprobs), _to_host(routing)
+        if self._next.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Step(seqs, slots, starts, lens, tokens, logprobs, routing, ready)
+
+    def _land(self, step: _Step, running: dict[int, _Running], finish) -> None:
+        """Take a step's results on the host: append each live sequence's token, record the routing of the tokens it
+        fed (`routing` [L, Σ lens, k], slot i's `lens[i]` tokens from position `starts[i]` on) and finish the
+        sequences that are done. Rows of sequences that ended meanwhile are dropped."""
+        if step.ready is not None:
+            step.ready.synchronize()  # this step's copies only: the step queued after it keeps running
+        live = [i for i, q in enumerate(step.seqs) if not q.done]
+        if not live:
+            return
+        if all(n == 1 for n in step.lens):  # one token a slot (a decode step, or one-token prompts): one indexed write
+            rows = torch.tensor(live)
+            self.routing[torch.tensor(step.slots)[rows], :, torch.tensor(step.starts)[rows]] = \
+                step.routing[:, rows].transpose(0, 1).to(torch.int16)
         else:
-            for s, at, part in zip(slots, starts, routing.split(lens, dim=1)):
-                self.routing[s, :, at:at + part.shape[1]] = part
-        for s, t, lp in zip(slots, tokens, logprobs):
-            seq = running[s]
-            seq.tokens.append(t)
-            seq.logprobs.append(lp)
+            parts = step.routing.split(step.lens, dim=1)
+            for i in live:
+                self.routing[step.slots[i], :, step.starts[i]:step.starts[i] + step.lens[i]] = parts[i]
+        tokens, logprobs = step.tokens.tolist(), step.logprobs.tolist()
+        for i in live:
+            seq = step.seqs[i]
+            seq.tokens.append(tokens[i])
+            seq.logprobs.append(logprobs[i])
             reason = self._finished(seq)
             if reason:
-                finish(s, reason)
+                finish(step.slots[i], reason)
 
     def _finished(self, seq: _Running) -> str:
         p = seq.request.params

@@ -171,19 +171,23 @@ class CachedDecoder:
         return self.model.output(self.model.norm(x[last])), self._routing(x.shape[0])
 
     @torch.no_grad()
-    def decode(self, tokens: list[int], slots: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed one token per sequence at `positions` (= tokens already cached in that slot).
+    def decode(self, tokens_by_slot: torch.Tensor, slots: list[int], positions: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed one token per sequence in `slots` at `positions` (= tokens already cached in that slot): the slot's
+        entry of `tokens_by_slot` ([slots + 1] on the device, the last entry the padding rows' token, 0), read on the
+        device, so the tokens a step feeds may still be being sampled when it is queued.
 
         Returns next-token logits [B, V] and the routing of the fed tokens [L, B, k], both on the device.
         """
         if max(positions) >= self.max_len:
             raise ValueError(f"a sequence reached the cache length {self.max_len}; raise rl.max_seq_len")
-        n = len(tokens)
+        n = len(slots)
         batch, span = _bucket(n, 1, self.slots), _bucket(max(positions) + 1, 16, self.max_len)
         step = self._steps.get((batch, span)) or self._new_step(batch, span)
         pad = batch - n
-        inputs = torch.tensor([tokens + [0] * pad, slots + [self.slots] * pad, positions + [0] * pad])
-        step.inputs.copy_(inputs, non_blocking=True)  # staged from pageable memory at once; no wait for the device
+        inputs = torch.tensor([slots + [self.slots] * pad, positions + [0] * pad])
+        step.inputs[1:].copy_(inputs, non_blocking=True)  # staged from pageable memory at once; no wait for the device
+        torch.index_select(tokens_by_slot, 0, step.inputs[1], out=step.inputs[0])
         logits, routing = step.run()
         if routing is None:
             return logits[:n].clone() if self.cuda_graphs else logits[:n], self._routing(n)
