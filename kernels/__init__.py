@@ -9,6 +9,7 @@ kernels on machines without a GPU).
     swiglu_prob   expert activation with the routing probability folded in
     unpermute     expert order -> token order, weighted sum of each token's k copies
     cross_entropy output layer + cross-entropy over chunks of tokens, without [T, V] logits
+    sample        the rollout's sampler: one token per row of logits by Gumbel-max, with its log-prob
 
 Import from the modules (`from kernels.permute import permute`): the package re-exports nothing, so a module and
 its function of the same name never shadow each other.

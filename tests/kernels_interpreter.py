@@ -52,7 +52,8 @@ if not ON_CUDA:
                                "run pytest with TRITON_INTERPRET=1 in the environment")
 # builds triton's library (on CPU, for the interpreter) and our kernels
 import_kernels("kernels.cross_entropy", "kernels.permute", "kernels.router", "kernels.swiglu", "kernels.unpermute",
-               "kernels.fp8_quantize", "kernels.fp8_grouped_mm", "kernels.adamw", "kernels.head_norm_rope")
+               "kernels.fp8_quantize", "kernels.fp8_grouped_mm", "kernels.adamw", "kernels.head_norm_rope",
+               "kernels.sample")
 
 
 @pytest.fixture(autouse=True)

@@ -165,13 +165,14 @@ class Engine:
         """Queue the sampling of each slot's next token after a forward; its copies to the host go without a wait."""
         seqs = [running[s] for s in slots]
         tokens, logprobs = sample(logits, [q.request.params for q in seqs], self.generator)
-        index = torch.tensor(slots).to(self._next.device, non_blocking=True)
+        cuda = self._next.device.type == "cuda"
+        index = torch.tensor(slots, pin_memory=cuda).to(self._next.device, non_blocking=True)
         self._next.index_copy_(0, index, tokens)  # what the next decode step feeds
         for q in seqs:
             q.sampled += 1
         ready = None
         tokens, logprobs, routing = _to_host(tokens), _to_host(logprobs), _to_host(routing)
-        if self._next.device.type == "cuda":
+        if cuda:
             ready = torch.cuda.Event()
             ready.record()
         return _Step(seqs, slots, starts, lens, tokens, logprobs, routing, ready)

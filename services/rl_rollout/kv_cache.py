@@ -185,8 +185,8 @@ class CachedDecoder:
         batch, span = _bucket(n, 1, self.slots), _bucket(max(positions) + 1, 16, self.max_len)
         step = self._steps.get((batch, span)) or self._new_step(batch, span)
         pad = batch - n
-        inputs = torch.tensor([slots + [self.slots] * pad, positions + [0] * pad])
-        step.inputs[1:].copy_(inputs, non_blocking=True)  # staged from pageable memory at once; no wait for the device
+        inputs = torch.tensor([slots + [self.slots] * pad, positions + [0] * pad], pin_memory=self.device.type == "cuda")
+        step.inputs[1:].copy_(inputs, non_blocking=True)  # from pinned memory (on CUDA): no wait for the device
         torch.index_select(tokens_by_slot, 0, step.inputs[1], out=step.inputs[0])
         logits, routing = step.run()
         if routing is None:

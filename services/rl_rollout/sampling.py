@@ -3,6 +3,9 @@
 The log-prob recorded for a sampled token is taken under the temperature-scaled distribution *before* top-k/top-p
 truncation: that is the density the trainer can recompute from logits alone (it divides by the same temperature), so the
 train/rollout importance ratio compares like with like. Truncation only decides which tokens may be drawn.
+
+Without truncation (top_k 0, top_p 1: the RL default) a batch is sampled by one kernel pass over each row
+(kernels/sample.py); with it, through a sort of each row's vocabulary.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from kernels.sample import sample_categorical
 
 
 @dataclass(frozen=True)
@@ -37,20 +42,19 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B] int64, log-probs [B] fp32 of those tokens)."""
-    logits = logits.float()
     dev = logits.device
     # One copy for the three, not waiting for the device (a blocking copy would wait for the queued decode step).
     temp, top_k, top_p = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params],
-                                     dtype=torch.float32).to(dev, non_blocking=True).T
-    top_k = top_k.long()
+                                     dtype=torch.float32, pin_memory=dev.type == "cuda").to(dev, non_blocking=True).T
+    if all(p.top_k <= 0 and p.top_p >= 1 for p in params):
+        # No truncation: one pass over each row's logits (Gumbel-max), seeded from `generator` on the device.
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=dev, generator=generator)
+        return sample_categorical(logits, temp, seed)
+    logits = logits.float()
     greedy = temp <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
-
-    if all(p.top_k <= 0 and p.top_p >= 1 for p in params):  # plain sampling: no vocabulary sort needed
-        drawn = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(1)
-    else:
-        drawn = _draw_top_k_top_p(scaled, top_k, top_p, generator)
+    drawn = _draw_top_k_top_p(scaled, top_k.long(), top_p, generator)
     tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 

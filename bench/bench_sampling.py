@@ -1,0 +1,68 @@
+"""The rollout's sampler over a decode step's logits: `kernels.sample` against the torch path it replaced.
+
+    python bench/bench_sampling.py [--vocab 151936] [--batch 64 256] [--reps 20] [--record bench/RESULTS.md]
+
+Rows per batch size: a device copy of the logits (the floor: the kernel must read them once); the torch path (fp32
+cast, temperature divide, log_softmax, softmax, `torch.multinomial`, the greedy argmax, where and gather: what
+services/rl_rollout/sampling.py ran for untruncated sampling before the kernel); `sample_categorical`. bf16 logits
+drawn at random, temperature 1, every row sampled. Device milliseconds per call (`bench_kernels.time_ms`: each call
+queued behind a GPU sleep, median of `reps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_kernels import time_ms  # noqa: E402
+from bench.record import Table, add_record_argument  # noqa: E402
+from kernels.sample import sample_categorical  # noqa: E402
+
+
+def torch_sampler(logits: torch.Tensor, temp: torch.Tensor, generator: torch.Generator):
+    """Untruncated sampling as sampling.py did it with torch ops."""
+    logits = logits.float()
+    greedy = temp <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    drawn = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--reps", type=int, default=20)
+    add_record_argument(ap)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_sampling times GPU kernels and needs a CUDA GPU")
+    dev = torch.device("cuda")
+    generator = torch.Generator(dev).manual_seed(0)
+    table = Table()
+    table.line(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | V={args.vocab} bf16 logits | device ms, "
+               f"median of {args.reps}")
+    table.line(f"{'batch':>6}  {'copy (floor)':>12}  {'torch path':>10}  {'kernel':>8}  {'speedup':>7}  kernel GB/s")
+    for batch in args.batch:
+        logits = torch.randn(batch, args.vocab, device=dev).to(torch.bfloat16)
+        temp = torch.ones(batch, device=dev)
+        seed = torch.zeros(1, dtype=torch.int64, device=dev)
+        copy = torch.empty_like(logits)
+        t_copy = time_ms(lambda: copy.copy_(logits), 3, args.reps)
+        t_torch = time_ms(lambda: torch_sampler(logits, temp, generator), 3, args.reps)
+        t_kernel = time_ms(lambda: sample_categorical(logits, temp, seed), 3, args.reps)
+        gbs = logits.numel() * logits.element_size() / t_kernel / 1e6
+        table.line(f"{batch:>6}  {t_copy:>12.3f}  {t_torch:>10.3f}  {t_kernel:>8.3f}  {t_torch / t_kernel:>6.1f}x  "
+                   f"{gbs:,.0f}")
+    table.record(args.record, "The rollout's sampler: kernels.sample against the torch path")
+
+
+if __name__ == "__main__":
+    main()
