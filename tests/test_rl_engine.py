@@ -3,6 +3,7 @@ computes, and honours every sampling and stop setting."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -127,6 +128,25 @@ def test_eos_ends_the_completion_and_is_kept_as_its_last_token():
         [Request(free.prompt_tokens, SamplingParams(temperature=0.0, max_tokens=12))])[0]
     assert c.finish_reason == "eos" and c.tokens == free.tokens[:first + 1]
     assert c.routing.shape[1] == len(c.prompt_tokens) + first  # the EOS token is never fed back
+
+
+def test_sequences_ending_on_eos_hand_their_slots_over_without_a_trace_in_the_next_ones():
+    """The host runs a step behind the device: a sequence that samples EOS is fed once more before the host sees it,
+    and a waiting prompt then takes its slot. That extra row must leave nothing behind: every completion (two slots,
+    five prompts, most ending on EOS at different steps) is the full forward's greedy continuation cut at its first
+    EOS, with the full forward's routing."""
+    model = _model("cpu")
+    free = Engine(model, TOK, max_batch=8, max_seq_len=64).generate(_requests(_greedy(max_tokens=10)))
+    eos = collections.Counter(t for c in free for t in c.tokens[1:6]).most_common(1)[0][0]
+    tok = dataclasses.replace(TOK, eos_id=eos)
+    got = Engine(model, tok, max_batch=2, max_seq_len=64).generate(
+        _requests(SamplingParams(temperature=0.0, max_tokens=10)))
+    assert sum(c.finish_reason == "eos" for c in got) >= 2
+    for c, f in zip(got, free):
+        cut = f.tokens.index(eos) + 1 if eos in f.tokens else len(f.tokens)
+        assert c.tokens == f.tokens[:cut]
+        _, routing = full_forward(model, c.prompt_tokens + c.tokens[:-1])
+        assert torch.equal(c.routing.sort(-1).values, routing.sort(-1).values)
 
 
 def test_max_tokens_is_a_hard_limit():
