@@ -249,6 +249,9 @@ class _Publisher:
     def start(self):
         return self
 
+    def prepare(self, specs):
+        pass
+
     @contextmanager
     def new_version(self, version, specs):
         host = {k: torch.empty(spec.shape, dtype=spec.dtype) for k, spec in specs.items()}
