@@ -1,10 +1,12 @@
 """The rollout's sampler over a decode step's logits: `kernels.sample` against the torch path it replaced.
 
-    python bench/bench_sampling.py [--vocab 151936] [--batch 64 256] [--reps 20] [--record bench/RESULTS.md]
+    python bench/bench_sampling.py [--vocab 151936] [--batch 64 256] [--programs 1024] [--reps 20]
+                                   [--record bench/RESULTS.md]
 
 Rows per batch size: a device copy of the logits (the floor: the kernel must read them once); the torch path (fp32
 cast, temperature divide, log_softmax, softmax, `torch.multinomial`, the greedy argmax, where and gather: what
-services/rl_rollout/sampling.py ran for untruncated sampling before the kernel); `sample_categorical`. bf16 logits
+services/rl_rollout/sampling.py ran for untruncated sampling before the kernel); `sample_categorical` with each
+`--programs` target (kernels.sample.PROGRAMS: how finely rows are split, `splits_for`). bf16 logits
 drawn at random, temperature 1, every row sampled. Device milliseconds per call (`bench_kernels.time_ms`: each call
 queued behind a GPU sleep, median of `reps`).
 """
@@ -21,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_kernels import time_ms  # noqa: E402
 from bench.record import Table, add_record_argument  # noqa: E402
-from kernels.sample import sample_categorical  # noqa: E402
+import kernels.sample as sample_module  # noqa: E402
+from kernels.sample import sample_categorical, splits_for  # noqa: E402
 
 
 def torch_sampler(logits: torch.Tensor, temp: torch.Tensor, generator: torch.Generator):
@@ -39,6 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--programs", type=int, nargs="+", default=[sample_module.PROGRAMS])
     ap.add_argument("--reps", type=int, default=20)
     add_record_argument(ap)
     args = ap.parse_args()
@@ -49,7 +53,8 @@ def main() -> None:
     table = Table()
     table.line(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | V={args.vocab} bf16 logits | device ms, "
                f"median of {args.reps}")
-    table.line(f"{'batch':>6}  {'copy (floor)':>12}  {'torch path':>10}  {'kernel':>8}  {'speedup':>7}  kernel GB/s")
+    table.line(f"{'batch':>6}  {'copy (floor)':>12}  {'torch path':>10}  {'programs':>8}  {'splits':>6}  "
+               f"{'kernel':>8}  {'speedup':>7}  kernel GB/s")
     for batch in args.batch:
         logits = torch.randn(batch, args.vocab, device=dev).to(torch.bfloat16)
         temp = torch.ones(batch, device=dev)
@@ -57,10 +62,13 @@ def main() -> None:
         copy = torch.empty_like(logits)
         t_copy = time_ms(lambda: copy.copy_(logits), 3, args.reps)
         t_torch = time_ms(lambda: torch_sampler(logits, temp, generator), 3, args.reps)
-        t_kernel = time_ms(lambda: sample_categorical(logits, temp, seed), 3, args.reps)
-        gbs = logits.numel() * logits.element_size() / t_kernel / 1e6
-        table.line(f"{batch:>6}  {t_copy:>12.3f}  {t_torch:>10.3f}  {t_kernel:>8.3f}  {t_torch / t_kernel:>6.1f}x  "
-                   f"{gbs:,.0f}")
+        for programs in args.programs:
+            sample_module.PROGRAMS = programs
+            t_kernel = time_ms(lambda: sample_categorical(logits, temp, seed), 3, args.reps)
+            gbs = logits.numel() * logits.element_size() / t_kernel / 1e6
+            splits = splits_for(batch, args.vocab)[0]
+            table.line(f"{batch:>6}  {t_copy:>12.3f}  {t_torch:>10.3f}  {programs:>8}  {splits:>6}  {t_kernel:>8.3f}"
+                       f"  {t_torch / t_kernel:>6.1f}x  {gbs:,.0f}")
     table.record(args.record, "The rollout's sampler: kernels.sample against the torch path")
 
 

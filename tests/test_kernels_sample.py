@@ -10,7 +10,8 @@ import pytest
 import torch
 from kernels_interpreter import DEVICE, kernels_on_device  # noqa: F401  (first: before triton is imported)
 
-from kernels.sample import sample_categorical, sample_categorical_reference
+import kernels.sample as sample_module
+from kernels.sample import sample_categorical, sample_categorical_reference, splits_for
 
 IMPLS = {"kernel": sample_categorical, "reference": sample_categorical_reference}
 
@@ -39,7 +40,11 @@ def test_greedy_rows_take_the_first_maximal_logit_and_every_logprob_is_the_scale
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_draws_follow_the_softmax_of_the_scaled_logits(impl):
+@pytest.mark.parametrize("split", [False, True], ids=["whole_rows", "split_rows"])
+def test_draws_follow_the_softmax_of_the_scaled_logits(impl, split, monkeypatch):
+    if split:  # each row in five chunks of 128 columns
+        monkeypatch.setattr(sample_module, "BLOCK_V", 128)
+        monkeypatch.setattr(sample_module, "PROGRAMS", 10**6)
     V, rows = 600, 2000
     logits = torch.full((V,), -30.0)
     logits[[3, 250, 599]] = torch.tensor([1.0, 2.0, 0.5])
@@ -56,6 +61,24 @@ def test_a_seed_reproduces_its_draws_and_another_seed_draws_others(impl):
     temperature = torch.ones(64, device=DEVICE)
     a, b, c = (IMPLS[impl](logits, temperature, _seed(s))[0] for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_splitting_rows_changes_neither_the_draws_nor_the_logprobs(monkeypatch):
+    """The uniform of (row, column) does not depend on the chunk that reads it: one program per row and rows split in
+    chunks (the first maximal noisy score across chunks, the log-sum-exp combined) return the same tokens."""
+    torch.manual_seed(1)
+    logits = (2 * torch.randn(5, 3000, device=DEVICE)).to(torch.bfloat16)
+    logits[0, 10] = logits[0, 2900] = 40.0  # a greedy tie across chunks: the first column wins
+    temperature = torch.tensor([0.0, 1.0, 0.5, 2.0, 1.0], device=DEVICE)
+    monkeypatch.setattr(sample_module, "BLOCK_V", 256)
+    monkeypatch.setattr(sample_module, "PROGRAMS", 1)
+    assert splits_for(5, 3000) == (1, 3072)
+    whole = sample_categorical(logits, temperature, _seed(9))
+    monkeypatch.setattr(sample_module, "PROGRAMS", 10**6)
+    assert splits_for(5, 3000) == (12, 256)
+    split = sample_categorical(logits, temperature, _seed(9))
+    assert whole[0][0].item() == 10 and torch.equal(whole[0], split[0])
+    torch.testing.assert_close(whole[1], split[1], rtol=1e-6, atol=1e-6)
 
 
 def test_bad_shapes_are_refused_with_what_was_expected():

@@ -180,17 +180,22 @@ def test_sampled_logprobs_are_under_the_temperature_scaled_distribution():
                                atol=1e-4, rtol=0)
 
 
+def _sample(logits, params, gen):
+    """`sample` over one row of parameters per logits row."""
+    return sample(logits, torch.tensor([p.row for p in params]).T, any(p.truncates for p in params), gen)
+
+
 def test_top_k_and_top_p_only_draw_from_the_kept_tokens():
     gen = torch.Generator().manual_seed(0)
     logits = torch.tensor([[3.0, 2.9, 2.8, -5.0, -6.0]]).repeat(400, 1)
-    k2, _ = sample(logits, [SamplingParams(top_k=2)] * 400, gen)
+    k2, _ = _sample(logits, [SamplingParams(top_k=2)] * 400, gen)
     assert set(k2.tolist()) == {0, 1}
     # The three leading tokens hold ~99.9% of the mass: top_p=0.9 keeps exactly them (the third is needed to reach 0.9).
-    p, _ = sample(logits, [SamplingParams(top_p=0.9)] * 400, gen)
+    p, _ = _sample(logits, [SamplingParams(top_p=0.9)] * 400, gen)
     assert set(p.tolist()) == {0, 1, 2}
-    tiny_p, _ = sample(logits[:50], [SamplingParams(top_p=0.01)] * 50, gen)
+    tiny_p, _ = _sample(logits[:50], [SamplingParams(top_p=0.01)] * 50, gen)
     assert set(tiny_p.tolist()) == {0}
-    mixed, lps = sample(logits[:2], [SamplingParams(temperature=0.0), SamplingParams(top_k=1)], gen)
+    mixed, lps = _sample(logits[:2], [SamplingParams(temperature=0.0), SamplingParams(top_k=1)], gen)
     assert mixed.tolist() == [0, 0]
     torch.testing.assert_close(lps, torch.log_softmax(logits[:2], -1)[:, 0])
 

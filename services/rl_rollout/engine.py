@@ -93,6 +93,9 @@ class Engine:
         self.routing = torch.empty(max_batch, layers, max_seq_len, top_k, dtype=torch.int16)
         # Each slot's next token to feed, on the device, written by the sampling (entry `max_batch`: padding rows', 0)
         self._next = torch.zeros(max_batch + 1, dtype=torch.int64, device=self.cache.device)
+        # Each slot's sampling parameters (`SamplingParams.row`: temperature, top_k, top_p), on the device, written
+        # when a sequence joins
+        self._params = torch.zeros(3, max_batch, dtype=torch.float32, device=self.cache.device)
 
     def close(self) -> None:
         self.cache.close()
@@ -143,6 +146,8 @@ class Engine:
                 joining.append(slot)
             queued = []
             if joining:
+                self._params[:, _on_device(joining, self._params.device)] = _on_device(
+                    [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
                 logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in joining], joining)
                 queued.append(self._sample(joining, running, logits, routing, [0] * len(joining),
                                            [len(running[s].request.prompt_tokens) for s in joining]))
@@ -164,15 +169,15 @@ class Engine:
                 starts: list[int], lens: list[int]) -> _Step:
         """Queue the sampling of each slot's next token after a forward; its copies to the host go without a wait."""
         seqs = [running[s] for s in slots]
-        tokens, logprobs = sample(logits, [q.request.params for q in seqs], self.generator)
-        cuda = self._next.device.type == "cuda"
-        index = torch.tensor(slots, pin_memory=cuda).to(self._next.device, non_blocking=True)
+        index = _on_device(slots, self._next.device)
+        tokens, logprobs = sample(logits, self._params[:, index], any(q.request.params.truncates for q in seqs),
+                                  self.generator)
         self._next.index_copy_(0, index, tokens)  # what the next decode step feeds
         for q in seqs:
             q.sampled += 1
         ready = None
         tokens, logprobs, routing = _to_host(tokens), _to_host(logprobs), _to_host(routing)
-        if cuda:
+        if self._next.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         return _Step(seqs, slots, starts, lens, tokens, logprobs, routing, ready)
@@ -216,6 +221,12 @@ class Engine:
         if len(seq.tokens) >= p.max_tokens:
             return "length"
         return ""
+
+
+def _on_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied from pinned memory on CUDA: no wait for the work queued there."""
+    cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

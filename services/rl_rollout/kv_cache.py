@@ -177,7 +177,9 @@ class CachedDecoder:
         entry of `tokens_by_slot` ([slots + 1] on the device, the last entry the padding rows' token, 0), read on the
         device, so the tokens a step feeds may still be being sampled when it is queued.
 
-        Returns next-token logits [B, V] and the routing of the fed tokens [L, B, k], both on the device.
+        Returns next-token logits [B, V] and the routing of the fed tokens [L, B, k], both on the device. Replayed from
+        a CUDA graph they are views of its output buffers, which the next decode step of the same shape overwrites:
+        queue what reads them (the engine's sampling and copy to the host) before that step.
         """
         if max(positions) >= self.max_len:
             raise ValueError(f"a sequence reached the cache length {self.max_len}; raise rl.max_seq_len")
@@ -189,10 +191,7 @@ class CachedDecoder:
         step.inputs[1:].copy_(inputs, non_blocking=True)  # from pinned memory (on CUDA): no wait for the device
         torch.index_select(tokens_by_slot, 0, step.inputs[1], out=step.inputs[0])
         logits, routing = step.run()
-        if routing is None:
-            return logits[:n].clone() if self.cuda_graphs else logits[:n], self._routing(n)
-        # A graph's outputs are overwritten by its next replay: the caller gets copies. An eager step's are its own.
-        return (logits[:n].clone(), routing[:, :n].clone()) if self.cuda_graphs else (logits[:n], routing[:, :n])
+        return logits[:n], self._routing(n) if routing is None else routing[:, :n]
 
     def _forward(self, inputs: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step on `inputs` [3, batch], attending to the first `span` cache positions (masked)."""

@@ -39,16 +39,27 @@ class SamplingParams:
             raise ValueError(f"an empty stop string would end every completion at its first token (stop={self.stop!r})")
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
+    @property
+    def truncates(self) -> bool:
+        """True when top-k or top-p limits which tokens may be drawn."""
+        return self.top_k > 0 or self.top_p < 1
+
+    @property
+    def row(self) -> tuple[float, float, float]:
+        """(temperature, top_k, top_p): this request's column of the parameters `sample` takes."""
+        return self.temperature, self.top_k, self.top_p
+
+
+def sample(logits: torch.Tensor, params: torch.Tensor, truncate: bool,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B] int64, log-probs [B] fp32 of those tokens)."""
-    dev = logits.device
-    # One copy for the three, not waiting for the device (a blocking copy would wait for the queued decode step).
-    temp, top_k, top_p = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params],
-                                     dtype=torch.float32, pin_memory=dev.type == "cuda").to(dev, non_blocking=True).T
-    if all(p.top_k <= 0 and p.top_p >= 1 for p in params):
+    """logits [B, V], params [3, B] fp32 (temperature, top_k, top_p: each row's `SamplingParams.row`, on the logits'
+    device) -> (tokens [B] int64, log-probs [B] fp32 of those tokens). `truncate`: whether any row truncates
+    (`SamplingParams.truncates`), known to the caller on the host, so that choosing the path never waits for the
+    device."""
+    temp, top_k, top_p = params
+    if not truncate:
         # No truncation: one pass over each row's logits (Gumbel-max), seeded from `generator` on the device.
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=dev, generator=generator)
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=logits.device, generator=generator)
         return sample_categorical(logits, temp, seed)
     logits = logits.float()
     greedy = temp <= 0
