@@ -2,19 +2,23 @@
 
     sample_categorical(logits [B, V], temperature [B] fp32, seed [1] int64) -> (tokens [B] int64, logprobs [B] fp32)
 
-Row b samples from softmax(logits[b] / temperature[b]) by the Gumbel-max trick: the token maximising
-logits / t + g, with g = -log(-log(u)) and u uniform in [0, 1), is distributed exactly as that softmax. Its log-prob is
-logits[tok] / t - logsumexp(logits / t). A row with temperature <= 0 is greedy: the first maximal logit, its log-prob
-under t = 1. `seed` (on the logits' device, drawn from the caller's generator) makes a call reproducible.
+Row b samples from p = softmax(logits[b] / temperature[b]) by inverting its cumulative distribution: with u uniform in
+[0, 1), the first token whose cumulative probability exceeds u. Its log-prob is logits[tok] / t - logsumexp(logits / t).
+A row with temperature <= 0 is greedy: the first maximal logit, its log-prob under t = 1. `seed` (on the logits'
+device, drawn from the caller's generator) makes a call reproducible.
 
 Why a kernel: torch's path over [256, 151936] fp32 logits (a rollout batch of Qwen3's vocabulary) makes eight full
 passes (cast, divide, log_softmax, softmax, and inside `torch.multinomial` an exponential draw, a divide, an argmax and
-a check), ~1.1 ms a decode step on an H100 (bench/RESULTS.md). Here the logits are read once: each row's columns are
-split in chunks (`splits_for`: enough programs to fill the GPU whatever the batch), a program per chunk keeps a running
-max and sum (online softmax) and each lane's best noisy score, and a second kernel combines a row's chunks. The uniform
-of (row, column) comes from Triton's Philox (`tl.rand`) keyed by the two, so the split does not change the draw; the
-kernel and the torch reference (same contract, torch's generator seeded with `seed`) draw different tokens for one
-seed: the tests compare their distributions, and their log-probs and greedy tokens exactly.
+a check), ~1.0 ms a decode step on an H200 (bench/RESULTS.md). Here two kernels read the logits about once:
+- `_chunk_kernel`, a program per chunk of a row (`splits_for`: enough programs to fill the GPU whatever the batch):
+  the chunk's max, its first maximal column, and its sum of exp(x - max) (online softmax per lane);
+- `_select_kernel`, a program per row: the log-sum-exp over its chunks; one uniform per row (Triton's Philox keyed by
+  the row), the chunk where u x total falls, then a cumulative sum along that one chunk to the token.
+One uniform per row and an exp per logit, where a Gumbel-max draw needs a Philox draw and two logs per logit (which
+made an earlier version of this kernel compute-bound at a third of the memory's rate). The token is the same for any
+split of the row (the cumulative distribution runs over the columns in order), up to fp32 rounding at a boundary. The
+torch reference (same contract and method, its uniform from torch's generator seeded with `seed`) draws other tokens
+for one seed: the tests compare distributions, and greedy tokens and log-probs exactly.
 """
 
 from __future__ import annotations
@@ -45,77 +49,93 @@ def sample_categorical_reference(logits: torch.Tensor, temperature: torch.Tensor
     greedy = temperature <= 0
     scaled = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     generator = torch.Generator(logits.device).manual_seed(int(seed.item()))
-    u = torch.rand(scaled.shape, device=logits.device, generator=generator)
-    noisy = torch.where(greedy[:, None], scaled, scaled - torch.log(-torch.log(u)))
-    tokens = noisy.argmax(dim=-1)
+    u = torch.rand(scaled.shape[0], device=logits.device, generator=generator)
+    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+    # u x total rather than u: a total rounded below 1 must not leave u past the last token
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=scaled.shape[1] - 1)
+    tokens = torch.where(greedy, scaled.argmax(dim=-1), drawn)
     logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
     return tokens, logprobs
 
 
 @triton.jit
-def _sample_chunk_kernel(logits_ptr, temperature_ptr, seed_ptr, best_ptr, col_ptr, scaled_ptr, max_ptr, sum_ptr,
-                         V: tl.constexpr, stride, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, split): columns [split * CHUNK, (split + 1) * CHUNK) of the row. Writes the chunk's best noisy
-    score, its column and scaled logit, and the chunk's running max and sum of exp (online softmax)."""
+def _chunk_kernel(logits_ptr, temperature_ptr, max_ptr, col_ptr, sum_ptr, V: tl.constexpr, stride,
+                  CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, split): columns [split * CHUNK, (split + 1) * CHUNK) of the row, scaled by 1 / t. Writes the
+    chunk's max, its first column at the max, and the sum of exp(x - max) over the chunk."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.load(temperature_ptr + row)
-    greedy = t <= 0
-    inv_t = 1.0 / tl.where(greedy, 1.0, t)
-    seed = tl.load(seed_ptr)
+    inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
     lanes = tl.arange(0, BLOCK)
     base = logits_ptr + row.to(tl.int64) * stride
     run_max = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: online softmax over its columns
     run_sum = tl.zeros([BLOCK], tl.float32)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: best noisy score, its column and scaled logit
-    best_col = tl.full([BLOCK], V, tl.int32)  # V: no column yet (lanes past the row's end)
-    best_scaled = tl.zeros([BLOCK], tl.float32)
+    max_col = tl.full([BLOCK], V, tl.int32)  # per lane: first column at its max (V: none yet)
     for offset in range(0, CHUNK, BLOCK):
         cols = split * CHUNK + offset + lanes
         inside = cols < V
         x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32) * inv_t
+        max_col = tl.where(inside & (x > run_max), cols, max_col)  # strictly: a lane keeps its first column on a tie
         new_max = tl.maximum(run_max, x)
         # exp(-inf - -inf) is nan: lanes still at -inf add nothing
         run_sum = tl.where(new_max == float("-inf"), 0.0,
                            run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max))
         run_max = new_max
-        u = tl.rand(seed, row.to(tl.int64) * V + cols)  # the uniform of (row, column), whatever the split
-        noisy = tl.where(greedy, x, x - tl.log(-tl.log(u)))
-        better = inside & (noisy > best)  # strictly: a lane keeps its first column on a tie
-        best = tl.where(better, noisy, best)
-        best_col = tl.where(better, cols, best_col)
-        best_scaled = tl.where(better, x, best_scaled)
-    top = tl.max(best, axis=0)
-    col = tl.min(tl.where(best == top, best_col, V), axis=0)  # the first column among the lanes at the top
     m = tl.max(run_max, axis=0)
     out = row * SPLITS + split
-    tl.store(best_ptr + out, top)
-    tl.store(col_ptr + out, col)
-    tl.store(scaled_ptr + out, tl.max(tl.where(best_col == col, best_scaled, float("-inf")), axis=0))
     tl.store(max_ptr + out, m)
+    tl.store(col_ptr + out, tl.min(tl.where(run_max == m, max_col, V), axis=0))
     tl.store(sum_ptr + out, tl.sum(tl.where(run_max == float("-inf"), 0.0, run_sum * tl.exp(run_max - m)), axis=0))
 
 
 @triton.jit
-def _sample_combine_kernel(best_ptr, col_ptr, scaled_ptr, max_ptr, sum_ptr, tokens_ptr, logprobs_ptr,
-                           V: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row: the best of its chunks (the first column on a tie) and the log-sum-exp over them."""
+def _select_kernel(logits_ptr, temperature_ptr, seed_ptr, max_ptr, col_ptr, sum_ptr, tokens_ptr, logprobs_ptr,
+                   V: tl.constexpr, stride, CHUNK: tl.constexpr, SPLITS: tl.constexpr, S_BLOCK: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """One program per row: the log-sum-exp over the row's chunks, the greedy token (the first column at the row's
+    max), else the sampled one: the chunk where u x total falls, then the column within it."""
     row = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK)
-    inside = lanes < SPLITS
-    at = row * SPLITS + lanes
-    best = tl.load(best_ptr + at, mask=inside, other=float("-inf"))
-    cols = tl.load(col_ptr + at, mask=inside, other=V)
-    top = tl.max(best, axis=0)
-    col = tl.min(tl.where(best == top, cols, V), axis=0)
-    picked = tl.max(tl.where(cols == col, tl.load(scaled_ptr + at, mask=inside, other=float("-inf")),
-                             float("-inf")), axis=0)
-    chunk_max = tl.load(max_ptr + at, mask=inside, other=float("-inf"))
+    t = tl.load(temperature_ptr + row)
+    greedy = t <= 0
+    inv_t = 1.0 / tl.where(greedy, 1.0, t)
+    chunks = tl.arange(0, S_BLOCK)
+    at = row * SPLITS + chunks
+    real = chunks < SPLITS
+    chunk_max = tl.load(max_ptr + at, mask=real, other=float("-inf"))
     m = tl.max(chunk_max, axis=0)
-    total = tl.sum(tl.where(chunk_max == float("-inf"), 0.0,
-                            tl.load(sum_ptr + at, mask=inside, other=0.0) * tl.exp(chunk_max - m)), axis=0)
-    tl.store(tokens_ptr + row, col.to(tl.int64))
-    tl.store(logprobs_ptr + row, picked - (m + tl.log(total)))
+    weight = tl.where(chunk_max == float("-inf"), 0.0,
+                      tl.load(sum_ptr + at, mask=real, other=0.0) * tl.exp(chunk_max - m))  # mass, in units of e^m
+    total = tl.sum(weight, axis=0)
+    lse = m + tl.log(total)
+    argmax = tl.min(tl.where(chunk_max == m, tl.load(col_ptr + at, mask=real, other=V), V), axis=0)
+    # The chunk holding u x total: the first whose cumulative mass exceeds it (the last with mass, if rounding left
+    # u x total at or past the sum), and what remains of it within the chunk, in units of e^(chunk max).
+    target = tl.rand(tl.load(seed_ptr), row) * total
+    through = tl.cumsum(weight, axis=0)
+    chunk = tl.min(tl.where(through > target, chunks, S_BLOCK), axis=0)
+    chunk = tl.where(chunk == S_BLOCK, tl.max(tl.where(weight > 0, chunks, 0), axis=0), chunk)
+    here = chunks == chunk
+    c_max = tl.sum(tl.where(here, chunk_max, 0.0), axis=0)
+    rest = (target - tl.sum(tl.where(here, through - weight, 0.0), axis=0)) / tl.exp(c_max - m)
+    lanes = tl.arange(0, BLOCK)
+    base = logits_ptr + row.to(tl.int64) * stride
+    before = 0.0  # mass of the chunk's columns before this block
+    drawn = V  # the first column where the running mass passes `rest` (V: not yet)
+    last = 0  # the last column with mass (rounding may leave `rest` at or past the chunk's recomputed sum)
+    for offset in range(0, CHUNK, BLOCK):
+        cols = chunk * CHUNK + offset + lanes
+        inside = cols < V
+        x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32) * inv_t
+        p = tl.where(inside & (x > float("-inf")), tl.exp(x - c_max), 0.0)
+        running = before + tl.cumsum(p, axis=0)
+        drawn = tl.minimum(drawn, tl.min(tl.where((running > rest) & (p > 0), cols, V), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(p > 0, cols, 0), axis=0))
+        before = before + tl.sum(p, axis=0)
+    token = tl.where(greedy, argmax, tl.where(drawn == V, last, drawn))
+    x_token = tl.load(base + token).to(tl.float32) * inv_t
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, x_token - lse)
 
 
 def splits_for(rows: int, vocab: int) -> tuple[int, int]:
@@ -139,12 +159,13 @@ def sample_categorical(logits: torch.Tensor, temperature: torch.Tensor, seed: to
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
+        temperature = temperature.float().contiguous()
         splits, chunk = splits_for(B, V)
-        best, scaled, chunk_max, chunk_sum = torch.empty(4, B, splits, dtype=torch.float32, device=logits.device)
+        chunk_max, chunk_sum = torch.empty(2, B, splits, dtype=torch.float32, device=logits.device)
         cols = torch.empty(B, splits, dtype=torch.int32, device=logits.device)
-        _sample_chunk_kernel[(B, splits)](logits, temperature.float().contiguous(), seed, best, cols, scaled, chunk_max,
-                                          chunk_sum, V, logits.stride(0), CHUNK=chunk, SPLITS=splits, BLOCK=BLOCK_V,
-                                          num_warps=8)
-        _sample_combine_kernel[(B,)](best, cols, scaled, chunk_max, chunk_sum, tokens, logprobs, V, SPLITS=splits,
-                                     BLOCK=triton.next_power_of_2(splits))
+        _chunk_kernel[(B, splits)](logits, temperature, chunk_max, cols, chunk_sum, V, logits.stride(0), CHUNK=chunk,
+                                   SPLITS=splits, BLOCK=BLOCK_V, num_warps=8)
+        _select_kernel[(B,)](logits, temperature, seed, chunk_max, cols, chunk_sum, tokens, logprobs, V,
+                             logits.stride(0), CHUNK=chunk, SPLITS=splits, BLOCK=BLOCK_V, num_warps=8,
+                             S_BLOCK=max(2, triton.next_power_of_2(splits)))
     return tokens, logprobs

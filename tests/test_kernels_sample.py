@@ -31,11 +31,13 @@ def test_greedy_rows_take_the_first_maximal_logit_and_every_logprob_is_the_scale
     torch.manual_seed(0)
     logits = (3 * torch.randn(6, V, device=DEVICE)).to(torch.bfloat16)
     logits[0, V // 2] = logits[0, V - 1] = 50.0  # a tie: the first column wins
+    logits[2, :V // 2] = float("-inf")  # masked columns (at V=5000 the kernel's first chunk of the row): never drawn
     temperature = torch.tensor([0.0, 0.0, 1.0, 0.7, 1.5, -1.0], device=DEVICE)
     tokens, logprobs = IMPLS[impl](logits, temperature, _seed(3))
     greedy = temperature <= 0
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert torch.equal(tokens[greedy], logits.float()[greedy].argmax(-1)) and tokens[0].item() == V // 2
+    assert tokens[2].item() >= V // 2 and torch.isfinite(logprobs).all()
     torch.testing.assert_close(logprobs, _logprob_of(logits, temperature, tokens), rtol=1e-5, atol=1e-5)
 
 
@@ -64,8 +66,9 @@ def test_a_seed_reproduces_its_draws_and_another_seed_draws_others(impl):
 
 
 def test_splitting_rows_changes_neither_the_draws_nor_the_logprobs(monkeypatch):
-    """The uniform of (row, column) does not depend on the chunk that reads it: one program per row and rows split in
-    chunks (the first maximal noisy score across chunks, the log-sum-exp combined) return the same tokens."""
+    """A row's cumulative distribution runs over its columns in order whatever the chunks: one program per row and
+    rows split in chunks (the chunk where the draw falls, the log-sum-exp and the greedy max combined over them)
+    return the same tokens."""
     torch.manual_seed(1)
     logits = (2 * torch.randn(5, 3000, device=DEVICE)).to(torch.bfloat16)
     logits[0, 10] = logits[0, 2900] = 40.0  # a greedy tie across chunks: the first column wins

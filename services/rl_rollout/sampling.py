@@ -4,8 +4,8 @@ The log-prob recorded for a sampled token is taken under the temperature-scaled 
 truncation: that is the density the trainer can recompute from logits alone (it divides by the same temperature), so the
 train/rollout importance ratio compares like with like. Truncation only decides which tokens may be drawn.
 
-Without truncation (top_k 0, top_p 1: the RL default) a batch is sampled by one kernel pass over each row
-(kernels/sample.py); with it, through a sort of each row's vocabulary.
+Without truncation (top_k 0, top_p 1: the RL default) a batch is sampled by two kernels that read its logits about
+once (kernels/sample.py); with it, through a sort of each row's vocabulary.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor, truncate: bool,
     device."""
     temp, top_k, top_p = params
     if not truncate:
-        # No truncation: one pass over each row's logits (Gumbel-max), seeded from `generator` on the device.
+        # No truncation: the logits read about once (kernels/sample.py), seeded from `generator` on the device.
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=logits.device, generator=generator)
         return sample_categorical(logits, temp, seed)
     logits = logits.float()
