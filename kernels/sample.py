@@ -30,7 +30,7 @@ import triton.language as tl
 from kernels._triton import use_triton
 
 BLOCK_V = 2048  # logits a program reads per iteration
-PROGRAMS = 1024  # programs to aim for over a batch: each row's columns are split in chunks until about this many
+PROGRAMS = 4096  # programs to aim for over a batch: each row's columns are split in chunks until about this many
 
 
 def _check(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor) -> None:
