@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -196,7 +197,7 @@ def test_a_worker_generates_only_what_the_steps_that_can_train_on_it_will_read(r
             asked, generated = [], []
             monkeypatch.setattr(worker.stream, "waiting", lambda limit, staleness, w=waiting, n=next_step:
                                 asked.append(limit) or (w, n))
-            monkeypatch.setattr(worker, "run_batch", lambda: generated.append(True) or worker.stop.set())
+            monkeypatch.setattr(worker, "run_batch", lambda n: generated.append(n) or worker.stop.set())
             monkeypatch.setattr(worker.policy, "refresh", lambda: True)
             timer = threading.Timer(0.3, worker.stop.set)
             timer.start()
@@ -206,3 +207,44 @@ def test_a_worker_generates_only_what_the_steps_that_can_train_on_it_will_read(r
             assert set(asked) == {8} and bool(generated) == generates, f"waiting {waiting}, next step {next_step}"
     finally:
         worker.close()
+
+
+def test_workers_deciding_at_once_share_the_room_and_take_no_more_than_it(run, monkeypatch):
+    """A worker takes min(room, `rl.prompts_per_batch`) prompts and reserves them in its registry record until it
+    has published their groups; the others count the reservation as waiting groups, and decide one at a time
+    (`rollout_stream.deciding`). Room 3 (steps 5 and 6 read 6 groups of version 5, 3 wait), two workers of 3 prompts
+    a batch starting together: one takes the 3, the other none (without the reservation both took 3: 3 go stale)."""
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY, "rl.groups_per_step=3", "rl.max_staleness=1",
+                                               "rl.max_queued_groups=8"])
+    workers = [RolloutWorker(cfg, Registry(REDIS_URL, run), worker_id=f"rollout{i}") for i in range(2)]
+    taken, during, published = {}, {}, []
+    try:
+        start = threading.Barrier(2)
+        for w in workers:
+            w.policy.version = 5
+            monkeypatch.setattr(w.stream, "waiting", lambda limit, staleness: ([5] * 3 + published, 5))
+            monkeypatch.setattr(w.policy, "refresh", lambda b=start: b.n_waiting >= 0)
+
+            def batch(n, w=w):
+                taken[w.worker_id] = n
+                during[w.worker_id] = {r["worker"]: r.get("reserved") for r in w.registry.lookup("rollout")}
+                time.sleep(0.3)  # generating: the other worker decides meanwhile
+                published.extend([5] * n)  # its groups, in the stream once generated
+                w.stop.set()
+            monkeypatch.setattr(w, "run_batch", batch)
+        threads = [threading.Thread(target=lambda w=w: (start.wait(), w.run())) for w in workers]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        for w in workers:
+            w.stop.set()
+        for t in threads:
+            t.join(5)
+        assert sorted(taken.values()) == [3], taken  # one batch of 3 prompts, none for the other worker
+        (first, seen), = during.items()
+        assert seen[first] == [5, 3] and not seen[next(w.worker_id for w in workers if w.worker_id != first)]
+        records = {r["worker"]: r.get("reserved") for r in workers[0].registry.lookup("rollout")}
+        assert not any(records.values()), records  # released after the batch
+    finally:
+        for w in workers:
+            w.close()

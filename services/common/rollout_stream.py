@@ -8,12 +8,18 @@ from the versions of the entries after that position (`unread_versions`) a worke
 weights' version the steps will still read (`room`), as the dataloader reads them: step by step, in stream order,
 dropping the groups too stale for the step. Stale groups therefore never hold the workers back (counting them would
 stop the workers while the dataloader waits for fresh groups: the run would stall), and fresh ones beyond what the
-steps that can use them will read do (they would only go stale).
+steps that can use them will read do (they would only go stale). The groups other workers are generating count as
+waiting too: a worker reserves what it takes of the room (`deciding`), so two workers deciding at once do not both
+fill it.
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
 
@@ -52,6 +58,21 @@ def unread_versions(client: redis.Redis, stream: str, fresh: int, max_staleness:
                 break
         start = f"({entries[-1][0].decode()}"
     return versions, None if step is None else int(step)
+
+
+@contextmanager
+def deciding(client: redis.Redis, stream: str, hold_ms: int = 2000) -> Iterator[None]:
+    """Held by one worker at a time while it computes the room and reserves its share of it (the worker's registry
+    record, field "reserved": [version, groups]), so that two workers never both take the room one batch fills. A
+    holder that dies frees it after `hold_ms`."""
+    key, token = f"{stream}:deciding", uuid.uuid4().hex
+    while not client.set(key, token, nx=True, px=hold_ms):
+        time.sleep(0.005)
+    try:
+        yield
+    finally:
+        if client.get(key) in (token, token.encode()):  # not one that took it after ours expired
+            client.delete(key)
 
 
 def room(waiting: list[int], next_step: int, version: int, max_staleness: int, groups_per_step: int) -> int:

@@ -91,7 +91,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but `model.vocab_size={cfg.model.vocab_size}`")
-        self.groups_published = self.tokens_generated = 0
+        self.groups_published = self.tokens_generated = self._reserved = 0
         self.stream = TrajectoryStream(registry.url, registry.run)
         self.metrics = RolloutMetrics().serve(cfg.run.bind_host, advertise=cfg.run.advertise_host)
         self._grpc, port = grpc_server.serve(
@@ -138,9 +138,11 @@ class RolloutWorker:
         s - `rl.max_staleness` .. s), or `rl.max_queued_groups` wait that the next step could use (counting stale
         ones would stop the workers while the dataloader waits for fresh groups: the run would stall). More would
         only go stale (`dropped_stale`), generated on GPU time the trainer may share; meanwhile `run` keeps pulling
-        newer weights, which open room."""
+        newer weights, which open room. The groups other workers have reserved and not published yet count as
+        waiting."""
         rl = self.cfg.rl
         waiting, next_step = self.stream.waiting(rl.max_queued_groups, rl.max_staleness)
+        waiting += self._reserved_by_others()  # published after those waiting
         oldest = -1 if next_step is None else next_step - rl.max_staleness
         if sum(v >= oldest for v in waiting) >= rl.max_queued_groups:  # stale ones never hold a worker back
             return 0
@@ -153,22 +155,46 @@ class RolloutWorker:
         records = [r for r in self.registry.lookup("rl_weights") if r.get("zmq")]
         return max(records, key=lambda r: r.get("started", 0))["zmq"] if records else None
 
+    def _reserved_by_others(self) -> list[int]:
+        """The versions of the groups other live workers have reserved and not published yet (their registry records'
+        "reserved" field; a dead worker's record, and with it its reservation, expires with its heartbeat)."""
+        versions = []
+        for record in self.registry.lookup("rollout"):
+            if record.get("worker") != self.worker_id and record.get("reserved"):
+                version, groups = record["reserved"]
+                versions += [version] * groups
+        return versions
+
+    def _reserve(self, groups: int) -> None:
+        """Record in our registry record how many groups of our weights' version we are generating (0: none)."""
+        self._reserved = groups
+        self._heartbeat.update(reserved=[self.policy.version, groups] if groups else None)
+
     def run(self, max_groups: int | None = None) -> None:
         while not self.stop.is_set() and (max_groups is None or self.groups_published < max_groups):
             # The newest weights first, then the throttle for them: the room left depends on the weights' version
-            # (services/common/rollout_stream.py).
+            # (services/common/rollout_stream.py). One worker decides at a time, reserving what it takes.
             while True:
                 if not self.policy.refresh():
                     return
-                if self.room() > 0:
+                with rollout_stream.deciding(self.stream.client, self.stream.key):
+                    groups = min(self.room(), self.cfg.rl.prompts_per_batch)
+                    if groups > 0:
+                        self._reserve(groups)
+                if groups > 0:
                     break
                 if self.stop.wait(0.1):
                     return
-            self.run_batch()
+            try:
+                self.run_batch(groups)
+            finally:
+                self._reserve(0)
 
-    def run_batch(self) -> None:
+    def run_batch(self, prompts: int | None = None) -> None:
+        """Generate `prompts` (default `rl.prompts_per_batch`) prompts' groups in one engine batch, publishing each
+        group as it completes."""
         rl, version = self.cfg.rl, self.policy.version
-        pending = self.next_prompts()
+        pending = self.next_prompts(prompts or rl.prompts_per_batch)
         requests = []
         for g, p in enumerate(pending):
             p.done = [None] * rl.group_size
@@ -190,10 +216,10 @@ class RolloutWorker:
         log.info("version %d: %d groups, %d tokens in %.2fs, mean reward %.3f", version, len(pending), tokens,
                  seconds, sum(rewards) / max(1, len(rewards)))
 
-    def next_prompts(self) -> list[_Pending]:
-        """The next batch's `rl.prompts_per_batch` prompts (and their reward metadata)."""
+    def next_prompts(self, count: int | None = None) -> list[_Pending]:
+        """The next `count` (default `rl.prompts_per_batch`) prompts (and their reward metadata)."""
         return [_Pending(*self.task.make_prompt(self.rng, self.cfg.rl.difficulty))
-                for _ in range(self.cfg.rl.prompts_per_batch)]
+                for _ in range(count or self.cfg.rl.prompts_per_batch)]
 
     def _publish(self, group: _Pending, version: int) -> list[float]:
         rewards = [float(self.task.reward(group.prompt, c.text, group.meta)) for c in group.done]
@@ -201,6 +227,8 @@ class RolloutWorker:
                            group.prompt, group.meta, self.params.temperature, group.done, rewards)
         self.stream.publish(msg)
         self.groups_published += 1
+        if self._reserved > 0:
+            self._reserve(self._reserved - 1)
         return rewards
 
     def close(self) -> None:
