@@ -1,7 +1,8 @@
 """A cached forward pass over the trainer's `MoETransformer`: prefill a packed batch of prompts, then decode one token per
 sequence per step, reusing the model's own modules and weights (embedding, norms, the attention's projections and
 RoPE, MLP/MoE, output layer). Only attention differs: prefill uses the model's packed causal attention and stores
-what later tokens need, decode attends one query per sequence to its sequence's cache.
+what later tokens need, decode attends one query per sequence to its sequence's cache (GQA: kernels/decode_attention.py
+reads each slot's keys and values in place on CUDA).
 
 What is cached depends on the attention (one class each, same methods):
 - GQA (`HeadCache`): keys and values of every key/value head, 2·kv_heads·head_dim values per token and layer.
@@ -29,8 +30,8 @@ are not run.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from kernels.decode_attention import decode_attention
 from services.common.config import ModelConfig
 from services.trainer.model.attention import packed_causal_attention
 from services.trainer.model.transformer import MoETransformer
@@ -55,10 +56,7 @@ class HeadCache:
         q, k, v = attn.qkv(h, pos)
         self.k[li][slot, :, pos] = k
         self.v[li][slot, :, pos] = v
-        span = visible.shape[-1]
-        keys, values = self.k[li][slot, :, :span], self.v[li][slot, :, :span]  # [B, Hkv, span, d]
-        return F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=visible[:, None, None, :],
-                                              enable_gqa=keys.shape[1] != q.shape[1])[:, :, 0]
+        return decode_attention(q, self.k[li], self.v[li], slot, pos, visible.shape[-1])  # the cache read in place
 
 
 class LatentCache:
