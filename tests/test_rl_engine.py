@@ -180,6 +180,22 @@ def test_sampled_logprobs_are_under_the_temperature_scaled_distribution():
                                atol=1e-4, rtol=0)
 
 
+def test_a_slot_samples_with_the_parameters_of_the_request_it_holds_now():
+    """Requests with other temperatures take turns on two slots: each completion's log-probs are under its own
+    temperature (greedy ones the argmax of the full forward), not those of the request its slot held before."""
+    model = _model("cpu")
+    temperatures = [0.0, 0.5, 0.0, 2.0, 0.0]
+    reqs = [Request(TOK.encode(p), SamplingParams(temperature=t, max_tokens=5, stop_at_eos=False), tag=i)
+            for i, (p, t) in enumerate(zip(PROMPTS, temperatures))]
+    for c, t in zip(Engine(model, TOK, max_batch=2, max_seq_len=64, seed=1).generate(reqs), temperatures):
+        logits, _ = full_forward(model, c.prompt_tokens + c.tokens[:-1])
+        pred = logits[len(c.prompt_tokens) - 1:]
+        if t == 0:
+            assert c.tokens == pred.argmax(-1).tolist()
+        lp = torch.log_softmax(pred / (t or 1.0), dim=-1).gather(1, torch.tensor(c.tokens)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
+
+
 def _sample(logits, params, gen):
     """`sample` over one row of parameters per logits row."""
     return sample(logits, torch.tensor([p.row for p in params]).T, any(p.truncates for p in params), gen)
