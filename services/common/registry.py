@@ -47,12 +47,18 @@ class Heartbeat:
         self._client, self._key, self._ttl = client, key, ttl
         self._payload = json.dumps(record)
         self._stop = threading.Event()
+        # A beat reads the record and writes it under the lock, so an update's write (the record changed first) is
+        # never followed by a beat's write of the record before it (the workers' reservations ride on updates), nor
+        # `stop`'s delete by a beat
+        self._lock = threading.Lock()
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat:{key}", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
-        self._client.set(self._key, self._payload, px=int(self._ttl * 1000))
+        with self._lock:
+            if not self._stop.is_set():  # a beat after `stop` would bring the record back for a TTL
+                self._client.set(self._key, self._payload, px=int(self._ttl * 1000))
 
     def _run(self) -> None:
         while not self._stop.wait(self._ttl / 3):
@@ -71,7 +77,8 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         try:
-            self._client.delete(self._key)
+            with self._lock:  # after a beat in progress
+                self._client.delete(self._key)
         except redis.RedisError:
             pass
 
