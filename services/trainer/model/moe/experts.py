@@ -2,8 +2,10 @@
 
 `w13` fuses gate and up projections ([E, h, 2f]) so a single grouped GEMM feeds the activation; `w2` is [E, f, h].
 On CUDA both GEMMs are `torch._grouped_mm` over the expert-sorted rows (offsets = cumulative tokens per expert, read from
-device memory: no host sync); the CPU path runs the same math expert by expert (the CPU grouped-mm kernel has alignment
-limits and no backward we can rely on).
+device memory: no host sync), or without autograd and with few rows per expert (a rollout decode step: at most
+`kernels.grouped_mm_small.FEW_ROWS` on average) `kernels.grouped_mm_small`, which streams each expert's weight once;
+the CPU path runs the same math expert by expert (the CPU grouped-mm kernel has alignment limits and no backward we
+can rely on).
 
 With `fp8` ("tensorwise" or "blockwise", config `model.fp8`) the two grouped GEMMs on CUDA are
 `kernels.fp8_grouped_mm.fp8_grouped_linear` instead: the rows and the (fp32 or bf16 master) weights are quantised to
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.grouped_mm_small import FEW_ROWS, grouped_mm_small
 from services.trainer.model import recompute
 
 
@@ -107,6 +110,9 @@ class GroupedExperts(nn.Module):
 
             w13, w2 = self.w13, self.w2
             mm = lambda a, w: fp8_grouped_linear(a, w, offs, self.fp8, self._quantized(w))  # noqa: E731
+        elif not torch.is_grad_enabled() and x.shape[0] <= FEW_ROWS * offs.numel():  # a decode step's few rows
+            w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
+            mm = lambda a, w: grouped_mm_small(a, w, offs)  # noqa: E731
         else:  # cast once: the GEMMs' backward and a `recompute_fc1` rerun share the copy
             w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
             mm = lambda a, w: torch._grouped_mm(a, w, offs=offs)  # noqa: E731
