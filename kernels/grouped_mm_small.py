@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels._triton import autotune_configs, use_triton
 
-FEW_ROWS = 32  # mean rows per expert up to which the experts' no-grad GEMMs take this kernel (bench/RESULTS.md)
+FEW_ROWS = 16  # mean rows per expert up to which the experts' no-grad GEMMs take this kernel (bench/RESULTS.md)
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in ((64, 128, 4, 4), (128, 128, 4, 4), (64, 64, 4, 5), (128, 64, 8, 4), (32, 128, 4, 4),
                                  (64, 256, 8, 3))]

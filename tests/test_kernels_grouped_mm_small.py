@@ -24,7 +24,7 @@ def test_kernel_matches_the_group_by_group_products(K, N):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[:done].float(), grouped_mm_small_reference(a, b, offs)[:done].float(),
                                rtol=tol, atol=tol)
-    if ON_CUDA:
+    if ON_CUDA and K % 8 == 0 and N % 8 == 0:  # torch._grouped_mm wants rows of a multiple of 16 bytes
         torch.testing.assert_close(got[:done], torch._grouped_mm(a, b, offs=offs)[:done], rtol=tol, atol=tol)
 
 
