@@ -110,7 +110,8 @@ class GroupedExperts(nn.Module):
 
             w13, w2 = self.w13, self.w2
             mm = lambda a, w: fp8_grouped_linear(a, w, offs, self.fp8, self._quantized(w))  # noqa: E731
-        elif not torch.is_grad_enabled() and x.shape[0] <= FEW_ROWS * offs.numel():  # a decode step's few rows
+        elif (not torch.is_grad_enabled() and x.shape[0] <= FEW_ROWS * offs.numel()  # a decode step's few rows
+              and not torch.compiler.is_compiling()):  # (compiled blocks keep the op torch knows)
             w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
             mm = lambda a, w: grouped_mm_small(a, w, offs)  # noqa: E731
         else:  # cast once: the GEMMs' backward and a `recompute_fc1` rerun share the copy
