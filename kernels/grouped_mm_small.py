@@ -49,7 +49,8 @@ def grouped_mm_small_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Ten
 @triton.autotune(configs=autotune_configs(_CONFIGS), key=["N", "K"])
 @triton.jit
 def _grouped_mm_small_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, N, K: tl.constexpr, stride_am, stride_be, stride_bk,
-                             stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             stride_om, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
     """Program (column tile, group): the group's rows, BLOCK_M at a time, times its [K, BLOCK_N] weight slab."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
@@ -71,7 +72,10 @@ def _grouped_mm_small_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, N, K: tl.constexpr
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            if IEEE:  # fp32 operands: fp32 products, as the reference (not TF32)
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -94,5 +98,5 @@ def grouped_mm_small(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     if M:
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
         _grouped_mm_small_kernel[grid](a, b, offs, out, N, K, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-                                       BLOCK_M=32)
+                                       IEEE=a.dtype == torch.float32, BLOCK_M=32)
     return out
