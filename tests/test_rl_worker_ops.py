@@ -248,3 +248,34 @@ def test_workers_deciding_at_once_share_the_room_and_take_no_more_than_it(run, m
     finally:
         for w in workers:
             w.close()
+
+
+def test_the_decision_lock_is_held_by_one_worker_at_a_time_and_freed_when_its_holder_dies(run):
+    """`rollout_stream.deciding`: a second holder waits for the first; a holder that died (its key left behind) frees
+    it once its hold expires; a holder leaving does not release a lock another took after its own expired."""
+    client = redis.Redis.from_url(REDIS_URL)
+    stream = stream_key(run)
+    try:
+        order = []
+
+        def hold(name, seconds):
+            with rollout_stream.deciding(client, stream):
+                order.append(f"{name} in")
+                time.sleep(seconds)
+                order.append(f"{name} out")
+        first = threading.Thread(target=hold, args=("a", 0.2))
+        first.start()
+        time.sleep(0.05)
+        hold("b", 0)
+        first.join()
+        assert order == ["a in", "a out", "b in", "b out"]
+        client.set(f"{stream}:deciding", "dead", px=300)  # a holder killed inside
+        t0 = time.monotonic()
+        with rollout_stream.deciding(client, stream, hold_ms=100):
+            assert time.monotonic() - t0 >= 0.25
+            time.sleep(0.15)  # ours expires; another takes the lock
+            assert client.set(f"{stream}:deciding", "other", nx=True, px=1000)
+        assert client.get(f"{stream}:deciding") == b"other"
+    finally:
+        client.delete(f"{stream}:deciding")
+        client.close()
