@@ -69,11 +69,11 @@ def _model(scenario: str):
     return tiny_model(seed=MODEL_SEED, **SCENARIOS[scenario]["model"]).train()
 
 
-def _steps() -> list[list]:
-    """Two steps of groups as the workers write them (version 0 both)."""
+def _steps(seeds: tuple[int, int] = (0, 1)) -> list[list]:
+    """Two steps of groups as the workers write them (version 0 both), sampled with `seeds`."""
     tok = load_tokenizer("byte")
     steps = []
-    for seed in (0, 1):
+    for seed in seeds:
         engine = Engine(tiny_model(seed=MODEL_SEED), tok, max_batch=8, max_seq_len=64, seed=seed)
         params = SamplingParams(temperature=1.0, max_tokens=6, stop_at_eos=False)
         gen = torch.Generator().manual_seed(seed)
