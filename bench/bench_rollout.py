@@ -167,7 +167,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256, help="prompts to generate (each x rl.group_size samples)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="completion length (default rl.max_new_tokens)")
     ap.add_argument("--keep-stops", action="store_true", help="honour rl.stop and EOS (lengths then vary)")
-    ap.add_argument("--syncs", type=int, default=6, help="publish+pull rounds; the median is reported")
+    ap.add_argument("--syncs", type=int, default=6,
+                    help="publish+pull rounds; the median is reported (0: no weight sync section)")
     ap.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a busy CPU "
                     "machine 1 avoids OpenMP oversubscription, which can slow small models by 50x")
@@ -195,7 +196,8 @@ def main() -> None:
               "max_batch": cfg.rl.max_batch, "max_seq_len": cfg.rl.max_seq_len, "task": cfg.rl.task,
               "temperature": cfg.rl.temperature, "top_p": cfg.rl.top_p, "top_k": cfg.rl.top_k}
     result |= bench_generation(cfg, model, device, args)
-    result |= bench_sync(cfg, model, device, dtype, args.syncs)
+    if args.syncs:
+        result |= bench_sync(cfg, model, device, dtype, args.syncs)
     r = result
     rows = [
         ("setup", f"{r['device']} {r['dtype']}, {n_params / 1e6:,.1f}M params, torch {r['torch']}, "
@@ -211,6 +213,8 @@ def main() -> None:
                                      f"(a pass with a wait around each forward: {r['gen_split_wall_s']:.2f}s)"),
         ("decode", f"{'CUDA graphs' if r['cuda_graphs'] else 'eager'}; the untimed first pass of the same requests "
                    f"took {r['gen_first_pass_s']:.2f}s"),
+    ]
+    rows += [
         ("weight sync", f"{r['sync_bytes'] / 1e6:,.1f} MB in {r['sync_dtype']}, pulled from {r['sync_transport']} "
                         f"(chunks {r['sync_chunk_mb']:g} MiB), median of {args.syncs}"),
         ("publish + pull", f"{r['sync_publish_s']:.3f}s + {r['sync_pull_s']:.3f}s = {r['sync_total_s']:.3f}s "
@@ -218,7 +222,7 @@ def main() -> None:
                            f"rounds, through new ones: {r['sync_publish_first_s']:.3f}s + {r['sync_pull_first_s']:.3f}s)"),
         ("s per B params", f"{r['sync_s_per_billion_params']:.3f}"),
         ("GB/s", f"{r['sync_gb_per_s']:.3f}"),
-    ]
+    ] if args.syncs else []
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -199,8 +199,8 @@ def test_attention_to_the_cached_latent_equals_attention_over_the_expanded_keys_
     x, _, _ = packed_input(32)
     q, latent, k_rope = attn.query_and_latent(x[:n], torch.arange(n))
     want = packed_causal_attention(q, *attn.expand(latent, k_rope), torch.tensor([0, n], dtype=torch.int32))
-    visible = torch.arange(n)[None, :] <= torch.arange(n)[:, None]  # query t sees tokens 0..t
-    got = attn.attend_latent(q, latent.expand(n, -1, -1), k_rope.expand(n, -1, -1), visible)
+    slot, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n)  # query t sees tokens 0..t of the one slot
+    got = attn.attend_latent(q, latent[None], k_rope[None], slot, pos, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -212,11 +212,11 @@ def test_attention_to_a_bf16_latent_cache_keeps_bf16_accuracy(weights):
     n = LENGTHS[1]
     x, _, _ = packed_input(32)
     q, latent, k_rope = attn.query_and_latent(x[:n], torch.arange(n))
-    visible = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
-    cached = (latent.expand(n, -1, -1), k_rope.expand(n, -1, -1))
-    want = attn.attend_latent(q, *cached, visible)
+    where = (torch.zeros(n, dtype=torch.int64), torch.arange(n), n)  # slot, positions, span
+    cached = (latent[None], k_rope[None])
+    want = attn.attend_latent(q, *cached, *where)
     low = copy.deepcopy(attn).to(weights)
-    got = low.attend_latent(q.to(weights), *(t.bfloat16() for t in cached), visible)
+    got = low.attend_latent(q.to(weights), *(t.bfloat16() for t in cached), *where)
     assert got.dtype == weights
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 

@@ -1,8 +1,8 @@
 """A cached forward pass over the trainer's `MoETransformer`: prefill a packed batch of prompts, then decode one token per
 sequence per step, reusing the model's own modules and weights (embedding, norms, the attention's projections and
 RoPE, MLP/MoE, output layer). Only attention differs: prefill uses the model's packed causal attention and stores
-what later tokens need, decode attends one query per sequence to its sequence's cache (GQA: kernels/decode_attention.py
-reads each slot's keys and values in place on CUDA).
+what later tokens need, decode attends one query per sequence to its sequence's cache, read in place by slot on CUDA
+(kernels/decode_attention.py for GQA, kernels/decode_latent_attention.py for MLA).
 
 What is cached depends on the attention (one class each, same methods):
 - GQA (`HeadCache`): keys and values of every key/value head, 2·kv_heads·head_dim values per token and layer.
@@ -52,11 +52,11 @@ class HeadCache:
         self.v[li][slot_of_token, :, positions] = v
         return packed_causal_attention(q, k, v, cu, max_len)
 
-    def decode(self, li: int, attn, h, slot, pos, visible) -> torch.Tensor:
+    def decode(self, li: int, attn, h, slot, pos, span: int) -> torch.Tensor:
         q, k, v = attn.qkv(h, pos)
         self.k[li][slot, :, pos] = k
         self.v[li][slot, :, pos] = v
-        return decode_attention(q, self.k[li], self.v[li], slot, pos, visible.shape[-1])  # the cache read in place
+        return decode_attention(q, self.k[li], self.v[li], slot, pos, span)
 
 
 class LatentCache:
@@ -74,12 +74,11 @@ class LatentCache:
         self.k_rope[li][slot_of_token, positions] = k_rope
         return packed_causal_attention(q, *attn.expand(latent, k_rope), cu, max_len)  # a prompt at once: expanded
 
-    def decode(self, li: int, attn, h, slot, pos, visible) -> torch.Tensor:
+    def decode(self, li: int, attn, h, slot, pos, span: int) -> torch.Tensor:
         q, latent, k_rope = attn.query_and_latent(h, pos)
         self.latent[li][slot, pos] = latent
         self.k_rope[li][slot, pos] = k_rope
-        span = visible.shape[-1]
-        return attn.attend_latent(q, self.latent[li][slot, :span], self.k_rope[li][slot, :span], visible)
+        return attn.attend_latent(q, self.latent[li], self.k_rope[li], slot, pos, span)
 
 
 def _bucket(n: int, least: int, most: int) -> int:
@@ -194,10 +193,9 @@ class CachedDecoder:
     def _forward(self, inputs: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step on `inputs` [3, batch], attending to the first `span` cache positions (masked)."""
         tok, slot, pos = inputs
-        visible = torch.arange(span, device=self.device)[None, :] <= pos[:, None]  # [B, span]
         x = self.model.embed(tok)
         for li, block in enumerate(self.model.layers.values()):
-            x = self._block(block, x, self.cache.decode(li, block.attn, block.attn_norm(x), slot, pos, visible))
+            x = self._block(block, x, self.cache.decode(li, block.attn, block.attn_norm(x), slot, pos, span))
         return self.model.output(self.model.norm(x)), (torch.stack(self._taps) if self._routers else None)
 
     def _new_step(self, batch: int, span: int) -> _DecodeStep:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels._triton import use_triton
+from kernels.decode_latent_attention import bmm_fp32, decode_latent_attention
 from kernels.head_norm_rope import head_norm_rope as fused_head_norm_rope, supports_head_dim
 from kernels.head_norm_rope import head_norm_rope_reference as head_norm_rope
 from services.common.config import ModelConfig
@@ -103,11 +104,13 @@ class MLAttention(PackedAttention):
         q, latent, k_rope = self.query_and_latent(x, position_ids)
         return (q, *self.expand(latent, k_rope))
 
-    def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                      visible: torch.Tensor) -> torch.Tensor:
-        """Attention of queries q [B, H, nope + rope] to cached latents [B, S, r] and RoPE keys [B, S, rope] where
-        `visible` [B, S], without expanding per-head keys and values: kv_b_proj's key half is absorbed into the
-        queries and its value half applied after the weighted sum (DeepSeek-V2 §2.1.2). -> [B, H, v_head_dim].
+    def attend_latent(self, q: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor, slot: torch.Tensor,
+                      pos: torch.Tensor, span: int) -> torch.Tensor:
+        """Attention of queries q [B, H, nope + rope] to the latents [S, L, r] and RoPE keys [S, L, rope] cached in
+        slot slot[b] at positions 0 .. pos[b] (`span` > every pos: the decode step's bucket), without expanding per-head
+        keys and values: kv_b_proj's key half is absorbed into the queries and its value half applied after the
+        weighted sum (DeepSeek-V2 §2.1.2), the attention itself kernels/decode_latent_attention.py's (the caches read
+        in place on CUDA). -> [B, H, v_head_dim].
 
         The same scores as the packed core (1/sqrt(nope + rope), YaRN already in q) and its precision: products of
         operands in the cache's dtype accumulated in fp32, scores and softmax in fp32, the probabilities rounded to the
@@ -116,19 +119,9 @@ class MLAttention(PackedAttention):
         w_k, w_v = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank).split(
             [self.nope_dim, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        dtype = latent.dtype
-        q_latent = _bmm_fp32(q_nope.transpose(0, 1).to(w_k.dtype), w_k).transpose(0, 1)  # [B, H, r]
-        scores = (_bmm_fp32(q_latent.to(dtype), latent.transpose(1, 2))
-                  + _bmm_fp32(q_rope.to(k_rope.dtype), k_rope.transpose(1, 2))) * (self.nope_dim + self.rope_dim) ** -0.5
-        weights = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
-        out_latent = _bmm_fp32(weights.to(dtype), latent)  # [B, H, r]
-        out = _bmm_fp32(out_latent.transpose(0, 1).to(w_v.dtype), w_v.transpose(1, 2))  # [H, B, v]
+        dtype = latent_cache.dtype
+        q_latent = bmm_fp32(q_nope.transpose(0, 1).to(w_k.dtype), w_k).transpose(0, 1)  # [B, H, r]
+        out_latent = decode_latent_attention(q_latent.to(dtype), q_rope.to(dtype), latent_cache, rope_cache, slot, pos,
+                                             span, (self.nope_dim + self.rope_dim) ** -0.5)  # [B, H, r]
+        out = bmm_fp32(out_latent.transpose(0, 1).to(w_v.dtype), w_v.transpose(1, 2))  # [H, B, v]
         return out.transpose(0, 1).to(q.dtype)
-
-
-def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched a @ b accumulated and returned in fp32: on CUDA straight from bf16/fp16 operands (`bmm`'s out_dtype),
-    elsewhere through fp32 copies (the CPU kernel has no such variant)."""
-    if a.dtype != torch.float32 and a.is_cuda:
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.float(), b.float())
