@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 DEFAULT_TTL_S = 10.0
+SCAN_COUNT = 1000  # keys Redis visits per SCAN round trip (its default, 10, costs a round trip per 10 keys)
 
 
 class RegistryError(RuntimeError):
@@ -120,14 +121,17 @@ class Registry:
                                     f"stop one, or raise the replica count")
             time.sleep(0.2)
 
+    def _records(self, pattern: str) -> list[dict[str, Any]]:
+        """The live records whose keys match `pattern`, in key order: a SCAN of up to `SCAN_COUNT` keys a round trip
+        and one MGET (workers poll this several times a second; a record that expired in between is skipped)."""
+        keys = sorted(self.client.scan_iter(match=pattern, count=SCAN_COUNT))
+        return [json.loads(r) for r in (self.client.mget(keys) if keys else []) if r]
+
     def lookup(self, service: str) -> list[dict[str, Any]]:
-        keys = sorted(self.client.scan_iter(match=self._key("svc", service, "*")))
-        records = [self.client.get(k) for k in keys]
-        return [json.loads(r) for r in records if r]
+        return self._records(self._key("svc", service, "*"))
 
     def services(self) -> list[dict[str, Any]]:
-        keys = sorted(self.client.scan_iter(match=self._key("svc", "*")))
-        return [json.loads(r) for r in (self.client.get(k) for k in keys) if r]
+        return self._records(self._key("svc", "*"))
 
     def wait_for(self, service: str, count: int = 1, timeout: float = 60.0,
                  where: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
