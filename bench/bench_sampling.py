@@ -1,14 +1,14 @@
 """The rollout's sampler over a decode step's logits: `kernels.sample` against the torch path it replaced.
 
-    python bench/bench_sampling.py [--vocab 151936] [--batch 64 256] [--programs 1024] [--reps 20]
-                                   [--record bench/RESULTS.md]
+    python bench/bench_sampling.py [--vocab 151936] [--batch 64 256] [--programs 1024] [--temperature 1.0]
+                                   [--reps 20] [--record bench/RESULTS.md]
 
 Rows per batch size: a device copy of the logits (the floor: the kernel must read them once); the torch path (fp32
 cast, temperature divide, log_softmax, softmax, `torch.multinomial`, the greedy argmax, where and gather: what
 services/rl_rollout/sampling.py ran for untruncated sampling before the kernel); `sample_categorical` with each
-`--programs` target (kernels.sample.PROGRAMS: how finely rows are split, `splits_for`). bf16 logits
-drawn at random, temperature 1, every row sampled. Device milliseconds per call (`bench_kernels.time_ms`: each call
-queued behind a GPU sleep, median of `reps`).
+`--programs` target (kernels.sample.PROGRAMS: how finely rows are split, `splits_for`). bf16 logits drawn at random,
+every row at `--temperature` (default 1: every row sampled; 0: every row greedy). Device milliseconds per call
+(`bench_kernels.time_ms`: each call queued behind a GPU sleep, median of `reps`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--programs", type=int, nargs="+", default=[sample_module.PROGRAMS])
+    ap.add_argument("--temperature", type=float, default=1.0, help="every row's temperature (0: greedy)")
     ap.add_argument("--reps", type=int, default=20)
     add_record_argument(ap)
     args = ap.parse_args()
@@ -51,13 +52,13 @@ def main() -> None:
     dev = torch.device("cuda")
     generator = torch.Generator(dev).manual_seed(0)
     table = Table()
-    table.line(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | V={args.vocab} bf16 logits | device ms, "
-               f"median of {args.reps}")
+    table.line(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | V={args.vocab} bf16 logits | temperature "
+               f"{args.temperature:g} | device ms, median of {args.reps}")
     table.line(f"{'batch':>6}  {'copy (floor)':>12}  {'torch path':>10}  {'programs':>8}  {'splits':>6}  "
                f"{'kernel':>8}  {'speedup':>7}  kernel GB/s")
     for batch in args.batch:
         logits = torch.randn(batch, args.vocab, device=dev).to(torch.bfloat16)
-        temp = torch.ones(batch, device=dev)
+        temp = torch.full((batch,), args.temperature, device=dev)
         seed = torch.zeros(1, dtype=torch.int64, device=dev)
         copy = torch.empty_like(logits)
         t_copy = time_ms(lambda: copy.copy_(logits), 3, args.reps)

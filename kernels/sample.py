@@ -12,8 +12,9 @@ passes (cast, divide, log_softmax, softmax, and inside `torch.multinomial` an ex
 a check), ~1.0 ms a decode step on an H200 (bench/RESULTS.md). Here two kernels read the logits about once:
 - `_chunk_kernel`, a program per chunk of a row (`splits_for`: enough programs to fill the GPU whatever the batch):
   the chunk's max, its first maximal column, and its sum of exp(x - max) (online softmax per lane);
-- `_select_kernel`, a program per row: the log-sum-exp over its chunks; one uniform per row (Triton's Philox keyed by
-  the row), the chunk where u x total falls, then a cumulative sum along that one chunk to the token.
+- `_select_kernel`, a program per row: the log-sum-exp over its chunks; a greedy row's token from the chunks' maxima
+  and first maximal columns; a sampled row's from one uniform (Triton's Philox keyed by the row), the chunk where
+  u x total falls, then a cumulative sum along that one chunk to the token.
 One uniform per row and an exp per logit, where a Gumbel-max draw needs a Philox draw and two logs per logit (which
 made an earlier version of this kernel compute-bound at a third of the memory's rate). The token is the same for any
 split of the row (the cumulative distribution runs over the columns in order), up to fp32 rounding at a boundary. The
@@ -93,8 +94,9 @@ def _chunk_kernel(logits_ptr, temperature_ptr, max_ptr, col_ptr, sum_ptr, V: tl.
 def _select_kernel(logits_ptr, temperature_ptr, seed_ptr, max_ptr, col_ptr, sum_ptr, tokens_ptr, logprobs_ptr,
                    V: tl.constexpr, stride, CHUNK: tl.constexpr, SPLITS: tl.constexpr, S_BLOCK: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """One program per row: the log-sum-exp over the row's chunks, the greedy token (the first column at the row's
-    max), else the sampled one: the chunk where u x total falls, then the column within it."""
+    """One program per row: the log-sum-exp over the row's chunks, then the greedy token (the first column at the row's
+    max, from the chunks' own) or, for a sampled row only, the drawn one: the chunk where u x total falls, then the
+    column within it."""
     row = tl.program_id(0)
     t = tl.load(temperature_ptr + row)
     greedy = t <= 0
@@ -108,31 +110,33 @@ def _select_kernel(logits_ptr, temperature_ptr, seed_ptr, max_ptr, col_ptr, sum_
                       tl.load(sum_ptr + at, mask=real, other=0.0) * tl.exp(chunk_max - m))  # mass, in units of e^m
     total = tl.sum(weight, axis=0)
     lse = m + tl.log(total)
-    argmax = tl.min(tl.where(chunk_max == m, tl.load(col_ptr + at, mask=real, other=V), V), axis=0)
-    # The chunk holding u x total: the first whose cumulative mass exceeds it (the last with mass, if rounding left
-    # u x total at or past the sum), and what remains of it within the chunk, in units of e^(chunk max).
-    target = tl.rand(tl.load(seed_ptr), row) * total
-    through = tl.cumsum(weight, axis=0)
-    chunk = tl.min(tl.where(through > target, chunks, S_BLOCK), axis=0)
-    chunk = tl.where(chunk == S_BLOCK, tl.max(tl.where(weight > 0, chunks, 0), axis=0), chunk)
-    here = chunks == chunk
-    c_max = tl.sum(tl.where(here, chunk_max, 0.0), axis=0)
-    rest = (target - tl.sum(tl.where(here, through - weight, 0.0), axis=0)) / tl.exp(c_max - m)
-    lanes = tl.arange(0, BLOCK)
     base = logits_ptr + row.to(tl.int64) * stride
-    before = 0.0  # mass of the chunk's columns before this block
-    drawn = V  # the first column where the running mass passes `rest` (V: not yet)
-    last = 0  # the last column with mass (rounding may leave `rest` at or past the chunk's recomputed sum)
-    for offset in range(0, CHUNK, BLOCK):
-        cols = chunk * CHUNK + offset + lanes
-        inside = cols < V
-        x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32) * inv_t
-        p = tl.where(inside & (x > float("-inf")), tl.exp(x - c_max), 0.0)
-        running = before + tl.cumsum(p, axis=0)
-        drawn = tl.minimum(drawn, tl.min(tl.where((running > rest) & (p > 0), cols, V), axis=0))
-        last = tl.maximum(last, tl.max(tl.where(p > 0, cols, 0), axis=0))
-        before = before + tl.sum(p, axis=0)
-    token = tl.where(greedy, argmax, tl.where(drawn == V, last, drawn))
+    if greedy:  # one row a program, so no divergence: a greedy row skips the draw and the scan of a chunk
+        token = tl.min(tl.where(chunk_max == m, tl.load(col_ptr + at, mask=real, other=V), V), axis=0)
+    else:
+        # The chunk holding u x total: the first whose cumulative mass exceeds it (the last with mass, if rounding
+        # left u x total at or past the sum), and what remains of it within the chunk, in units of e^(chunk max).
+        target = tl.rand(tl.load(seed_ptr), row) * total
+        through = tl.cumsum(weight, axis=0)
+        chunk = tl.min(tl.where(through > target, chunks, S_BLOCK), axis=0)
+        chunk = tl.where(chunk == S_BLOCK, tl.max(tl.where(weight > 0, chunks, 0), axis=0), chunk)
+        here = chunks == chunk
+        c_max = tl.sum(tl.where(here, chunk_max, 0.0), axis=0)
+        rest = (target - tl.sum(tl.where(here, through - weight, 0.0), axis=0)) / tl.exp(c_max - m)
+        lanes = tl.arange(0, BLOCK)
+        before = 0.0  # mass of the chunk's columns before this block
+        drawn = V  # the first column where the running mass passes `rest` (V: not yet)
+        last = 0  # the last column with mass (rounding may leave `rest` at or past the chunk's recomputed sum)
+        for offset in range(0, CHUNK, BLOCK):
+            cols = chunk * CHUNK + offset + lanes
+            inside = cols < V
+            x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32) * inv_t
+            p = tl.where(inside & (x > float("-inf")), tl.exp(x - c_max), 0.0)
+            running = before + tl.cumsum(p, axis=0)
+            drawn = tl.minimum(drawn, tl.min(tl.where((running > rest) & (p > 0), cols, V), axis=0))
+            last = tl.maximum(last, tl.max(tl.where(p > 0, cols, 0), axis=0))
+            before = before + tl.sum(p, axis=0)
+        token = tl.where(drawn == V, last, drawn)
     x_token = tl.load(base + token).to(tl.float32) * inv_t
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(logprobs_ptr + row, x_token - lse)

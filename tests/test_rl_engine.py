@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+import services.rl_rollout.engine as engine_module
 from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Engine, EngineError, Request
 from services.rl_rollout.kv_cache import CachedDecoder
@@ -194,6 +195,36 @@ def test_a_slot_samples_with_the_parameters_of_the_request_it_holds_now():
             assert c.tokens == pred.argmax(-1).tolist()
         lp = torch.log_softmax(pred / (t or 1.0), dim=-1).gather(1, torch.tensor(c.tokens)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(c.logprobs), lp, atol=1e-4, rtol=0)
+
+
+def test_a_step_samples_through_truncation_exactly_when_one_of_its_own_rows_truncates(monkeypatch):
+    """The sort path (top-k/top-p) is taken for a prefill or decode step only when a row of that step truncates: not
+    for non-truncating prompts prefilled while a truncating sequence decodes, not for a decode step whose truncating
+    sequences are joining or waiting for their last token to land, and no more once the truncating requests have
+    finished. Truncating rows keep their truncation (top_k=1 and top_p=0.01 keep only the argmax)."""
+    seen = []
+
+    def spy(logits, params, truncate, generator=None):
+        rows = ((params[1] > 0) | (params[2] < 1)).tolist()
+        seen.append((truncate, any(rows)))
+        return sample(logits, params, truncate, generator)
+
+    monkeypatch.setattr(engine_module, "sample", spy)
+    model = _model("cpu")
+    plain = dict(temperature=1.0, stop_at_eos=False)
+    params = [SamplingParams(top_k=1, max_tokens=6, **plain), SamplingParams(max_tokens=3, **plain),
+              SamplingParams(max_tokens=14, **plain), SamplingParams(max_tokens=10, **plain),
+              SamplingParams(top_p=0.01, max_tokens=2, **plain)]
+    reqs = [Request(TOK.encode(p), q, tag=i) for i, (p, q) in enumerate(zip(PROMPTS, params))]
+    got = Engine(model, TOK, max_batch=3, max_seq_len=64, seed=4).generate(reqs)
+    assert [len(c.tokens) for c in got] == [q.max_tokens for q in params]
+    assert [truncate for truncate, _ in seen] == [any_row for _, any_row in seen]
+    # The run holds untruncated steps while truncating sequences held slots, and after they finished
+    last = max(i for i, (truncate, _) in enumerate(seen) if truncate)
+    assert not all(truncate for truncate, _ in seen[:last]) and last < len(seen) - 1
+    for i in (0, 4):
+        logits, _ = full_forward(model, got[i].prompt_tokens + got[i].tokens[:-1])
+        assert got[i].tokens == logits[len(got[i].prompt_tokens) - 1:].argmax(-1).tolist()
 
 
 def _sample(logits, params, gen):

@@ -192,9 +192,8 @@ class Engine:
         if not live:
             return
         if all(n == 1 for n in step.lens):  # one token a slot (a decode step, or one-token prompts): one indexed write
-            rows = torch.tensor(live)
-            self.routing[torch.tensor(step.slots)[rows], :, torch.tensor(step.starts)[rows]] = \
-                step.routing[:, rows].transpose(0, 1).to(torch.int16)
+            self.routing[[step.slots[i] for i in live], :, [step.starts[i] for i in live]] = \
+                step.routing[:, live].transpose(0, 1).to(torch.int16)
         else:
             parts = step.routing.split(step.lens, dim=1)
             for i in live:
