@@ -1,14 +1,15 @@
 """RL rollout costs in one process: generation throughput of one rollout engine, and trainer -> worker weight sync.
 
     python bench/bench_rollout.py [--config configs/rl_tiny.yaml] [--prompts 256] [--max-new-tokens N] [--syncs 3] \
-        [--keep-stops] [--threads N] [--json PATH] [section.key=value ...]
+        [--prompt-len N] [--keep-stops] [--threads N] [--json PATH] [section.key=value ...]
     python bench/bench_rollout.py --config configs/qwen3_30b_a3b.yaml model.num_layers=2 --prompts 64
 
 1. Generation: the policy (MoETransformer + init_weights; CUDA bf16 when CUDA is available and run.device is not cpu,
    else CPU fp32) in an `Engine` built as the worker builds it (rl.max_batch slots of rl.max_seq_len), generating
-   `--prompts` prompts of the configured task (rl.task, rl.difficulty) x rl.group_size samples with the configured
-   temperature / top-p / top-k. Stop strings and EOS are ignored unless --keep-stops, so every completion is exactly
-   `--max-new-tokens` long and runs compare like with like. The same requests are generated once untimed first (on
+   `--prompts` prompts of the configured task (rl.task, rl.difficulty; `--prompt-len`: each lengthened by a random
+   prefix of its own) x rl.group_size samples with the configured temperature / top-p / top-k. Stop strings and EOS
+   are ignored unless --keep-stops, so every completion is exactly `--max-new-tokens` long and runs compare like with
+   like. The same requests are generated once untimed first (on
    CUDA that captures every decode shape as a CUDA graph, `rl.cuda_graphs`; its wall time is printed), then timed as
    they run (tokens/s). A third pass splits the time: prefill and decode (the KV-cache forwards, each waited for
    before and after) are timed by wrapping the engine's `CachedDecoder`; the rest is sampling and bookkeeping. Those
@@ -78,6 +79,8 @@ def bench_generation(cfg, model, device, args) -> dict:
     params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k, max_tokens=args.max_new_tokens,
                             stop=tuple(rl.stop) if args.keep_stops else (), stop_at_eos=args.keep_stops)
     prompts = [tokenizer.encode(task.make_prompt(rng, rl.difficulty)[0]) for _ in range(args.prompts)]
+    # Longer prompts: each one's own random prefix of byte ids (valid in every vocabulary here) before the task's text
+    prompts = [[rng.randrange(256) for _ in range(args.prompt_len - len(p))] + p for p in prompts]
     requests = [Request(p, params, tag=(g, i)) for g, p in enumerate(prompts) for i in range(rl.group_size)]
     engine = Engine(model, tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed, cuda_graphs=rl.cuda_graphs)
     sync(device)
@@ -166,6 +169,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/rl_tiny.yaml")
     ap.add_argument("--prompts", type=int, default=256, help="prompts to generate (each x rl.group_size samples)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="completion length (default rl.max_new_tokens)")
+    ap.add_argument("--prompt-len", type=int, default=0,
+                    help="lengthen each prompt to this many tokens with a random prefix of its own (0: the task's)")
     ap.add_argument("--keep-stops", action="store_true", help="honour rl.stop and EOS (lengths then vary)")
     ap.add_argument("--syncs", type=int, default=6,
                     help="publish+pull rounds; the median is reported (0: no weight sync section)")

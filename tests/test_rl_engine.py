@@ -41,6 +41,31 @@ ATTENTION = {"plain": {}, "qk_norm": {"qk_norm": True}, "mla": MLA,
                                  "rope_mscale_all_dim": 1.0}}
 
 
+def _assert_greedy_full_forward(model, c, device) -> None:
+    """Completion `c` (greedy) is what the model's full forward over prompt + completion computes: tokens, log-probs
+    and, on CPU, the routing recorded for replay."""
+    seq = c.prompt_tokens + c.tokens
+    logits, routing = full_forward(model, seq[:-1])
+    P = len(c.prompt_tokens)
+    pred = logits[P - 1:]
+    lp = torch.log_softmax(pred, dim=-1)
+    chosen = torch.tensor(c.tokens)
+    if device == "cpu":
+        assert chosen.tolist() == pred.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, chosen[:, None]).squeeze(1),
+                                   atol=1e-4, rtol=0)
+        # The routing recorded for replay is the routing of the full forward, token by token and layer by layer.
+        assert torch.equal(c.routing.sort(-1).values, routing.sort(-1).values)
+    else:
+        # bf16 kernels differ between the cached and the packed path: a greedy pick may only differ from the full
+        # forward's argmax where the two best logits are within bf16 rounding of each other.
+        margin = pred.max(-1).values - pred.gather(1, chosen[:, None]).squeeze(1)
+        assert float(margin.max()) < 0.1
+        torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, chosen[:, None]).squeeze(1),
+                                   atol=0.1, rtol=0)
+    assert c.routing.shape == (len(model.moe_layers()), len(seq) - 1, model.cfg.top_k)
+
+
 @pytest.mark.parametrize("attention", list(ATTENTION))
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_cached_decoding_matches_full_forward_token_by_token(device, attention):
@@ -48,26 +73,40 @@ def test_greedy_cached_decoding_matches_full_forward_token_by_token(device, atte
     model = _model(device, **ATTENTION[attention])
     engine = Engine(model, TOK, max_batch=3, max_seq_len=64)
     for c in engine.generate(_requests(_greedy())):
-        seq = c.prompt_tokens + c.tokens
-        logits, routing = full_forward(model, seq[:-1])
-        P = len(c.prompt_tokens)
-        pred = logits[P - 1:]
-        lp = torch.log_softmax(pred, dim=-1)
-        chosen = torch.tensor(c.tokens)
-        if device == "cpu":
-            assert chosen.tolist() == pred.argmax(-1).tolist()
-            torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, chosen[:, None]).squeeze(1),
-                                       atol=1e-4, rtol=0)
-            # The routing recorded for replay is the routing of the full forward, token by token and layer by layer.
-            assert torch.equal(c.routing.sort(-1).values, routing.sort(-1).values)
-        else:
-            # bf16 kernels differ between the cached and the packed path: a greedy pick may only differ from the full
-            # forward's argmax where the two best logits are within bf16 rounding of each other.
-            margin = pred.max(-1).values - pred.gather(1, chosen[:, None]).squeeze(1)
-            assert float(margin.max()) < 0.1
-            torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, chosen[:, None]).squeeze(1),
-                                       atol=0.1, rtol=0)
-        assert c.routing.shape == (len(model.moe_layers()), len(seq) - 1, model.cfg.top_k)
+        _assert_greedy_full_forward(model, c, device)
+
+
+@pytest.mark.parametrize("attention", ["plain", "mla"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prompt_a_running_slot_holds_is_copied_from_its_cache_not_prefilled_again(device, attention, monkeypatch):
+    """A group's samples share their prompt: a joining prompt that a running slot holds (one joining with it, or one
+    still decoding from an earlier join) is copied from that slot's cache, its last token fed by a decode step; every
+    completion is still the full forward's, routing of the shared prompt tokens included."""
+    prefilled, copied = [], []
+    prefill, copy_prompts = CachedDecoder.prefill, CachedDecoder.copy_prompts
+    monkeypatch.setattr(CachedDecoder, "prefill",
+                        lambda self, prompts, slots: prefilled.extend(TOK.decode(p) for p in prompts)
+                        or prefill(self, prompts, slots))
+    monkeypatch.setattr(CachedDecoder, "copy_prompts",
+                        lambda self, src, dst, length: copied.append((src, dst)) or copy_prompts(self, src, dst, length))
+    model = _model(device, **ATTENTION[attention])
+    # Together: the first join prefills "12+34=" once and copies it into two slots
+    engine = Engine(model, TOK, max_batch=4, max_seq_len=64)
+    together = engine.generate(_requests(_greedy(8), ["12+34=", "12+34=", "x*y", "12+34="]))
+    assert prefilled == ["12+34=", "x*y"] and copied == [([0, 0], [1, 3])]
+    # Later: "Hello, world" keeps decoding in slot 0 while the other requests take slot 1 in turn, copying from it
+    prefilled.clear(), copied.clear()
+    engine = Engine(model, TOK, max_batch=2, max_seq_len=64)
+    params = [_greedy(14), _greedy(2), _greedy(3), _greedy(2), _greedy(4)]
+    prompts = ["Hello, world", "x*y", "Hello, world", "a", "Hello, world"]
+    later = engine.generate([Request(TOK.encode(p), q, tag=i) for i, (p, q) in enumerate(zip(prompts, params))])
+    assert prefilled == ["Hello, world", "x*y", "a"] and copied == [([0], [1]), ([0], [1])]
+    assert [len(c.tokens) for c in later] == [q.max_tokens for q in params]
+    for c in together + later:
+        _assert_greedy_full_forward(model, c, device)
+    # a shared prompt's completions are the holder's, token for token (greedy)
+    assert together[0].tokens == together[1].tokens == together[3].tokens
+    assert later[2].tokens == later[0].tokens[:3] and later[4].tokens == later[0].tokens[:4]
 
 
 def test_mla_cache_holds_the_latent_and_rope_key_not_per_head_keys_and_values():

@@ -3,9 +3,12 @@
 `Engine.generate(requests)` keeps up to `max_batch` sequences decoding together. A sequence leaves the batch once the
 host has seen it finish (EOS, a stop string, or its token limit) and a waiting prompt takes its cache slot at the next
 step, so a long completion never holds a batch of short ones hostage. Prompts that join together are prefilled together
-as one packed batch. The host runs one step behind the device: step t + 1 is queued, feeding the tokens step t sampled
-straight from device memory, before the host reads step t's tokens, so the host's per-step work (stop checks, routing
-records) overlaps the device's instead of adding to it.
+as one packed batch, except a prompt that a running slot already holds (a group's samples share one prompt): that one
+is copied from the holder's cache, all but its last token, which a decode step feeds (`CachedDecoder.copy_prompts`;
+its routing rows are the holder's): a group's prompt is prefilled again only when none of its samples is running. The
+host runs one step behind the device: step t + 1 is queued, feeding the tokens step t sampled straight from device
+memory, before the host reads step t's tokens, so the host's per-step work (stop checks, routing records) overlaps the
+device's instead of adding to it.
 
 Each completion carries the log-prob of every sampled token (see `sampling.py` for which distribution) and the experts
 every MoE layer chose for every token the model was fed (prompt and completion but the last token, which is never fed):
@@ -55,6 +58,11 @@ class _Running:
     logprobs: list[float] = field(default_factory=list)
     sampled: int = 0  # tokens sampled on the device, the step in flight's included
     done: bool = False
+    prompt_from: int | None = None  # the slot whose cached prompt it shares, until its first step lands
+    prompt: tuple[int, ...] = field(init=False)  # the prompt's tokens, hashable (`Engine._run`'s holders)
+
+    def __post_init__(self):
+        self.prompt = tuple(self.request.prompt_tokens)
 
     @property
     def fed(self) -> int:
@@ -124,10 +132,14 @@ class Engine:
         waiting = deque(enumerate(requests))
         running: dict[int, _Running] = {}  # slot -> sequence
         done: list[Completion | None] = [None] * len(requests)
+        holders: dict[tuple[int, ...], set[int]] = {}  # prompt -> the running slots whose cache holds it
 
         def finish(slot: int, reason: str) -> None:
             seq = running.pop(slot)
             seq.done = True
+            holders[seq.prompt].discard(slot)
+            if not holders[seq.prompt]:
+                del holders[seq.prompt]
             fed = len(seq.request.prompt_tokens) + len(seq.tokens) - 1
             c = Completion(seq.request.tag, list(seq.request.prompt_tokens), seq.tokens, seq.logprobs,
                            self.routing[slot, :, :fed].to(torch.int64), reason, self.tokenizer.decode(seq.tokens))
@@ -138,21 +150,40 @@ class Engine:
         in_flight: list[_Step] = []
         while waiting or running:
             free = [s for s in range(self.max_batch) if s not in running]
-            joining = []
+            joining, fresh, shared = [], [], []
             while waiting and free:
                 index, req = waiting.popleft()
                 slot = free.pop(0)
-                running[slot] = _Running(index, req)
+                seq = running[slot] = _Running(index, req)
                 joining.append(slot)
+                # A prompt a running slot holds (a group's samples share one) is copied from its cache, not prefilled
+                # again; the fresh ones of this batch are sources too (their prefill is queued before the copies)
+                source = next(iter(holders.get(seq.prompt, ())), None) if len(seq.prompt) > 1 else None
+                if source is None:
+                    fresh.append(slot)
+                    holders.setdefault(seq.prompt, set()).add(slot)
+                else:
+                    seq.prompt_from = source
+                    shared.append(slot)
+            for slot in shared:
+                holders[running[slot].prompt].add(slot)
             queued = []
             if joining:
                 self._params[:, _on_device(joining, self._params.device)] = _on_device(
                     [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
-                logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in joining], joining)
-                queued.append(self._sample(joining, running, logits, routing, [0] * len(joining),
-                                           [len(running[s].request.prompt_tokens) for s in joining]))
+            if fresh:
+                logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in fresh], fresh)
+                queued.append(self._sample(fresh, running, logits, routing, [0] * len(fresh),
+                                           [len(running[s].request.prompt_tokens) for s in fresh]))
+            if shared:
+                # All but the last prompt token copied; the last is fed by the decode step below, which samples the
+                # first token (its routing rows are copied when that step lands, `_land`)
+                self.cache.copy_prompts([running[s].prompt_from for s in shared], shared,
+                                        max(len(running[s].prompt) for s in shared) - 1)
+                self._next[_on_device(shared, self._next.device)] = _on_device(
+                    [running[s].prompt[-1] for s in shared], self._next.device)
             # A sequence whose last allowed token is sampled waits for it to land (it then finishes by length).
-            stepping = [s for s in running if s not in joining
+            stepping = [s for s in running if (s not in joining or s in shared)
                         and running[s].sampled < running[s].request.params.max_tokens]
             if stepping:
                 positions = [running[s].fed for s in stepping]
@@ -191,6 +222,12 @@ class Engine:
         live = [i for i, q in enumerate(step.seqs) if not q.done]
         if not live:
             return
+        for i in live:  # a shared prompt's routing: the source's rows (landed with its prefill, before this step)
+            seq = step.seqs[i]
+            if seq.prompt_from is not None:
+                n = len(seq.prompt) - 1
+                self.routing[step.slots[i], :, :n] = self.routing[seq.prompt_from, :, :n]
+                seq.prompt_from = None
         if all(n == 1 for n in step.lens):  # one token a slot (a decode step, or one-token prompts): one indexed write
             self.routing[[step.slots[i] for i in live], :, [step.starts[i] for i in live]] = \
                 step.routing[:, live].transpose(0, 1).to(torch.int16)

@@ -20,7 +20,7 @@ shape is captured once as a CUDA graph (`cuda_graphs`, `rl.cuda_graphs`) and rep
 sizes is launch-bound (bench/RESULTS.md), and a replay issues the step's hundreds of kernels at once. The MoE layers'
 dropless path reads its expert counts on the device (tests/test_moe_sync_free.py), so nothing in a step waits for the
 host. Weights reload in place (`load_state_dict`), which the graphs see. Prefill runs eagerly (one call per joining
-batch, shapes vary).
+batch, shapes vary); a prompt another slot holds is copied from it instead (`copy_prompts`).
 
 Every forward also records the experts each MoE layer chose for each token (a forward hook on the routers), in
 layer order, so the trainer can replay the rollout's routing. A model's multi-token prediction depths (training only)
@@ -58,6 +58,11 @@ class HeadCache:
         self.v[li][slot, :, pos] = v
         return decode_attention(q, self.k[li], self.v[li], slot, pos, span)
 
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Positions 0 .. length - 1 of slots `src` into slots `dst`, every layer."""
+        for t in self.tensors:
+            t[:, dst, :, :length] = t[:, src, :, :length]
+
 
 class LatentCache:
     """MLA's latent and shared RoPE key: [layers, slots, max_len, kv_lora_rank] and [..., qk_rope_head_dim]."""
@@ -79,6 +84,11 @@ class LatentCache:
         self.latent[li][slot, pos] = latent
         self.k_rope[li][slot, pos] = k_rope
         return attn.attend_latent(q, self.latent[li], self.k_rope[li], slot, pos, span)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Positions 0 .. length - 1 of slots `src` into slots `dst`, every layer."""
+        for t in self.tensors:
+            t[:, dst, :length] = t[:, src, :length]
 
 
 def _bucket(n: int, least: int, most: int) -> int:
@@ -166,6 +176,17 @@ class CachedDecoder:
             x = self._block(block, x, out)
         last = cu[1:].long() - 1
         return self.model.output(self.model.norm(x[last])), self._routing(x.shape[0])
+
+    @torch.no_grad()
+    def copy_prompts(self, src: list[int], dst: list[int], length: int) -> None:
+        """Give slots `dst` the cached positions 0 .. length - 1 of slots `src` (pairwise; a slot of `dst` must not be
+        in `src`): a prompt another slot holds, shared instead of prefilled again. Positions past a prompt's own
+        length are copied too when prompts of several lengths share a call: a slot writes each position before it
+        attends to it, so they are never read."""
+        if src and length > 0:
+            cuda = self.device.type == "cuda"  # from pinned memory: no wait for the work queued on the device
+            index = torch.tensor([src, dst], pin_memory=cuda).to(self.device, non_blocking=cuda)
+            self.cache.copy(index[0], index[1], length)
 
     @torch.no_grad()
     def decode(self, tokens_by_slot: torch.Tensor, slots: list[int], positions: list[int]
