@@ -82,7 +82,8 @@ def bench_generation(cfg, model, device, args) -> dict:
     # Longer prompts: each one's own random prefix of byte ids (valid in every vocabulary here) before the task's text
     prompts = [[rng.randrange(256) for _ in range(args.prompt_len - len(p))] + p for p in prompts]
     requests = [Request(p, params, tag=(g, i)) for g, p in enumerate(prompts) for i in range(rl.group_size)]
-    engine = Engine(model, tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed, cuda_graphs=rl.cuda_graphs)
+    engine = Engine(model, tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed, cuda_graphs=rl.cuda_graphs,
+                    prefill_tokens=rl.prefill_tokens)
     sync(device)
     t0 = time.perf_counter()
     engine.generate(requests)  # warm-up: every shape the timed pass meets (CUDA graph captures, Triton autotuning)

@@ -89,6 +89,10 @@ def test_unknown_key_in_yaml_is_rejected_too(tmp_path):
     (["rl.max_new_tokens=0"], "rl.max_new_tokens"),
     (["rl.top_k=-1"], "rl.top_k"),
     (["rl.stop=['', END]"], "rl.stop"),
+    (["rl.max_batch=0"], "rl.max_batch"),
+    (["rl.prefill_tokens=0"], "rl.prefill_tokens"),
+    (["rl.prompts_per_batch=0"], "rl.prompts_per_batch"),
+    (["rl.max_new_tokens=128", "rl.max_seq_len=128"], "rl.max_seq_len"),
 ])
 def test_impossible_value_error_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"`{key}"):

@@ -109,6 +109,22 @@ def test_a_prompt_a_running_slot_holds_is_copied_from_its_cache_not_prefilled_ag
     assert later[2].tokens == later[0].tokens[:3] and later[4].tokens == later[0].tokens[:4]
 
 
+def test_prompts_joining_together_are_prefilled_in_batches_of_at_most_prefill_tokens(monkeypatch):
+    """The prefill budget bounds each packed forward's tokens (a longer prompt runs alone); generation is unchanged."""
+    sizes = []
+    prefill = CachedDecoder.prefill
+    monkeypatch.setattr(CachedDecoder, "prefill",
+                        lambda self, prompts, slots: sizes.append([len(p) for p in prompts]) or prefill(self, prompts,
+                                                                                                      slots))
+    model = _model("cpu")
+    got = Engine(model, TOK, max_batch=5, max_seq_len=64, prefill_tokens=13).generate(_requests(_greedy(6)))
+    assert sizes == [[6], [12, 1], [30], [3]]  # PROMPTS' lengths in order: 6 + 12 > 13, 12 + 1 <= 13, 30 alone
+    for c in got:
+        _assert_greedy_full_forward(model, c, "cpu")
+    with pytest.raises(EngineError, match="prefill_tokens must be at least 1"):
+        Engine(model, TOK, prefill_tokens=0)
+
+
 def test_mla_cache_holds_the_latent_and_rope_key_not_per_head_keys_and_values():
     model = _model("cpu", **MLA)
     cfg = model.cfg

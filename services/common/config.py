@@ -277,6 +277,9 @@ class RLConfig:
     stop: list[str] = field(default_factory=lambda: ["\n"])  # stop strings (EOS always stops)
     max_batch: int = 64  # sequences decoding at once (KV cache slots)
     max_seq_len: int = 128  # prompt + completion tokens per sequence (KV cache length)
+    # prompt tokens one prefill forward takes at most: prompts joining together are prefilled in batches of at most
+    # this many (a longer prompt alone); bounds prefill's activation memory (its MoE rows are top_k x these tokens)
+    prefill_tokens: int = 16384
     cuda_graphs: bool = True  # on GPU, decode steps replay CUDA graphs (one per batch and length bucket); false: eager
     max_staleness: int = 1  # trajectories may come from weights at most this many versions behind the trainer
     # a worker pauses while this many groups the next step could use wait unconsumed in the stream, or fewer: once the
@@ -516,15 +519,20 @@ def _check_mtp(cfg: Config) -> None:
                                f"neither samples from nor scores: set model.mtp_num_layers=0 for `rl.enabled`")
 
 
-def _check_sampling(rl: RLConfig) -> None:
-    """The rollout workers' sampling parameters (services/rl_rollout/sampling.py), refused here rather than when a
-    worker starts: `foldmoe train` then fails before any process does."""
+def _check_rollout(rl: RLConfig) -> None:
+    """The rollout workers' sampling parameters (services/rl_rollout/sampling.py) and engine sizes, refused here rather
+    than when a worker starts: `foldmoe train` then fails before any process does."""
     _check(rl.temperature >= 0, f"`rl.temperature={rl.temperature}` must be >= 0 (0: greedy)")
     _check(0 < rl.top_p <= 1, f"`rl.top_p={rl.top_p}` must be in (0, 1] (1: off)")
     _check(rl.top_k >= 0, f"`rl.top_k={rl.top_k}` must be >= 0 (0: off)")
     _check(rl.max_new_tokens >= 1, f"`rl.max_new_tokens={rl.max_new_tokens}` must be at least 1")
     _check(all(rl.stop), f"`rl.stop={rl.stop}` has an empty string, which would end every completion at its first "
                          "token: remove it")
+    for name in ("max_batch", "prefill_tokens", "prompts_per_batch", "max_queued_groups"):
+        _check(getattr(rl, name) >= 1, f"`rl.{name}={getattr(rl, name)}` must be at least 1")
+    _check(rl.max_seq_len > rl.max_new_tokens, f"`rl.max_seq_len={rl.max_seq_len}` (cache positions per sequence) "
+                                               f"leaves no room for a prompt before `rl.max_new_tokens="
+                                               f"{rl.max_new_tokens}` completion tokens: raise it")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -604,7 +612,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(c.interval >= 0, f"`checkpoint.interval` must be >= 0 (0: save only at the end), got {c.interval}")
     _check(c.keep_last >= 0, f"`checkpoint.keep_last` must be >= 0 (0: keep every checkpoint), got {c.keep_last}")
     _check(c.host_buffers >= 1, f"`checkpoint.host_buffers` must be at least 1, got {c.host_buffers}")
-    _check_sampling(cfg.rl)
+    _check_rollout(cfg.rl)
     for name in ("tp", "cp", "pp", "ep", "etp"):
         _check(getattr(p, name) > 0, f"`parallel.{name}` must be positive, got {getattr(p, name)}")
     _check(m.num_experts % p.ep == 0, f"`parallel.ep={p.ep}` does not divide `model.num_experts={m.num_experts}`")

@@ -3,12 +3,12 @@
 `Engine.generate(requests)` keeps up to `max_batch` sequences decoding together. A sequence leaves the batch once the
 host has seen it finish (EOS, a stop string, or its token limit) and a waiting prompt takes its cache slot at the next
 step, so a long completion never holds a batch of short ones hostage. Prompts that join together are prefilled together
-as one packed batch, except a prompt that a running slot already holds (a group's samples share one prompt): that one
-is copied from the holder's cache, all but its last token, which a decode step feeds (`CachedDecoder.copy_prompts`;
-its routing rows are the holder's): a group's prompt is prefilled again only when none of its samples is running. The
-host runs one step behind the device: step t + 1 is queued, feeding the tokens step t sampled straight from device
-memory, before the host reads step t's tokens, so the host's per-step work (stop checks, routing records) overlaps the
-device's instead of adding to it.
+as packed batches of at most `prefill_tokens` tokens (a longer prompt alone), except a prompt that a running slot
+already holds (a group's samples share one prompt): that one is copied from the holder's cache, all but its last token,
+which a decode step feeds (`CachedDecoder.copy_prompts`; its routing rows are the holder's), so a group's prompt is
+prefilled again only when none of its samples is running. The host runs one step behind the device: step t + 1 is
+queued, feeding the tokens step t sampled straight from device memory, before the host reads step t's tokens, so the
+host's per-step work (stop checks, routing records) overlaps the device's instead of adding to it.
 
 Each completion carries the log-prob of every sampled token (see `sampling.py` for which distribution) and the experts
 every MoE layer chose for every token the model was fed (prompt and completion but the last token, which is never fed):
@@ -87,9 +87,13 @@ class Engine:
     """Generation over a model that the caller owns (and may reload weights into between `generate` calls)."""
 
     def __init__(self, model: MoETransformer, tokenizer, max_batch: int = 32, max_seq_len: int = 256, seed: int = 0,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, prefill_tokens: int = 16384):
+        if min(max_batch, max_seq_len, prefill_tokens) < 1:
+            raise EngineError(f"max_batch, max_seq_len and prefill_tokens must be at least 1, got {max_batch}, "
+                              f"{max_seq_len} and {prefill_tokens}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.prefill_tokens = prefill_tokens  # prompt tokens per prefill forward at most (a longer prompt alone)
         self.cache = CachedDecoder(model, max_batch, max_seq_len, cuda_graphs)  # decode steps as CUDA graphs on GPU
         self.generator = torch.Generator(self.cache.device).manual_seed(seed)
         # Each slot's routing, position by position, written once per step for all sequences together (a host
@@ -171,10 +175,10 @@ class Engine:
             if joining:
                 self._params[:, _on_device(joining, self._params.device)] = _on_device(
                     [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
-            if fresh:
-                logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in fresh], fresh)
-                queued.append(self._sample(fresh, running, logits, routing, [0] * len(fresh),
-                                           [len(running[s].request.prompt_tokens) for s in fresh]))
+            for batch in _batches(fresh, [len(running[s].prompt) for s in fresh], self.prefill_tokens):
+                logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in batch], batch)
+                queued.append(self._sample(batch, running, logits, routing, [0] * len(batch),
+                                           [len(running[s].prompt) for s in batch]))
             if shared:
                 # All but the last prompt token copied; the last is fed by the decode step below, which samples the
                 # first token (its routing rows are copied when that step lands, `_land`)
@@ -257,6 +261,18 @@ class Engine:
         if len(seq.tokens) >= p.max_tokens:
             return "length"
         return ""
+
+
+def _batches(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:
+    """`slots` in order, cut into runs whose `lens` sum to at most `budget` (a slot longer than that alone)."""
+    batches, total = [], budget
+    for slot, n in zip(slots, lens):
+        if total + n > budget:
+            batches.append([])
+            total = 0
+        batches[-1].append(slot)
+        total += n
+    return batches
 
 
 def _on_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:

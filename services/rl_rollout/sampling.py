@@ -27,7 +27,7 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self):
-        # A run's rl.* values are refused at config load, naming the key (config.py `_check_sampling`); this guards
+        # A run's rl.* values are refused at config load, naming the key (config.py `_check_rollout`); this guards
         # the callers that build parameters themselves (bench/bench_rollout.py, tests).
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

@@ -129,7 +129,7 @@ class RolloutWorker:
         self.model = MoETransformer(rollout_model_config(cfg.model)).to(device=self.device, dtype=dtype).eval()
         self.engine = Engine(self.model, self.tokenizer, rl.max_batch, rl.max_seq_len,
                              seed=random.Random(f"{cfg.run.seed}:{self.worker_id}:sampling").getrandbits(63),
-                             cuda_graphs=rl.cuda_graphs)
+                             cuda_graphs=rl.cuda_graphs, prefill_tokens=rl.prefill_tokens)
         self.params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
