@@ -12,6 +12,9 @@ Why a kernel: in torch ops the batch's caches are first gathered by slot (`k_cac
 B x Hkv x span x d keys and as many values, each layer and step), then attended by SDPA under a mask. Here a program
 per (row, key/value head) reads that slot's keys and values in place, once, for all the query heads sharing them
 (online softmax over blocks of positions, both products on the tensor cores), and stops at the row's own length.
+Where rows are few and long (a long generation's last sequences: a program per row and head would leave most of the
+GPU idle), each row's positions are also split over programs (`split_positions`, flash-decoding) whose unnormalised
+results, maxima and sums `combine_splits` merges.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ import triton.language as tl
 from kernels._triton import use_triton
 
 BLOCK_N = 32  # cached positions a program reads per iteration
+# Rows few and long: each row's positions split over programs (`split_positions`) towards this many programs in all,
+# no split shorter than SPLIT_MIN positions
+PROGRAMS = 512
+SPLIT_MIN = 256
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor
@@ -50,15 +57,18 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, out_ptr, scale,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, scale, split_len,
                              q_sb, q_sh, k_ss, k_sh, k_sl, v_ss, v_sh, v_sl, o_sb, o_sh,
                              G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
-                             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr):
-    """Program (row b, key/value head g): query heads g * G .. g * G + G - 1 of row b over positions 0 .. pos[b]."""
+                             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+                             SPLIT: tl.constexpr):
+    """Program (row b, key/value head g, split s): query heads g * G .. g * G + G - 1 of row b over the positions of
+    split s (s * split_len ..) up to pos[b]; with SPLIT, its unnormalised result, max and sum for `combine_splits`."""
     b = tl.program_id(0)
     g = tl.program_id(1)
+    split = tl.program_id(2)
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    pos = tl.load(pos_ptr + b)
+    end = tl.minimum(tl.load(pos_ptr + b) + 1, (split + 1) * split_len)  # past the split's last visible position
     rows = tl.arange(0, BLOCK_G)
     heads = g * G + rows
     d = tl.arange(0, BLOCK_D)
@@ -70,18 +80,18 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, out_ptr, sc
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # online softmax per query head
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    # `while` rather than `for ... in range(0, pos + 1, BLOCK)`: Triton 3.6's interpreter takes no runtime loop bound
-    start = 0
-    while start <= pos:
+    # `while` rather than `for ... in range(start, end, BLOCK)`: Triton 3.6's interpreter takes no runtime loop bound
+    start = split * split_len
+    while start < end:
         n = start + tl.arange(0, BLOCK)
-        visible = n <= pos
+        visible = n < end
         k = tl.load(k_base + n[:, None] * k_sl + d[None, :], mask=visible[:, None] & (d[None, :] < D), other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(visible[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: position 0 is in the first block
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the block's first position is visible
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, axis=1)
@@ -92,9 +102,34 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, out_ptr, sc
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
         start += BLOCK
-    out = acc / total[:, None]
-    tl.store(out_ptr + b.to(tl.int64) * o_sb + heads[:, None] * o_sh + dv[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None] < G) & (dv[None, :] < DV))
+    head_ok = rows < G
+    if SPLIT:  # [B, H, splits, DV] and [2, B, H, splits]; a split past the row's position: m -inf, sum 0, acc 0
+        splits = tl.num_programs(2)
+        at = (b.to(tl.int64) * tl.num_programs(1) * G + heads) * splits + split
+        tl.store(part_ptr + at[:, None] * DV + dv[None, :], acc, mask=head_ok[:, None] & (dv[None, :] < DV))
+        tl.store(ml_ptr + at, m, mask=head_ok)
+        tl.store(ml_ptr + tl.num_programs(0) * tl.num_programs(1) * G * splits + at, total, mask=head_ok)
+    else:
+        out = acc / total[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * o_sb + heads[:, None] * o_sh + dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (dv[None, :] < DV))
+
+
+def split_positions(programs: int, span: int, block: int) -> tuple[int, int]:
+    """(splits, split_len): each row's positions cut into `splits` runs of `split_len` (a multiple of `block`), enough
+    for about PROGRAMS programs in all where rows are few and long (flash-decoding: a long generation's last few
+    sequences), none shorter than SPLIT_MIN positions; one split where `programs` already fill the GPU."""
+    splits = max(1, min(triton.cdiv(span, SPLIT_MIN), PROGRAMS // max(programs, 1)))
+    split_len = triton.cdiv(triton.cdiv(span, splits), block) * block
+    return triton.cdiv(span, split_len), split_len
+
+
+def combine_splits(part: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Splits' unnormalised results part [B, H, splits, dv] with their maxima and sums ml [2, B, H, splits] ->
+    [B, H, dv] in `dtype` (split 0 is never empty: it holds position 0)."""
+    m, total = ml
+    weight = torch.exp(m - m.amax(dim=-1, keepdim=True))
+    return ((part * weight[..., None]).sum(dim=2) / (total * weight).sum(dim=-1)[..., None]).to(dtype)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
@@ -111,11 +146,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     B, H, D = q.shape
     kv_heads, DV = k_cache.shape[1], v_cache.shape[3]
     out = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
-    if B:
-        G = H // kv_heads
-        _decode_attention_kernel[(B, kv_heads)](
-            q, k_cache, v_cache, slot, pos, out, D ** -0.5, q.stride(0), q.stride(1), *k_cache.stride()[:3],
-            *v_cache.stride()[:3], out.stride(0), out.stride(1), G=G, D=D, DV=DV,
-            BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-            BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
-    return out
+    if not B:
+        return out
+    splits, split_len = split_positions(B * kv_heads, span, BLOCK_N)
+    G = H // kv_heads
+    part = ml = out  # unused without splits
+    if splits > 1:
+        part = torch.empty(B, H, splits, DV, dtype=torch.float32, device=q.device)
+        ml = torch.empty(2, B, H, splits, dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(B, kv_heads, splits)](
+        q, k_cache, v_cache, slot, pos, out, part, ml, D ** -0.5, split_len, q.stride(0), q.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1), G=G, D=D, DV=DV,
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK=BLOCK_N, IEEE=q.dtype == torch.float32,
+        SPLIT=splits > 1, num_warps=4)
+    return combine_splits(part, ml, q.dtype) if splits > 1 else out

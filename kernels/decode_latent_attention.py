@@ -16,7 +16,8 @@ Why a kernel: in torch ops the batch's latents are first gathered by slot (`late
 B x span x (r + dr) each layer and step), then read again by two batched GEMMs and a masked softmax. Here a program
 per (row, block of heads) reads that slot's latents in place, once per head block, with an online softmax over
 blocks of positions (both products on the tensor cores), and stops at the row's own length. The head block and
-position block are autotuned (key: the head count and the two dims).
+position block are autotuned (key: the head count and the two dims). Where rows are few and long, their positions
+are split over programs too (kernels/decode_attention.py `split_positions`, `combine_splits`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import autotune_configs, use_triton
+from kernels.decode_attention import combine_splits, split_positions
 
 # (heads, positions) per block, warps, stages. 64 x 64 on 8 warps was the fastest of 60 on an H200 (within 1%) at
 # each shape measured (bench/RESULTS.md); the first, the smallest, is the interpreter's (`autotune_configs`)
@@ -71,16 +73,19 @@ def decode_latent_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tens
 
 @triton.autotune(configs=autotune_configs(_CONFIGS), key=["H", "R", "DR"])
 @triton.jit
-def _decode_latent_attention_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, slot_ptr, pos_ptr, out_ptr, scale, H,
-                                    ql_sb, ql_sh, qr_sb, qr_sh, lat_ss, lat_sl, rope_ss, rope_sl, o_sb, o_sh,
-                                    R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
-                                    IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (row b, head block): heads hb * BLOCK_H .. + BLOCK_H - 1 of row b over positions 0 .. pos[b]."""
+def _decode_latent_attention_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr,
+                                    scale, H, split_len, ql_sb, ql_sh, qr_sb, qr_sh, lat_ss, lat_sl, rope_ss, rope_sl,
+                                    o_sb, o_sh, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr,
+                                    BLOCK_DR: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row b, head block, split s): heads hb * BLOCK_H .. + BLOCK_H - 1 of row b over the positions of split
+    s (s * split_len ..) up to pos[b]; with SPLIT, its unnormalised result, max and sum for `combine_splits`."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     head_ok = heads < H
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    pos = tl.load(pos_ptr + b)
+    end = tl.minimum(tl.load(pos_ptr + b) + 1, (split + 1) * split_len)  # past the split's last visible position
     r = tl.arange(0, BLOCK_R)
     dr = tl.arange(0, BLOCK_DR)
     b64 = b.to(tl.int64)
@@ -93,11 +98,11 @@ def _decode_latent_attention_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, slot_ptr,
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # online softmax per head
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    # `while` rather than `for ... in range(0, pos + 1, BLOCK_N)`: Triton 3.6's interpreter takes no runtime loop bound
-    start = 0
-    while start <= pos:
+    # `while` rather than `for ... in range(start, end, BLOCK_N)`: Triton 3.6's interpreter takes no runtime loop bound
+    start = split * split_len
+    while start < end:
         n = start + tl.arange(0, BLOCK_N)
-        visible = n <= pos
+        visible = n < end
         lat = tl.load(lat_base + n[:, None] * lat_sl + r[None, :], mask=visible[:, None] & (r[None, :] < R),
                       other=0.0)
         k_rope = tl.load(rope_base + n[:, None] * rope_sl + dr[None, :], mask=visible[:, None] & (dr[None, :] < DR),
@@ -108,7 +113,7 @@ def _decode_latent_attention_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, slot_ptr,
         else:
             s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(k_rope))
         s = tl.where(visible[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: position 0 is in the first block
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the block's first position is visible
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, axis=1)
@@ -118,9 +123,16 @@ def _decode_latent_attention_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, slot_ptr,
             acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
         m = m_new
         start += BLOCK_N
-    out = acc / total[:, None]
-    tl.store(out_ptr + b64 * o_sb + heads[:, None] * o_sh + r[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=head_ok[:, None] & (r[None, :] < R))
+    if SPLIT:  # [B, H, splits, R] and [2, B, H, splits]; a split past the row's position: m -inf, sum 0, acc 0
+        splits = tl.num_programs(2)
+        at = (b64 * H + heads) * splits + split
+        tl.store(part_ptr + at[:, None] * R + r[None, :], acc, mask=head_ok[:, None] & (r[None, :] < R))
+        tl.store(ml_ptr + at, m, mask=head_ok)
+        tl.store(ml_ptr + tl.num_programs(0) * H * splits + at, total, mask=head_ok)
+    else:
+        out = acc / total[:, None]
+        tl.store(out_ptr + b64 * o_sb + heads[:, None] * o_sh + r[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & (r[None, :] < R))
 
 
 def decode_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
@@ -138,11 +150,18 @@ def decode_latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent
     B, H, R = q_latent.shape
     DR = q_rope.shape[2]
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    if B:
-        _decode_latent_attention_kernel[lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]))](
-            q_latent, q_rope, latent_cache, rope_cache, slot, pos, out, scale, H, q_latent.stride(0),
-            q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0), latent_cache.stride(1),
-            rope_cache.stride(0), rope_cache.stride(1), out.stride(0), out.stride(1), R=R, DR=DR,
-            BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_DR=max(16, triton.next_power_of_2(DR)),
-            IEEE=q_latent.dtype == torch.float32)
-    return out
+    if not B:
+        return out
+    # as many programs a row as head blocks of the configs' usual 64 heads
+    splits, split_len = split_positions(B * triton.cdiv(H, 64), span, 64)
+    part = ml = out  # unused without splits
+    if splits > 1:
+        part = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_latent.device)
+        ml = torch.empty(2, B, H, splits, dtype=torch.float32, device=q_latent.device)
+    _decode_latent_attention_kernel[lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]), splits)](
+        q_latent, q_rope, latent_cache, rope_cache, slot, pos, out, part, ml, scale, H, split_len, q_latent.stride(0),
+        q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0), latent_cache.stride(1),
+        rope_cache.stride(0), rope_cache.stride(1), out.stride(0), out.stride(1), R=R, DR=DR,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_DR=max(16, triton.next_power_of_2(DR)),
+        IEEE=q_latent.dtype == torch.float32, SPLIT=splits > 1)
+    return combine_splits(part, ml, q_latent.dtype) if splits > 1 else out

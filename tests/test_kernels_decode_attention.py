@@ -7,15 +7,21 @@ import pytest
 import torch
 from kernels_interpreter import DEVICE, ON_CUDA, kernels_on_device  # noqa: F401  (first: before triton is imported)
 
-from kernels.decode_attention import decode_attention, decode_attention_reference
+import kernels.decode_attention as decode_attention_module
+from kernels.decode_attention import decode_attention, decode_attention_reference, split_positions
 
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]  # the interpreter has no bf16 dot
 
 
+@pytest.mark.parametrize("split_min", [256, 32], ids=["whole_rows", "split_rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("heads,kv_heads,d,dv", [(8, 2, 16, 16), (3, 3, 32, 16), (4, 1, 16, 32)],
                          ids=["gqa", "mha_dv16", "mqa_dv32"])
-def test_kernel_matches_the_gathered_sdpa(dtype, heads, kv_heads, d, dv):
+def test_kernel_matches_the_gathered_sdpa(dtype, heads, kv_heads, d, dv, split_min, monkeypatch):
+    """Whole rows a program each, and rows split over programs (splits of 32 positions: 3 for the cache's 72, the
+    later ones empty for the rows at positions 0 and 17) merged by `combine_splits`."""
+    monkeypatch.setattr(decode_attention_module, "SPLIT_MIN", split_min)
+    assert split_positions(6 * kv_heads, 72, 32) == ((1, 96) if split_min == 256 else (3, 32))
     torch.manual_seed(0)
     slots, max_len = 6, 72
     k_cache = torch.randn(slots, kv_heads, max_len, d, device=DEVICE).to(dtype)

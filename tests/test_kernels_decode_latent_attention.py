@@ -9,6 +9,8 @@ import pytest
 import torch
 from kernels_interpreter import DEVICE, ON_CUDA, kernels_on_device  # noqa: F401  (first: before triton is imported)
 
+import kernels.decode_attention as decode_attention_module
+from kernels.decode_attention import split_positions
 from kernels.decode_latent_attention import decode_latent_attention, decode_latent_attention_reference
 
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]  # the interpreter has no bf16 dot
@@ -25,10 +27,15 @@ def _inputs(heads: int, r: int, dr: int, dtype, seed: int = 0, slots: int = 6, m
     return q_latent, q_rope, latent, k_rope, slot, pos
 
 
+@pytest.mark.parametrize("split_min", [256, 32], ids=["whole_rows", "split_rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("heads,r,dr", [(4, 32, 16), (16, 16, 16), (20, 24, 8)],
                          ids=["few_heads", "one_block", "two_blocks_odd_dims"])
-def test_kernel_matches_the_gathered_reference(dtype, heads, r, dr):
+def test_kernel_matches_the_gathered_reference(dtype, heads, r, dr, split_min, monkeypatch):
+    """Whole rows, and rows split over programs (two splits of 64 positions: the second empty for the rows at
+    positions 0, 17 and 31) merged by `combine_splits`."""
+    monkeypatch.setattr(decode_attention_module, "SPLIT_MIN", split_min)
+    assert split_positions(6, 72, 64)[0] == (1 if split_min == 256 else 2)
     q_latent, q_rope, latent, k_rope, slot, pos = _inputs(heads, r, dr, dtype)
     scale = 0.3
     want = decode_latent_attention_reference(q_latent.float(), q_rope.float(), latent.float(), k_rope.float(), slot,
