@@ -57,6 +57,28 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 @triton.jit
+def online_softmax_step(s, visible, scale, m, total):
+    """Scores s [rows, block] of one block of positions (`visible` [block]) into a running softmax per row: ->
+    (p, the block's unnormalised probabilities; alpha, the rescale of what came before; the new max; the new sum).
+    The new max is finite where the block's first position is visible."""
+    s = tl.where(visible[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    return p, alpha, m_new, total * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def store_split(part_ptr, ml_ptr, at, half, acc, m, total, rows_ok, cols, COLS: tl.constexpr):
+    """A split's unnormalised result acc [rows, cols], max and sum at flat (row, head, split) indices `at` of
+    part [B, H, splits, COLS] and ml [2, B, H, splits] (`half` = B·H·splits; read by `combine_splits`). A split past
+    its row's position stores m -inf, sum 0 and acc 0."""
+    tl.store(part_ptr + at[:, None] * COLS + cols[None, :], acc, mask=rows_ok[:, None] & (cols[None, :] < COLS))
+    tl.store(ml_ptr + at, m, mask=rows_ok)
+    tl.store(ml_ptr + half + at, total, mask=rows_ok)
+
+
+@triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr, scale, split_len,
                              q_sb, q_sh, k_ss, k_sh, k_sl, v_ss, v_sh, v_sl, o_sb, o_sh,
                              G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -90,25 +112,18 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr, out_ptr, pa
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(visible[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the block's first position is visible
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        total = total * alpha + tl.sum(p, axis=1)
+        p, alpha, m, total = online_softmax_step(s, visible, scale, m, total)
         v = tl.load(v_base + n[:, None] * v_sl + dv[None, :], mask=visible[:, None] & (dv[None, :] < DV), other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
         start += BLOCK
     head_ok = rows < G
-    if SPLIT:  # [B, H, splits, DV] and [2, B, H, splits]; a split past the row's position: m -inf, sum 0, acc 0
-        splits = tl.num_programs(2)
-        at = (b.to(tl.int64) * tl.num_programs(1) * G + heads) * splits + split
-        tl.store(part_ptr + at[:, None] * DV + dv[None, :], acc, mask=head_ok[:, None] & (dv[None, :] < DV))
-        tl.store(ml_ptr + at, m, mask=head_ok)
-        tl.store(ml_ptr + tl.num_programs(0) * tl.num_programs(1) * G * splits + at, total, mask=head_ok)
+    if SPLIT:
+        H = tl.num_programs(1) * G
+        at = (b.to(tl.int64) * H + heads) * tl.num_programs(2) + split
+        store_split(part_ptr, ml_ptr, at, tl.num_programs(0) * H * tl.num_programs(2), acc, m, total, head_ok, dv, DV)
     else:
         out = acc / total[:, None]
         tl.store(out_ptr + b.to(tl.int64) * o_sb + heads[:, None] * o_sh + dv[None, :],

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import autotune_configs, use_triton
-from kernels.decode_attention import combine_splits, split_positions
+from kernels.decode_attention import combine_splits, online_softmax_step, split_positions, store_split
 
 # (heads, positions) per block, warps, stages. 64 x 64 on 8 warps was the fastest of 60 on an H200 (within 1%) at
 # each shape measured (bench/RESULTS.md); the first, the smallest, is the interpreter's (`autotune_configs`)
@@ -112,23 +112,15 @@ def _decode_latent_attention_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, slot_ptr,
                  + tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee"))
         else:
             s = tl.dot(q_lat, tl.trans(lat)) + tl.dot(q_rope, tl.trans(k_rope))
-        s = tl.where(visible[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the block's first position is visible
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        total = total * alpha + tl.sum(p, axis=1)
+        p, alpha, m, total = online_softmax_step(s, visible, scale, m, total)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
-        m = m_new
         start += BLOCK_N
-    if SPLIT:  # [B, H, splits, R] and [2, B, H, splits]; a split past the row's position: m -inf, sum 0, acc 0
-        splits = tl.num_programs(2)
-        at = (b64 * H + heads) * splits + split
-        tl.store(part_ptr + at[:, None] * R + r[None, :], acc, mask=head_ok[:, None] & (r[None, :] < R))
-        tl.store(ml_ptr + at, m, mask=head_ok)
-        tl.store(ml_ptr + tl.num_programs(0) * H * splits + at, total, mask=head_ok)
+    if SPLIT:
+        at = (b64 * H + heads) * tl.num_programs(2) + split
+        store_split(part_ptr, ml_ptr, at, tl.num_programs(0) * H * tl.num_programs(2), acc, m, total, head_ok, r, R)
     else:
         out = acc / total[:, None]
         tl.store(out_ptr + b64 * o_sb + heads[:, None] * o_sh + r[None, :], out.to(out_ptr.dtype.element_ty),
