@@ -125,6 +125,29 @@ def test_prompts_joining_together_are_prefilled_in_batches_of_at_most_prefill_to
         Engine(model, TOK, prefill_tokens=0)
 
 
+@pytest.mark.parametrize("attention", ["plain", "mla"])
+def test_any_mix_of_requests_generates_what_each_request_generates_alone(attention):
+    """Continuous batching, shared prompts, prefill batches, stop strings and EOS together, on random mixes (seeded):
+    every completion (greedy) equals the one the request gets alone in a one-slot engine, tokens, finish reason,
+    log-probs and routing."""
+    import random
+
+    model = _model("cpu", **ATTENTION[attention])
+    rng = random.Random(0)
+    for _ in range(6):
+        requests = []
+        for i in range(rng.randint(4, 14)):
+            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 9), stop_at_eos=rng.random() < 0.5,
+                                    stop=(rng.choice(["1", "e", " "]),) if rng.random() < 0.3 else ())
+            requests.append(Request(TOK.encode(rng.choice(PROMPTS)), params, tag=i))
+        engine = Engine(model, TOK, max_batch=rng.randint(1, 5), max_seq_len=48, prefill_tokens=rng.choice([3, 8, 100]))
+        for request, c in zip(requests, engine.generate(requests)):
+            alone = Engine(model, TOK, max_batch=1, max_seq_len=48).generate([request])[0]
+            assert (c.tokens, c.finish_reason) == (alone.tokens, alone.finish_reason)
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(alone.logprobs), atol=1e-4, rtol=0)
+            assert torch.equal(c.routing.sort(-1).values, alone.routing.sort(-1).values)
+
+
 def test_mla_cache_holds_the_latent_and_rope_key_not_per_head_keys_and_values():
     model = _model("cpu", **MLA)
     cfg = model.cfg
