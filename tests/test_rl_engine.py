@@ -240,6 +240,14 @@ def test_prompt_that_cannot_fit_the_cache_is_rejected_with_the_fix():
         engine.generate([Request(TOK.encode("0123456789"), SamplingParams(max_tokens=8))])
 
 
+def test_prompt_ids_outside_the_vocabulary_are_rejected_naming_the_tokenizer():
+    model = _model("cpu")
+    engine = Engine(model, TOK, max_batch=2, max_seq_len=16)
+    for bad in ([1, model.cfg.vocab_size], [-1, 2]):
+        with pytest.raises(EngineError, match="request 1's prompt holds token ids .* another tokenizer"):
+            engine.generate([Request([1, 2], SamplingParams(max_tokens=2)), Request(bad, SamplingParams(max_tokens=2))])
+
+
 def test_sampling_is_reproducible_from_the_seed_and_varies_across_seeds():
     model = _model("cpu")
     params = SamplingParams(temperature=1.0, max_tokens=10, stop_at_eos=False)

@@ -115,12 +115,18 @@ class Engine:
     def generate(self, requests: list[Request],
                  on_complete: Callable[[Completion], None] | None = None) -> list[Completion]:
         """Completions in request order; `on_complete` is also called as each one finishes (in finishing order)."""
-        for r in requests:
+        vocab = self.model.cfg.vocab_size
+        for i, r in enumerate(requests):
             need = len(r.prompt_tokens) + r.params.max_tokens
             if not r.prompt_tokens or need > self.max_seq_len:
                 raise EngineError(f"a prompt of {len(r.prompt_tokens)} tokens with max_tokens={r.params.max_tokens} "
                                   f"needs {need} cache positions; the engine has max_seq_len={self.max_seq_len} "
                                   "(raise rl.max_seq_len or shorten prompts)")
+            # on a GPU an id past the embedding is a device-side assert that takes the process's CUDA context with it
+            if not 0 <= min(r.prompt_tokens) <= max(r.prompt_tokens) < vocab:
+                raise EngineError(f"request {i}'s prompt holds token ids in [{min(r.prompt_tokens)}, "
+                                  f"{max(r.prompt_tokens)}], outside the model's vocabulary of {vocab}: was it encoded "
+                                  "with another tokenizer than the model's (data.tokenizer, model.vocab_size)?")
         was_training = self.model.training
         self.model.eval()
         try:
