@@ -112,6 +112,10 @@ def test_worker_exports_throughput_reward_and_staleness_metrics(run):
     assert got[("foldmoe_rollout_mean_reward", ())] == pytest.approx(sum(s.reward for s in samples) / len(samples))
     assert got[("foldmoe_rollout_weights_version", ())] == 1  # the newest published
     assert got[("foldmoe_rollout_staleness_versions", ())] == 0
+    # each group's 4 samples join together: its prompt prefilled once and copied, but for its last token, into 3 slots
+    prompts = [len(g.prompt_tokens) for g in groups]
+    assert got[("foldmoe_rollout_prompt_tokens_prefilled_total", ())] == sum(prompts)
+    assert got[("foldmoe_rollout_prompt_tokens_shared_total", ())] == sum(3 * (n - 1) for n in prompts)
     assert all(len(s.logprobs) == len(s.tokens) for s in samples)
 
 

@@ -168,10 +168,15 @@ class RolloutMetrics(Exporter):
         self.mean_reward = self._gauge("mean_reward", "Mean reward of the latest batch.")
         self.version = self._gauge("weights_version", "Policy weights version the latest batch was generated with.")
         self.staleness = self._gauge("staleness_versions", "Versions the worker's weights are behind the newest seen.")
+        self.prompt_prefilled = self._counter("prompt_tokens_prefilled", "Prompt tokens run through prefill.")
+        self.prompt_shared = self._counter("prompt_tokens_shared", "Prompt tokens copied from another slot's KV cache "
+                                           "(a group's shared prompt) instead of prefilled.")
 
     def batch(self, tokens: int, seconds: float, rewards: list[float], groups: int, version: int,
-              behind: int) -> None:
+              behind: int, prompt_prefilled: int = 0, prompt_shared: int = 0) -> None:
         self.tokens.inc(tokens)
+        self.prompt_prefilled.inc(prompt_prefilled)
+        self.prompt_shared.inc(prompt_shared)
         self.groups.inc(groups)
         self.samples.inc(len(rewards))
         if seconds > 0:

@@ -94,6 +94,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.prefill_tokens = prefill_tokens  # prompt tokens per prefill forward at most (a longer prompt alone)
+        # Prompt tokens run through prefill, and copied from another slot's cache instead (since construction)
+        self.prompt_tokens_prefilled = self.prompt_tokens_shared = 0
         self.cache = CachedDecoder(model, max_batch, max_seq_len, cuda_graphs)  # decode steps as CUDA graphs on GPU
         self.generator = torch.Generator(self.cache.device).manual_seed(seed)
         # Each slot's routing, position by position, written once per step for all sequences together (a host
@@ -182,6 +184,7 @@ class Engine:
                 self._params[:, _on_device(joining, self._params.device)] = _on_device(
                     [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
             for batch in _batches(fresh, [len(running[s].prompt) for s in fresh], self.prefill_tokens):
+                self.prompt_tokens_prefilled += sum(len(running[s].prompt) for s in batch)
                 logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in batch], batch)
                 queued.append(self._sample(batch, running, logits, routing, [0] * len(batch),
                                            [len(running[s].prompt) for s in batch]))
@@ -190,6 +193,7 @@ class Engine:
                 # first token (its routing rows are copied when that step lands, `_land`)
                 self.cache.copy_prompts([running[s].prompt_from for s in shared], shared,
                                         max(len(running[s].prompt) for s in shared) - 1)
+                self.prompt_tokens_shared += sum(len(running[s].prompt) - 1 for s in shared)
                 self._next[_on_device(shared, self._next.device)] = _on_device(
                     [running[s].prompt[-1] for s in shared], self._next.device)
             # A sequence whose last allowed token is sampled waits for it to land (it then finishes by length).

@@ -211,10 +211,12 @@ class RolloutWorker:
             if all(d is not None for d in group.done):
                 rewards.extend(self._publish(group, version))
 
+        prefilled, shared = self.engine.prompt_tokens_prefilled, self.engine.prompt_tokens_shared
         completions = self.engine.generate(requests, on_complete=complete)
         tokens, seconds = sum(len(c.tokens) for c in completions), time.perf_counter() - t0
         self.tokens_generated += tokens
-        self.metrics.batch(tokens, seconds, rewards, len(pending), version, self.policy.behind())
+        self.metrics.batch(tokens, seconds, rewards, len(pending), version, self.policy.behind(),
+                           self.engine.prompt_tokens_prefilled - prefilled, self.engine.prompt_tokens_shared - shared)
         log.info("version %d: %d groups, %d tokens in %.2fs, mean reward %.3f", version, len(pending), tokens,
                  seconds, sum(rewards) / max(1, len(rewards)))
 
