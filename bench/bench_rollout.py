@@ -90,9 +90,11 @@ def bench_generation(cfg, model, device, args) -> dict:
     sync(device)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
+    prefilled, shared = engine.prompt_tokens_prefilled, engine.prompt_tokens_shared
     completions = engine.generate(requests)  # timed as it runs: host bookkeeping overlaps the queued steps
     sync(device)
     wall = time.perf_counter() - t0
+    prefilled, shared = engine.prompt_tokens_prefilled - prefilled, engine.prompt_tokens_shared - shared
     # Where the time goes, from a third pass whose forwards each wait for the device before and after (which takes
     # the overlap away: its wall time is printed apart)
     prefill, decode = [0.0], [0.0]
@@ -110,7 +112,7 @@ def bench_generation(cfg, model, device, args) -> dict:
             "gen_tokens": tokens, "gen_wall_s": wall, "gen_tokens_per_s": tokens / wall,
             "gen_prompts_per_s": len(prompts) / wall, "gen_completion_len_mean": tokens / len(requests),
             "gen_prefill_s": prefill[0], "gen_decode_s": decode[0], "gen_kv_cache_bytes": cache_bytes, "gen_other_s": split_wall - prefill[0] - decode[0],
-            "gen_split_wall_s": split_wall,
+            "gen_split_wall_s": split_wall, "gen_prompt_tokens_prefilled": prefilled, "gen_prompt_tokens_shared": shared,
             "gen_first_pass_s": first, "cuda_graphs": engine.cache.cuda_graphs, "stops_honoured": args.keep_stops}
 
 
@@ -212,6 +214,8 @@ def main() -> None:
                      f"prompt {r['gen_prompt_tokens_mean']:.1f} tok, stops {'on' if args.keep_stops else 'off'}"),
         ("generated tokens/s", f"{r['gen_tokens_per_s']:,.1f} ({r['gen_tokens']:,} tokens in {r['gen_wall_s']:.2f}s)"),
         ("prompts/s", f"{r['gen_prompts_per_s']:,.2f} ({r['gen_requests'] / r['gen_wall_s']:,.1f} samples/s)"),
+        ("prompt tokens", f"{r['gen_prompt_tokens_prefilled']:,} prefilled, {r['gen_prompt_tokens_shared']:,} copied "
+                          "from a slot holding the same prompt"),
         ("mean completion len", f"{r['gen_completion_len_mean']:.2f} tokens (max {args.max_new_tokens})"),
         ("KV cache", f"{r['gen_kv_cache_bytes'] / 2**20:,.1f} MiB ({r['max_batch']} slots of "
                      f"{r['max_seq_len']} tokens)"),
