@@ -114,8 +114,9 @@ class MLAttention(PackedAttention):
 
         The same scores as the packed core (1/sqrt(nope + rope), YaRN already in q) and its precision: products of
         operands in the cache's dtype accumulated in fp32, scores and softmax in fp32, the probabilities rounded to the
-        cache's dtype before they weight the latents (as FlashAttention rounds P before P·V). A decode step's cost is
-        reading the cache once; an fp32 copy of it (or of kv_b_proj) at every step would multiply that."""
+        cache's dtype before they weight the latents (as FlashAttention rounds P before P·V), their weighted sum rounded
+        to the cache's dtype before kv_b_proj's value half applies. A decode step's cost is reading the cache once; an
+        fp32 copy of it (or of kv_b_proj) at every step would multiply that."""
         w_k, w_v = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank).split(
             [self.nope_dim, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
