@@ -184,10 +184,10 @@ class Engine:
                 self._params[:, _on_device(joining, self._params.device)] = _on_device(
                     [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
             for batch in _batches(fresh, [len(running[s].prompt) for s in fresh], self.prefill_tokens):
-                self.prompt_tokens_prefilled += sum(len(running[s].prompt) for s in batch)
+                lens = [len(running[s].prompt) for s in batch]
+                self.prompt_tokens_prefilled += sum(lens)
                 logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in batch], batch)
-                queued.append(self._sample(batch, running, logits, routing, [0] * len(batch),
-                                           [len(running[s].prompt) for s in batch]))
+                queued.append(self._sample(batch, running, logits, routing, [0] * len(batch), lens))
             if shared:
                 # All but the last prompt token copied; the last is fed by the decode step below, which samples the
                 # first token (its routing rows are copied when that step lands, `_land`)
@@ -196,8 +196,10 @@ class Engine:
                 self.prompt_tokens_shared += sum(len(running[s].prompt) - 1 for s in shared)
                 self._next[_on_device(shared, self._next.device)] = _on_device(
                     [running[s].prompt[-1] for s in shared], self._next.device)
-            # A sequence whose last allowed token is sampled waits for it to land (it then finishes by length).
-            stepping = [s for s in running if (s not in joining or s in shared)
+            # Every sequence but those just prefilled steps (the shared prompts' joiners feed their last prompt token);
+            # one whose last allowed token is sampled waits for it to land (it then finishes by length).
+            prefilled = set(fresh)
+            stepping = [s for s in running if s not in prefilled
                         and running[s].sampled < running[s].request.params.max_tokens]
             if stepping:
                 positions = [running[s].fed for s in stepping]
