@@ -1,13 +1,14 @@
 """RL rollout costs in one process: generation throughput of one rollout engine, and trainer -> worker weight sync.
 
     python bench/bench_rollout.py [--config configs/rl_tiny.yaml] [--prompts 256] [--max-new-tokens N] [--syncs 3] \
-        [--prompt-len N] [--keep-stops] [--threads N] [--json PATH] [section.key=value ...]
+        [--prompt-len N] [--system-len N] [--keep-stops] [--threads N] [--json PATH] [section.key=value ...]
     python bench/bench_rollout.py --config configs/qwen3_30b_a3b.yaml model.num_layers=2 --prompts 64
 
 1. Generation: the policy (MoETransformer + init_weights; CUDA bf16 when CUDA is available and run.device is not cpu,
    else CPU fp32) in an `Engine` built as the worker builds it (rl.max_batch slots of rl.max_seq_len), generating
    `--prompts` prompts of the configured task (rl.task, rl.difficulty; `--prompt-len`: each lengthened by a random
-   prefix of its own) x rl.group_size samples with the configured temperature / top-p / top-k. Stop strings and EOS
+   prefix of its own; `--system-len`: then all behind one random system prompt of that many tokens) x rl.group_size
+   samples with the configured temperature / top-p / top-k. Stop strings and EOS
    are ignored unless --keep-stops, so every completion is exactly `--max-new-tokens` long and runs compare like with
    like. The same requests are generated once untimed first (on
    CUDA that captures every decode shape as a CUDA graph, `rl.cuda_graphs`; its wall time is printed), then timed as
@@ -81,6 +82,8 @@ def bench_generation(cfg, model, device, args) -> dict:
     prompts = [tokenizer.encode(task.make_prompt(rng, rl.difficulty)[0]) for _ in range(args.prompts)]
     # Longer prompts: each one's own random prefix of byte ids (valid in every vocabulary here) before the task's text
     prompts = [[rng.randrange(256) for _ in range(args.prompt_len - len(p))] + p for p in prompts]
+    system = [rng.randrange(256) for _ in range(args.system_len)]  # one for all prompts
+    prompts = [system + p for p in prompts]
     requests = [Request(p, params, tag=(g, i)) for g, p in enumerate(prompts) for i in range(rl.group_size)]
     engine = Engine(model, tokenizer, rl.max_batch, rl.max_seq_len, seed=cfg.run.seed, cuda_graphs=rl.cuda_graphs,
                     prefill_tokens=rl.prefill_tokens)
@@ -89,11 +92,15 @@ def bench_generation(cfg, model, device, args) -> dict:
     engine.generate(requests)  # warm-up: every shape the timed pass meets (CUDA graph captures, Triton autotuning)
     sync(device)
     first = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
     prefilled, shared = engine.prompt_tokens_prefilled, engine.prompt_tokens_shared
     completions = engine.generate(requests)  # timed as it runs: host bookkeeping overlaps the queued steps
     sync(device)
     wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
     prefilled, shared = engine.prompt_tokens_prefilled - prefilled, engine.prompt_tokens_shared - shared
     # Where the time goes, from a third pass whose forwards each wait for the device before and after (which takes
     # the overlap away: its wall time is printed apart)
@@ -112,7 +119,7 @@ def bench_generation(cfg, model, device, args) -> dict:
             "gen_tokens": tokens, "gen_wall_s": wall, "gen_tokens_per_s": tokens / wall,
             "gen_prompts_per_s": len(prompts) / wall, "gen_completion_len_mean": tokens / len(requests),
             "gen_prefill_s": prefill[0], "gen_decode_s": decode[0], "gen_kv_cache_bytes": cache_bytes, "gen_other_s": split_wall - prefill[0] - decode[0],
-            "gen_split_wall_s": split_wall, "gen_prompt_tokens_prefilled": prefilled, "gen_prompt_tokens_shared": shared,
+            "gen_split_wall_s": split_wall, "gen_peak_above_start_bytes": peak, "gen_prompt_tokens_prefilled": prefilled, "gen_prompt_tokens_shared": shared,
             "gen_first_pass_s": first, "cuda_graphs": engine.cache.cuda_graphs, "stops_honoured": args.keep_stops}
 
 
@@ -174,6 +181,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="completion length (default rl.max_new_tokens)")
     ap.add_argument("--prompt-len", type=int, default=0,
                     help="lengthen each prompt to this many tokens with a random prefix of its own (0: the task's)")
+    ap.add_argument("--system-len", type=int, default=0,
+                    help="put one random system prompt of this many tokens before every prompt (0: none)")
     ap.add_argument("--keep-stops", action="store_true", help="honour rl.stop and EOS (lengths then vary)")
     ap.add_argument("--syncs", type=int, default=6,
                     help="publish+pull rounds; the median is reported (0: no weight sync section)")
@@ -215,10 +224,12 @@ def main() -> None:
         ("generated tokens/s", f"{r['gen_tokens_per_s']:,.1f} ({r['gen_tokens']:,} tokens in {r['gen_wall_s']:.2f}s)"),
         ("prompts/s", f"{r['gen_prompts_per_s']:,.2f} ({r['gen_requests'] / r['gen_wall_s']:,.1f} samples/s)"),
         ("prompt tokens", f"{r['gen_prompt_tokens_prefilled']:,} prefilled, {r['gen_prompt_tokens_shared']:,} copied "
-                          "from a slot holding the same prompt"),
+                          "from a slot holding the same prompt or prefix"),
         ("mean completion len", f"{r['gen_completion_len_mean']:.2f} tokens (max {args.max_new_tokens})"),
         ("KV cache", f"{r['gen_kv_cache_bytes'] / 2**20:,.1f} MiB ({r['max_batch']} slots of "
                      f"{r['max_seq_len']} tokens)"),
+        ("peak memory", f"{r['gen_peak_above_start_bytes'] / 2**20:,.1f} MiB above the timed pass's start (CUDA; "
+                        f"activations and temporaries: the cache and weights are already held)"),
         ("prefill / decode / other", f"{r['gen_prefill_s']:.2f}s / {r['gen_decode_s']:.2f}s / {r['gen_other_s']:.2f}s "
                                      f"(a pass with a wait around each forward: {r['gen_split_wall_s']:.2f}s)"),
         ("decode", f"{'CUDA graphs' if r['cuda_graphs'] else 'eager'}; the untimed first pass of the same requests "

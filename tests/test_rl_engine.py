@@ -85,8 +85,8 @@ def test_a_prompt_a_running_slot_holds_is_copied_from_its_cache_not_prefilled_ag
     prefilled, copied = [], []
     prefill, copy_prompts = CachedDecoder.prefill, CachedDecoder.copy_prompts
     monkeypatch.setattr(CachedDecoder, "prefill",
-                        lambda self, prompts, slots: prefilled.extend(TOK.decode(p) for p in prompts)
-                        or prefill(self, prompts, slots))
+                        lambda self, prompts, slots, starts=None: prefilled.extend(TOK.decode(p) for p in prompts)
+                        or prefill(self, prompts, slots, starts))
     monkeypatch.setattr(CachedDecoder, "copy_prompts",
                         lambda self, src, dst, length: copied.append((src, dst)) or copy_prompts(self, src, dst, length))
     model = _model(device, **ATTENTION[attention])
@@ -109,16 +109,90 @@ def test_a_prompt_a_running_slot_holds_is_copied_from_its_cache_not_prefilled_ag
     assert later[2].tokens == later[0].tokens[:3] and later[4].tokens == later[0].tokens[:4]
 
 
-def test_prompts_joining_together_are_prefilled_in_batches_of_at_most_prefill_tokens(monkeypatch):
-    """The prefill budget bounds each packed forward's tokens (a longer prompt runs alone); generation is unchanged."""
-    sizes = []
+SYSTEM = "You are a careful calculator. "  # 30 tokens (bytes): a prefix prompts share, longer than PREFIX_BLOCK
+
+
+@pytest.mark.parametrize("attention", ["plain", "mla"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_prefix_a_running_slot_holds_is_copied_and_only_the_rest_prefilled(device, attention, monkeypatch):
+    """Different prompts sharing a prefix (a system prompt): a joining prompt copies the longest prefix a running
+    slot's prompt shares with it, from a slot joining with it or one still decoding from an earlier join, and prefills
+    only the rest; every completion is still the full forward's (routing of the copied positions included)."""
+    assert engine_module.PREFIX_BLOCK <= 20 < len(TOK.encode(SYSTEM))
+    pieces, copied = [], []
+    prefill, copy_prompts = CachedDecoder.prefill, CachedDecoder.copy_prompts
+    monkeypatch.setattr(CachedDecoder, "prefill", lambda self, prompts, slots, starts=None: pieces.append(
+        list(zip(starts or [0] * len(prompts), map(len, prompts)))) or prefill(self, prompts, slots, starts))
+    monkeypatch.setattr(CachedDecoder, "copy_prompts", lambda self, src, dst, length: copied.append(
+        (src, dst, length)) or copy_prompts(self, src, dst, length))
+    model = _model(device, **ATTENTION[attention])
+    engine = Engine(model, TOK, max_batch=5, max_seq_len=64)
+    prompts = [SYSTEM + "12+34=", SYSTEM + "x*y", SYSTEM + "12+34=", "a", SYSTEM[:20] + "zzz"]
+    together = engine.generate(_requests(_greedy(6), prompts))
+    # slot 0 and "a" prefilled; slot 1 copies the 30 system tokens, slot 2 all but the last of its prompt (a decode
+    # step feeds that one), slot 4 the 20 it shares; the two partial ones prefill their rest after the copy
+    assert pieces == [[(0, 36), (0, 1)], [(30, 3), (20, 3)]]
+    assert copied == [([0, 0, 0], [1, 2, 4], 35)]
+    assert engine.prompt_tokens_prefilled == 36 + 1 + 3 + 3 and engine.prompt_tokens_shared == 30 + 35 + 20
+    # A later join: "a" finishes first and the last prompt takes its slot while slots 0 and 1 still decode; it copies
+    # the 46 tokens it shares with slot 1's prompt (slot 0 holds only 30 of them) and prefills its last 2
+    pieces.clear(), copied.clear()
+    engine = Engine(model, TOK, max_batch=3, max_seq_len=64)
+    params = [_greedy(14), _greedy(10), _greedy(2), _greedy(3)]
+    prompts = [SYSTEM + "Hello", SYSTEM + "x*y=" + "7" * 12, "a", SYSTEM + "x*y=" + "7" * 12 + "89"]
+    later = engine.generate([Request(TOK.encode(p), q, tag=i) for i, (p, q) in enumerate(zip(prompts, params))])
+    assert pieces == [[(0, 35), (0, 1)], [(30, 16)], [(46, 2)]]
+    assert copied == [([0], [1], 30), ([1], [2], 46)]
+    for c in together + later:
+        _assert_greedy_full_forward(model, c, device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefill_and_prompt_copies_are_queued_without_waiting_for_the_device():
+    """The host runs ahead of the device: a prefill (whole, or continuing a copied prefix) and a copy take their
+    inputs through pinned memory; a copy from pageable memory would wait for every step queued before it."""
+    model = _model("cuda")
+    cache = CachedDecoder(model, 4, 64, cuda_graphs=False)
+    prompts = [TOK.encode(SYSTEM + "12+34="), TOK.encode("a")]
+    cache.prefill(prompts, [0, 1])  # lazy initialisations first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cache.prefill(prompts, [0, 1])
+        cache.copy_prompts([0], [2], 30)
+        cache.prefill([TOK.encode("x*y")], [2], [30])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_prefix_lookup_counts_matching_tokens_and_a_hash_only_names_a_candidate():
+    held = engine_module._Running(0, Request(list(range(40))))
+    prefixes = engine_module._Prefixes()
+    prefixes.add(3, held)
+    # 35 tokens in common: two blocks' keys match, the rest is counted token by token
+    assert prefixes.longest(engine_module._Running(1, Request(list(range(35)) + [99, 98]))) == (3, 35)
+    assert prefixes.longest(engine_module._Running(1, Request(list(range(60))))) == (3, 40)  # past the held prompt
+    assert prefixes.longest(engine_module._Running(1, Request([5] + list(range(1, 40))))) == (None, 0)
+    forged = engine_module._Running(2, Request([7] * 3 + list(range(3, 40))))
+    forged.keys = held.keys  # equal hashes, unequal tokens: the count starts over
+    assert prefixes.longest(forged) == (3, 0)
+    prefixes.remove(3)
+    assert prefixes.longest(held) == (None, 0)
+
+
+@pytest.mark.parametrize("attention", ["plain", "mla"])
+def test_prompts_are_prefilled_in_forwards_of_at_most_prefill_tokens_a_longer_one_in_chunks(attention, monkeypatch):
+    """The prefill budget bounds each packed forward's tokens: forwards are filled up to it, and a prompt that does not
+    fit the rest of one continues in the next, attending to its earlier chunks through the cache; generation is
+    unchanged (the full forward's tokens, log-probs and routing)."""
+    pieces = []
     prefill = CachedDecoder.prefill
-    monkeypatch.setattr(CachedDecoder, "prefill",
-                        lambda self, prompts, slots: sizes.append([len(p) for p in prompts]) or prefill(self, prompts,
-                                                                                                      slots))
-    model = _model("cpu")
+    monkeypatch.setattr(CachedDecoder, "prefill", lambda self, prompts, slots, starts=None: pieces.append(
+        list(zip(starts or [0] * len(prompts), map(len, prompts)))) or prefill(self, prompts, slots, starts))
+    model = _model("cpu", **ATTENTION[attention])
     got = Engine(model, TOK, max_batch=5, max_seq_len=64, prefill_tokens=13).generate(_requests(_greedy(6)))
-    assert sizes == [[6], [12, 1], [30], [3]]  # PROMPTS' lengths in order: 6 + 12 > 13, 12 + 1 <= 13, 30 alone
+    # PROMPTS' lengths in order, 6, 12, 1, 30 and 3, as (start, length) pieces of 13-token forwards
+    assert pieces == [[(0, 6), (0, 7)], [(7, 5), (0, 1), (0, 7)], [(7, 13)], [(20, 10), (0, 3)]]
     for c in got:
         _assert_greedy_full_forward(model, c, "cpu")
     with pytest.raises(EngineError, match="prefill_tokens must be at least 1"):
@@ -127,22 +201,25 @@ def test_prompts_joining_together_are_prefilled_in_batches_of_at_most_prefill_to
 
 @pytest.mark.parametrize("attention", ["plain", "mla"])
 def test_any_mix_of_requests_generates_what_each_request_generates_alone(attention):
-    """Continuous batching, shared prompts, prefill batches, stop strings and EOS together, on random mixes (seeded):
+    """Continuous batching, shared prompts and prefixes, chunked prefill, stop strings and EOS together, on random mixes
+    (seeded):
     every completion (greedy) equals the one the request gets alone in a one-slot engine, tokens, finish reason,
     log-probs and routing."""
     import random
 
     model = _model("cpu", **ATTENTION[attention])
+    prompts = PROMPTS + [SYSTEM + p for p in PROMPTS[:3]] + [SYSTEM[:20] + "q"]  # shared prefixes of 20 and 30 tokens
     rng = random.Random(0)
     for _ in range(6):
         requests = []
         for i in range(rng.randint(4, 14)):
             params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 9), stop_at_eos=rng.random() < 0.5,
                                     stop=(rng.choice(["1", "e", " "]),) if rng.random() < 0.3 else ())
-            requests.append(Request(TOK.encode(rng.choice(PROMPTS)), params, tag=i))
-        engine = Engine(model, TOK, max_batch=rng.randint(1, 5), max_seq_len=48, prefill_tokens=rng.choice([3, 8, 100]))
+            requests.append(Request(TOK.encode(rng.choice(prompts)), params, tag=i))
+        engine = Engine(model, TOK, max_batch=rng.randint(1, 5), max_seq_len=64,
+                        prefill_tokens=rng.choice([3, 8, 17, 100]))
         for request, c in zip(requests, engine.generate(requests)):
-            alone = Engine(model, TOK, max_batch=1, max_seq_len=48).generate([request])[0]
+            alone = Engine(model, TOK, max_batch=1, max_seq_len=64).generate([request])[0]
             assert (c.tokens, c.finish_reason) == (alone.tokens, alone.finish_reason)
             torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(alone.logprobs), atol=1e-4, rtol=0)
             assert torch.equal(c.routing.sort(-1).values, alone.routing.sort(-1).values)

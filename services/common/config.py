@@ -277,8 +277,8 @@ class RLConfig:
     stop: list[str] = field(default_factory=lambda: ["\n"])  # stop strings (EOS always stops)
     max_batch: int = 64  # sequences decoding at once (KV cache slots)
     max_seq_len: int = 128  # prompt + completion tokens per sequence (KV cache length)
-    # prompt tokens one prefill forward takes at most: prompts joining together are prefilled in batches of at most
-    # this many (a longer prompt alone); bounds prefill's activation memory (its MoE rows are top_k x these tokens)
+    # prompt tokens one prefill forward takes at most: forwards are filled up to this many, a prompt that does not fit
+    # continuing in the next (chunked prefill); bounds prefill's activation memory (its MoE rows are top_k x these)
     prefill_tokens: int = 16384
     cuda_graphs: bool = True  # on GPU, decode steps replay CUDA graphs (one per batch and length bucket); false: eager
     max_staleness: int = 1  # trajectories may come from weights at most this many versions behind the trainer

@@ -2,13 +2,19 @@
 
 `Engine.generate(requests)` keeps up to `max_batch` sequences decoding together. A sequence leaves the batch once the
 host has seen it finish (EOS, a stop string, or its token limit) and a waiting prompt takes its cache slot at the next
-step, so a long completion never holds a batch of short ones hostage. Prompts that join together are prefilled together
-as packed batches of at most `prefill_tokens` tokens (a longer prompt alone), except a prompt that a running slot
-already holds (a group's samples share one prompt): that one is copied from the holder's cache, all but its last token,
-which a decode step feeds (`CachedDecoder.copy_prompts`; its routing rows are the holder's), so a group's prompt is
-prefilled again only when none of its samples is running. The host runs one step behind the device: step t + 1 is
-queued, feeding the tokens step t sampled straight from device memory, before the host reads step t's tokens, so the
-host's per-step work (stop checks, routing records) overlaps the device's instead of adding to it.
+step, so a long completion never holds a batch of short ones hostage.
+
+Prompts that join together are prefilled together, packed into forwards of at most `prefill_tokens` tokens: a prompt
+that does not fit the rest of a forward continues in the next (chunked prefill: a chunk attends to the chunks before it
+through the cache), so a forward's activation memory is bounded whatever the prompts' lengths. What a running slot's
+cache holds is not prefilled again: a joining prompt copies the longest prefix of it that a running slot's prompt
+shares (`_Prefixes`; a group's samples share their whole prompt, prompts may share a system prompt or few-shot
+examples) from that slot's cache (`CachedDecoder.copy_prompts`; its routing rows are the holder's) and prefills only the
+rest; a prompt held whole has its last token fed by a decode step, which samples its first token.
+
+The host runs one step behind the device: step t + 1 is queued, feeding the tokens step t sampled straight from device
+memory, before the host reads step t's tokens, so the host's per-step work (stop checks, routing records) overlaps the
+device's instead of adding to it.
 
 Each completion carries the log-prob of every sampled token (see `sampling.py` for which distribution) and the experts
 every MoE layer chose for every token the model was fed (prompt and completion but the last token, which is never fed):
@@ -17,13 +23,14 @@ routing [moe layers, len(prompt) + len(completion) - 1, top_k], what the trainer
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from services.rl_rollout.kv_cache import CachedDecoder
+from services.rl_rollout.kv_cache import CachedDecoder, on_device
 from services.rl_rollout.sampling import SamplingParams, sample
 from services.trainer.model.transformer import MoETransformer
 
@@ -58,11 +65,14 @@ class _Running:
     logprobs: list[float] = field(default_factory=list)
     sampled: int = 0  # tokens sampled on the device, the step in flight's included
     done: bool = False
-    prompt_from: int | None = None  # the slot whose cached prompt it shares, until its first step lands
-    prompt: tuple[int, ...] = field(init=False)  # the prompt's tokens, hashable (`Engine._run`'s holders)
+    shared: int = 0  # prompt positions copied from another slot's cache,
+    prompt_from: int | None = None  # that slot, until this sequence's first step lands (its routing rows are copied)
+    prompt: tuple[int, ...] = field(init=False)  # the prompt's tokens
+    keys: tuple[tuple[int, int], ...] = field(init=False)  # its prefixes' keys in `_Prefixes`
 
     def __post_init__(self):
         self.prompt = tuple(self.request.prompt_tokens)
+        self.keys = _prefix_keys(self.prompt)
 
     @property
     def fed(self) -> int:
@@ -72,13 +82,14 @@ class _Running:
 
 @dataclass
 class _Step:
-    """A queued forward and its sampling: the sequences it advances, and where its results land on the host."""
+    """A queued forward and its sampling: the sequences it feeds, and where its results land on the host."""
     seqs: list[_Running]
     slots: list[int]
-    starts: list[int]  # each sequence's first position fed, and how many (a prefill's prompt, or one token)
+    starts: list[int]  # each sequence's first position fed, and how many (a prefill's prompt piece, or one token)
     lens: list[int]
-    tokens: torch.Tensor  # [n] sampled ids, host
-    logprobs: torch.Tensor  # [n], host
+    sampled: list[int]  # the sequences (indices into `seqs`) that sampled a token: all but a prompt's earlier chunks
+    tokens: torch.Tensor  # [len(sampled)] sampled ids, host
+    logprobs: torch.Tensor  # [len(sampled)], host
     routing: torch.Tensor  # [L, Σ lens, k] expert ids of the fed tokens, host
     ready: torch.cuda.Event | None  # recorded after the copies to the host (None: computed on the host)
 
@@ -144,14 +155,12 @@ class Engine:
         waiting = deque(enumerate(requests))
         running: dict[int, _Running] = {}  # slot -> sequence
         done: list[Completion | None] = [None] * len(requests)
-        holders: dict[tuple[int, ...], set[int]] = {}  # prompt -> the running slots whose cache holds it
+        prefixes = _Prefixes()  # the running slots by the prompt prefixes their caches hold
 
         def finish(slot: int, reason: str) -> None:
             seq = running.pop(slot)
             seq.done = True
-            holders[seq.prompt].discard(slot)
-            if not holders[seq.prompt]:
-                del holders[seq.prompt]
+            prefixes.remove(slot)
             fed = len(seq.request.prompt_tokens) + len(seq.tokens) - 1
             c = Completion(seq.request.tag, list(seq.request.prompt_tokens), seq.tokens, seq.logprobs,
                            self.routing[slot, :, :fed].to(torch.int64), reason, self.tokenizer.decode(seq.tokens))
@@ -162,43 +171,43 @@ class Engine:
         in_flight: list[_Step] = []
         while waiting or running:
             free = [s for s in range(self.max_batch) if s not in running]
-            joining, fresh, shared = [], [], []
+            joining, fresh, copied = [], [], []
             while waiting and free:
                 index, req = waiting.popleft()
                 slot = free.pop(0)
                 seq = running[slot] = _Running(index, req)
                 joining.append(slot)
-                # A prompt a running slot holds (a group's samples share one) is copied from its cache, not prefilled
-                # again; the fresh ones of this batch are sources too (their prefill is queued before the copies)
-                source = next(iter(holders.get(seq.prompt, ())), None) if len(seq.prompt) > 1 else None
-                if source is None:
-                    fresh.append(slot)
-                    holders.setdefault(seq.prompt, set()).add(slot)
+                # The longest prefix a running slot's cache holds is copied rather than prefilled (at least the last
+                # token is fed: its logits sample the first token). Fresh prompts of this join are sources at once
+                # (their prefill is queued before the copies); a prompt that copies is one from the next join on.
+                source, n = prefixes.longest(seq)
+                n = min(n, len(seq.prompt) - 1)
+                if n >= PREFIX_BLOCK or 0 < n == len(seq.prompt) - 1:
+                    seq.prompt_from, seq.shared = source, n
+                    copied.append(slot)
                 else:
-                    seq.prompt_from = source
-                    shared.append(slot)
-            for slot in shared:
-                holders[running[slot].prompt].add(slot)
-            queued = []
+                    fresh.append(slot)
+                    prefixes.add(slot, seq)
+            for slot in copied:
+                prefixes.add(slot, running[slot])
             if joining:
-                self._params[:, _on_device(joining, self._params.device)] = _on_device(
+                self._params[:, on_device(joining, self._params.device)] = on_device(
                     [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
-            for batch in _batches(fresh, [len(running[s].prompt) for s in fresh], self.prefill_tokens):
-                lens = [len(running[s].prompt) for s in batch]
-                self.prompt_tokens_prefilled += sum(lens)
-                logits, routing = self.cache.prefill([running[s].request.prompt_tokens for s in batch], batch)
-                queued.append(self._sample(batch, running, logits, routing, [0] * len(batch), lens))
-            if shared:
-                # All but the last prompt token copied; the last is fed by the decode step below, which samples the
-                # first token (its routing rows are copied when that step lands, `_land`)
-                self.cache.copy_prompts([running[s].prompt_from for s in shared], shared,
-                                        max(len(running[s].prompt) for s in shared) - 1)
-                self.prompt_tokens_shared += sum(len(running[s].prompt) - 1 for s in shared)
-                self._next[_on_device(shared, self._next.device)] = _on_device(
-                    [running[s].prompt[-1] for s in shared], self._next.device)
-            # Every sequence but those just prefilled steps (the shared prompts' joiners feed their last prompt token);
-            # one whose last allowed token is sampled waits for it to land (it then finishes by length).
-            prefilled = set(fresh)
+            queued = self._prefill([(s, 0) for s in fresh], running)
+            # A prompt held whole but its last token: that token is fed by the decode step below, which samples the
+            # first token; a prompt held in part: the rest is prefilled after the copy
+            whole = [s for s in copied if running[s].shared == len(running[s].prompt) - 1]
+            if copied:
+                self.cache.copy_prompts([running[s].prompt_from for s in copied], copied,
+                                        max(running[s].shared for s in copied))
+                self.prompt_tokens_shared += sum(running[s].shared for s in copied)
+                queued += self._prefill([(s, running[s].shared) for s in copied if s not in whole], running)
+            if whole:
+                self._next[on_device(whole, self._next.device)] = on_device(
+                    [running[s].prompt[-1] for s in whole], self._next.device)
+            # Every sequence but those just prefilled steps; one whose last allowed token is sampled waits for it to
+            # land (it then finishes by length).
+            prefilled = set(joining).difference(whole)
             stepping = [s for s in running if s not in prefilled
                         and running[s].sampled < running[s].request.params.max_tokens]
             if stepping:
@@ -212,22 +221,43 @@ class Engine:
             in_flight = queued
         return done
 
+    def _prefill(self, spans: list[tuple[int, int]], running: dict[int, _Running]) -> list[_Step]:
+        """Queue the prefill of each (slot, start): the slot's prompt from position `start` on, in forwards of at most
+        `prefill_tokens` tokens (`_pieces`); the forward holding a prompt's last token samples its first token."""
+        steps = []
+        for batch in _pieces([(s, a, len(running[s].prompt)) for s, a in spans], self.prefill_tokens):
+            slots, starts = [s for s, _, _ in batch], [a for _, a, _ in batch]
+            lens = [b - a for _, a, b in batch]
+            self.prompt_tokens_prefilled += sum(lens)
+            logits, routing = self.cache.prefill([running[s].request.prompt_tokens[a:b] for s, a, b in batch], slots,
+                                                 starts)
+            ends = [i for i, (s, _, b) in enumerate(batch) if b == len(running[s].prompt)]
+            steps.append(self._sample(slots, running, logits, routing, starts, lens, ends))
+        return steps
+
     def _sample(self, slots: list[int], running: dict[int, _Running], logits: torch.Tensor, routing: torch.Tensor,
-                starts: list[int], lens: list[int]) -> _Step:
-        """Queue the sampling of each slot's next token after a forward; its copies to the host go without a wait."""
+                starts: list[int], lens: list[int], rows: list[int] | None = None) -> _Step:
+        """Queue the sampling of the next token of the slots that `rows` names (default: all) after a forward that fed
+        each slot `lens[i]` tokens from position `starts[i]` on (`logits`: one row per slot); the copies to the host
+        go without a wait."""
         seqs = [running[s] for s in slots]
-        index = _on_device(slots, self._next.device)
-        tokens, logprobs = sample(logits, self._params[:, index], any(q.request.params.truncates for q in seqs),
-                                  self.generator)
-        self._next.index_copy_(0, index, tokens)  # what the next decode step feeds
-        for q in seqs:
-            q.sampled += 1
+        rows = list(range(len(slots))) if rows is None else rows
+        tokens = logprobs = torch.empty(0)
+        if rows:
+            if len(rows) < len(slots):
+                logits = logits[on_device(rows, logits.device)]
+            index = on_device([slots[i] for i in rows], self._next.device)
+            tokens, logprobs = sample(logits, self._params[:, index],
+                                      any(seqs[i].request.params.truncates for i in rows), self.generator)
+            self._next.index_copy_(0, index, tokens)  # what the next decode step feeds
+            for i in rows:
+                seqs[i].sampled += 1
         ready = None
         tokens, logprobs, routing = _to_host(tokens), _to_host(logprobs), _to_host(routing)
         if self._next.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return _Step(seqs, slots, starts, lens, tokens, logprobs, routing, ready)
+        return _Step(seqs, slots, starts, lens, rows, tokens, logprobs, routing, ready)
 
     def _land(self, step: _Step, running: dict[int, _Running], finish) -> None:
         """Take a step's results on the host: append each live sequence's token, record the routing of the tokens it
@@ -238,11 +268,10 @@ class Engine:
         live = [i for i, q in enumerate(step.seqs) if not q.done]
         if not live:
             return
-        for i in live:  # a shared prompt's routing: the source's rows (landed with its prefill, before this step)
+        for i in live:  # a copied prefix's routing: the source's rows (landed before this step: queued before it)
             seq = step.seqs[i]
             if seq.prompt_from is not None:
-                n = len(seq.prompt) - 1
-                self.routing[step.slots[i], :, :n] = self.routing[seq.prompt_from, :, :n]
+                self.routing[step.slots[i], :, :seq.shared] = self.routing[seq.prompt_from, :, :seq.shared]
                 seq.prompt_from = None
         if all(n == 1 for n in step.lens):  # one token a slot (a decode step, or one-token prompts): one indexed write
             self.routing[[step.slots[i] for i in live], :, [step.starts[i] for i in live]] = \
@@ -252,8 +281,10 @@ class Engine:
             for i in live:
                 self.routing[step.slots[i], :, step.starts[i]:step.starts[i] + step.lens[i]] = parts[i]
         tokens, logprobs = step.tokens.tolist(), step.logprobs.tolist()
-        for i in live:
+        for j, i in enumerate(step.sampled):
             seq = step.seqs[i]
+            if seq.done:
+                continue
             seq.tokens.append(tokens[i])
             seq.logprobs.append(logprobs[i])
             reason = self._finished(seq)
@@ -275,22 +306,90 @@ class Engine:
         return ""
 
 
-def _batches(slots: list[int], lens: list[int], budget: int) -> list[list[int]]:
-    """`slots` in order, cut into runs whose `lens` sum to at most `budget` (a slot longer than that alone)."""
-    batches, total = [], budget
-    for slot, n in zip(slots, lens):
-        if total + n > budget:
-            batches.append([])
-            total = 0
-        batches[-1].append(slot)
-        total += n
+def _pieces(spans: list[tuple[int, int, int]], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Prompt spans (slot, start, end) in order, cut into forwards of at most `budget` tokens: each forward filled up to
+    the budget, a span that does not fit the rest of one continuing in the next."""
+    batches, room = [], 0
+    for slot, start, end in spans:
+        while start < end:
+            if not room:
+                batches.append([])
+                room = budget
+            n = min(end - start, room)
+            batches[-1].append((slot, start, start + n))
+            start, room = start + n, room - n
     return batches
 
 
-def _on_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """`values` as a tensor on `device`, copied from pinned memory on CUDA: no wait for the work queued there."""
-    cuda = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+PREFIX_BLOCK = 16  # a prompt prefix shorter than this many tokens is prefilled, not copied (unless all but one token)
+
+
+@functools.lru_cache(maxsize=4096)  # a group's samples share their prompt: its keys are computed once
+def _prefix_keys(prompt: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(length, hash) of the prompt's first PREFIX_BLOCK, 2·PREFIX_BLOCK, ... tokens and of the whole prompt, each hash
+    chained from the one before (so a prefix's key costs one block's hashing)."""
+    keys, h = [], 0
+    for start in range(0, len(prompt), PREFIX_BLOCK):
+        end = min(start + PREFIX_BLOCK, len(prompt))
+        h = hash((h, prompt[start:end]))
+        keys.append((end, h))
+    return tuple(keys)
+
+
+class _Prefixes:
+    """The running slots by the prompt prefixes their caches hold (`_prefix_keys`), for a joining prompt to find the
+    longest one. A key only names a candidate: the match is then counted token by token, which also extends it past the
+    last matching block. Slots holding the same prompt (a group's samples) are kept together, so the prompt's keys are
+    entered and withdrawn once per group."""
+
+    def __init__(self):
+        self._holders: dict[tuple[int, int], dict[int, None]] = {}  # a whole prompt's key -> the slots holding it
+        self._prompts: dict[tuple[int, int], dict[tuple[int, int], None]] = {}  # a prefix's key -> held prompts' keys
+        self._held: dict[int, _Running] = {}
+
+    def add(self, slot: int, seq: _Running) -> None:
+        whole = seq.keys[-1]
+        slots = self._holders.get(whole)
+        if slots is None:
+            slots = self._holders[whole] = {}
+            for key in seq.keys:
+                self._prompts.setdefault(key, {})[whole] = None
+        elif self._held[next(iter(slots))].prompt != seq.prompt:
+            return  # another prompt of the same hash holds the key: this one is not offered (a 2^-64 event)
+        slots[slot] = None
+        self._held[slot] = seq
+
+    def remove(self, slot: int) -> None:
+        seq = self._held.pop(slot, None)
+        if seq is None:
+            return
+        whole = seq.keys[-1]
+        del self._holders[whole][slot]
+        if not self._holders[whole]:
+            del self._holders[whole]
+            for key in seq.keys:
+                del self._prompts[key][whole]
+                if not self._prompts[key]:
+                    del self._prompts[key]
+
+    def longest(self, seq: _Running) -> tuple[int | None, int]:
+        """A slot holding the longest prefix of `seq`'s prompt that one holds, and its length (None, 0: none does)."""
+        source, n = None, 0
+        if seq.keys[-1] in self._holders:  # the whole prompt (a group's samples): no walk
+            source, n = next(iter(self._holders[seq.keys[-1]])), len(seq.prompt)
+        for key in () if source is not None else seq.keys:
+            prompts = self._prompts.get(key)
+            if prompts is None:
+                break
+            source, n = next(iter(self._holders[next(iter(prompts))])), key[0]
+        if source is None:
+            return None, 0
+        held, prompt = self._held[source].prompt, seq.prompt
+        if prompt[:n] != held[:n]:  # equal hashes of unequal prefixes: count from the start
+            n = 0
+        while n < min(len(prompt), len(held)) and prompt[n] == held[n]:  # past the last matching key: < a block
+            n += 1
+        return source, n
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,9 @@ position 0 of one spare slot past the real ones, so they write nothing a sequenc
 shape is captured once as a CUDA graph (`cuda_graphs`, `rl.cuda_graphs`) and replayed: a decode step at rollout batch
 sizes is launch-bound (bench/RESULTS.md), and a replay issues the step's hundreds of kernels at once. The MoE layers'
 dropless path reads its expert counts on the device (tests/test_moe_sync_free.py), so nothing in a step waits for the
-host. Weights reload in place (`load_state_dict`), which the graphs see. Prefill runs eagerly (one call per joining
-batch, shapes vary); a prompt another slot holds is copied from it instead (`copy_prompts`).
+host. Weights reload in place (`load_state_dict`), which the graphs see. Prefill runs eagerly (shapes vary): packed
+prompt pieces, each continuing what its slot's cache holds before it (a chunk of a long prompt, or the rest of a prompt
+whose prefix was copied from another slot, `copy_prompts`) by attending to those cached positions too.
 
 Every forward also records the experts each MoE layer chose for each token (a forward hook on the routers), in
 layer order, so the trainer can replay the rollout's routing. A model's multi-token prediction depths (training only)
@@ -28,6 +29,8 @@ are not run.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -46,11 +49,15 @@ class HeadCache:
         self.v = torch.zeros(*shape, cfg.value_head_dim, device=device, dtype=dtype)
         self.tensors = (self.k, self.v)
 
-    def prefill(self, li: int, attn, h, positions, slot_of_token, cu, max_len: int) -> torch.Tensor:
-        q, k, v = attn.qkv(h, positions)
-        self.k[li][slot_of_token, :, positions] = k
-        self.v[li][slot_of_token, :, positions] = v
-        return packed_causal_attention(q, k, v, cu, max_len)
+    def prefill(self, li: int, attn, h, fed: _Fed) -> torch.Tensor:
+        q, k, v = attn.qkv(h, fed.positions)
+        self.k[li][fed.slots, :, fed.positions] = k
+        self.v[li][fed.slots, :, fed.positions] = v
+        if fed.keys is None:
+            return packed_causal_attention(q, k, v, fed.cu, fed.max_len)
+        keys = fed.keys
+        k, v = self.k[li][keys.slots, :, keys.positions], self.v[li][keys.slots, :, keys.positions]
+        return packed_causal_attention(q, k, v, fed.cu, fed.max_len, keys.cu, keys.max_len)
 
     def decode(self, li: int, attn, h, slot, pos, span: int) -> torch.Tensor:
         q, k, v = attn.qkv(h, pos)
@@ -73,11 +80,15 @@ class LatentCache:
         self.k_rope = torch.zeros(*shape, cfg.qk_rope_head_dim, device=device, dtype=dtype)
         self.tensors = (self.latent, self.k_rope)
 
-    def prefill(self, li: int, attn, h, positions, slot_of_token, cu, max_len: int) -> torch.Tensor:
-        q, latent, k_rope = attn.query_and_latent(h, positions)
-        self.latent[li][slot_of_token, positions] = latent
-        self.k_rope[li][slot_of_token, positions] = k_rope
-        return packed_causal_attention(q, *attn.expand(latent, k_rope), cu, max_len)  # a prompt at once: expanded
+    def prefill(self, li: int, attn, h, fed: _Fed) -> torch.Tensor:
+        q, latent, k_rope = attn.query_and_latent(h, fed.positions)
+        self.latent[li][fed.slots, fed.positions] = latent
+        self.k_rope[li][fed.slots, fed.positions] = k_rope
+        if fed.keys is None:  # a prompt at once: expanded
+            return packed_causal_attention(q, *attn.expand(latent, k_rope), fed.cu, fed.max_len)
+        keys = fed.keys
+        latent, k_rope = self.latent[li][keys.slots, keys.positions], self.k_rope[li][keys.slots, keys.positions]
+        return packed_causal_attention(q, *attn.expand(latent, k_rope), fed.cu, fed.max_len, keys.cu, keys.max_len)
 
     def decode(self, li: int, attn, h, slot, pos, span: int) -> torch.Tensor:
         q, latent, k_rope = attn.query_and_latent(h, pos)
@@ -89,6 +100,35 @@ class LatentCache:
         """Positions 0 .. length - 1 of slots `src` into slots `dst`, every layer."""
         for t in self.tensors:
             t[:, dst, :length] = t[:, src, :length]
+
+
+@dataclass
+class _Fed:
+    """A prefill forward's packed segments: each token's slot and position (where the cache keeps it), the segments'
+    bounds `cu` [segments + 1] and the longest's length (a host number); and `keys`, the cached positions each segment
+    attends to, laid out the same way, where a segment continues a prefix (None: each attends to its own tokens)."""
+    slots: torch.Tensor
+    positions: torch.Tensor
+    cu: torch.Tensor
+    max_len: int
+    keys: _Fed | None = None
+
+    @staticmethod
+    def pack(slots: list[int], starts: list[int], ends: list[int], device) -> _Fed:
+        lens = torch.tensor([b - a for a, b in zip(starts, ends)])
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = lens.cumsum(0)
+        positions = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends)])
+        return _Fed(on_device(torch.repeat_interleave(torch.tensor(slots), lens), device),
+                    on_device(positions, device), on_device(cu, device), int(lens.max()))
+
+
+def on_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host `values` (a list, as `dtype`, or a tensor) on `device`, copied from pinned memory on CUDA: no wait for the
+    work queued there (a copy from pageable memory would wait for it, and the host would stop running ahead)."""
+    cuda = device.type == "cuda"
+    t = torch.tensor(values, dtype=dtype) if isinstance(values, list) else values
+    return (t.pin_memory() if cuda else t).to(device, non_blocking=cuda)
 
 
 def _bucket(n: int, least: int, most: int) -> int:
@@ -155,26 +195,28 @@ class CachedDecoder:
         return x + block.mlp(block.mlp_norm(x))
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run whole prompts (packed, document-masked) and fill their slots.
+    def prefill(self, prompts: list[list[int]], slots: list[int], starts: list[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run prompt pieces (packed, document-masked) and fill their slots: `prompts[i]` is fed at positions
+        `starts[i]` onwards (default 0) and attends to its slot's cached positions before them too: a chunk of a longer
+        prompt, or the rest of a prompt whose first positions were copied from another slot (`copy_prompts`).
 
-        Returns logits at each prompt's last token [n, V] and the routing of every prompt token [L, Σ len, k], both on
-        the device.
+        Returns logits at each piece's last token [n, V] and the routing of every token fed [L, Σ len, k], both on the
+        device.
         """
+        starts = starts or [0] * len(prompts)
         lens = [len(p) for p in prompts]
-        if min(lens) < 1 or max(lens) > self.max_len:
-            raise ValueError(f"prompt lengths must be in [1, {self.max_len}], got {lens}")
-        dev = self.device
-        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
-        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-        slot_of_token = torch.repeat_interleave(torch.tensor(slots, device=dev), torch.tensor(lens, device=dev))
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=dev)
-        cu[1:] = torch.tensor(lens, device=dev).cumsum(0)
-        x = self.model.embed(tokens)
+        ends = [a + n for a, n in zip(starts, lens)]
+        if min(lens) < 1 or min(starts) < 0 or max(ends) > self.max_len:
+            raise ValueError(f"prompt pieces must be non-empty and lie in positions [0, {self.max_len}), got starts "
+                             f"{starts} and lengths {lens}")
+        fed = _Fed.pack(slots, starts, ends, self.device)
+        if any(starts):
+            fed.keys = _Fed.pack(slots, [0] * len(slots), ends, self.device)
+        x = self.model.embed(on_device([t for p in prompts for t in p], self.device))
         for li, block in enumerate(self.model.layers.values()):
-            out = self.cache.prefill(li, block.attn, block.attn_norm(x), positions, slot_of_token, cu, max(lens))
-            x = self._block(block, x, out)
-        last = cu[1:].long() - 1
+            x = self._block(block, x, self.cache.prefill(li, block.attn, block.attn_norm(x), fed))
+        last = fed.cu[1:].long() - 1
         return self.model.output(self.model.norm(x[last])), self._routing(x.shape[0])
 
     @torch.no_grad()
@@ -184,8 +226,7 @@ class CachedDecoder:
         length are copied too when prompts of several lengths share a call: a slot writes each position before it
         attends to it, so they are never read."""
         if src and length > 0:
-            cuda = self.device.type == "cuda"  # from pinned memory: no wait for the work queued on the device
-            index = torch.tensor([src, dst], pin_memory=cuda).to(self.device, non_blocking=cuda)
+            index = on_device([src, dst], self.device)
             self.cache.copy(index[0], index[1], length)
 
     @torch.no_grad()

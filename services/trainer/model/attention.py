@@ -51,43 +51,64 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int | None = None) -> torch.Tensor:
-    """q: [T, Hq, d], k: [T, Hkv, d], v: [T, Hkv, dv] -> [T, Hq, dv]; causal inside each segment of `cu_seqlens`,
-    scores scaled by 1/sqrt(d)."""
+                            max_seqlen: int | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                            max_seqlen_k: int | None = None) -> torch.Tensor:
+    """q: [Tq, Hq, d], k: [Tk, Hkv, d], v: [Tk, Hkv, dv] -> [Tq, Hq, dv]; causal inside each segment of `cu_seqlens`,
+    scores scaled by 1/sqrt(d). Without `cu_seqlens_k` the keys are the queries' tokens. With it (and `max_seqlen_k`, a
+    host number) segment i's keys are segment i of `cu_seqlens_k`, aligned at the bottom right: n queries against m
+    keys are the last n of the m positions (query j sees keys 0 .. m - n + j), i.e. queries continuing a cached prefix
+    (the rollout's chunked and prefix-shared prefill)."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu_seqlens.to(torch.int32)
         max_len = max_seqlen or longest_document(cu)
+        if cu_seqlens_k is not None:
+            dv = v.shape[-1]
+            q, k, v = _equal_head_dims(q, k, v)
+            cu_k = cu_seqlens_k.to(torch.int32)
+            return causal_gqa(q, k, v, cu, max_len, cu_k, max_seqlen_k or longest_document(cu_k))[..., :dv]
         if v.shape[-1] != q.shape[-1]:
-            return _varlen_unequal_dims(q, k, v, cu, max_len)
+            dv = v.shape[-1]
+            q, k, v = _equal_head_dims(q, k, v)
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))[..., :dv]
         if k.shape[1] != q.shape[1]:
             if _varlen_supports_gqa():
                 return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
             return causal_gqa(q, k, v, cu, max_len)  # torch 2.11's varlen_attn has no enable_gqa: the kernels direct
         return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
-    doc = document_ids(cu_seqlens, q.shape[0])
-    pos = torch.arange(q.shape[0], device=q.device)
-    mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    return _masked_attention(q, k, v, cu_seqlens, cu_seqlens_k)
+
+
+def _masked_attention(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor | None) -> torch.Tensor:
+    """SDPA under the visibility mask `packed_causal_attention` describes (exact; [Tq, Tk] booleans, for CPU shapes)."""
+    doc_q = document_ids(cu_q, q.shape[0])
+    # each query's position among its segment's keys: its own, shifted by the keys its segment has before its queries
+    pos_q = torch.arange(q.shape[0], device=q.device) - cu_q.to(torch.int64)[doc_q]
+    if cu_k is None:
+        doc_k, pos_k = doc_q, pos_q
+    else:
+        doc_k = document_ids(cu_k, k.shape[0])
+        pos_k = torch.arange(k.shape[0], device=k.device) - cu_k.to(torch.int64)[doc_k]
+        pos_q = pos_q + (cu_k.diff() - cu_q.diff()).to(torch.int64)[doc_q]
+    mask = (doc_q[:, None] == doc_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                          enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(0, 1)
 
 
-def _varlen_unequal_dims(q, k, v, cu: torch.Tensor, max_len: int) -> torch.Tensor:
-    """varlen_attn for values of another head dim than queries and keys (MLA; as many K/V heads as query heads).
-
-    FlashAttention-2's kernels (under varlen_attn) take one head dim for q, k and v. Zero columns appended to the
-    narrower side change no score and no kept output column: narrower values (DeepSeek-V3: 128 against 192) get zero
-    columns, whose zero outputs are cut off; narrower queries and keys get them too, with q scaled so that the kernel's
+def _equal_head_dims(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v brought to one head dim for FlashAttention-2's kernels (under varlen_attn), which take one for all
+    three (MLA's values are narrower or wider than its queries and keys). Zero columns appended to the narrower side
+    change no score and no kept output column: narrower values (DeepSeek-V3: 128 against 192) get zero columns, whose
+    zero outputs the caller cuts off; narrower queries and keys get them too, with q scaled so that the kernel's
     1/sqrt(padded dim) is still 1/sqrt(d) of the scores."""
-    from torch.nn.attention.varlen import varlen_attn
-
     d, dv = q.shape[-1], v.shape[-1]
     if dv < d:
-        return varlen_attn(q, k, F.pad(v, (0, d - dv)), cu, cu, max_len, max_len, window_size=(-1, 0))[..., :dv]
-    q, k = F.pad(q * math.sqrt(dv / d), (0, dv - d)), F.pad(k, (0, dv - d))
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))
+        return q, k, F.pad(v, (0, d - dv))
+    if dv > d:
+        return F.pad(q * math.sqrt(dv / d), (0, dv - d)), F.pad(k, (0, dv - d)), v
+    return q, k, v
 
 
 @functools.cache
