@@ -126,14 +126,15 @@ def test_a_prefix_a_running_slot_holds_is_copied_and_only_the_rest_prefilled(dev
     monkeypatch.setattr(CachedDecoder, "copy_prompts", lambda self, src, dst, length: copied.append(
         (src, dst, length)) or copy_prompts(self, src, dst, length))
     model = _model(device, **ATTENTION[attention])
-    engine = Engine(model, TOK, max_batch=5, max_seq_len=64)
-    prompts = [SYSTEM + "12+34=", SYSTEM + "x*y", SYSTEM + "12+34=", "a", SYSTEM[:20] + "zzz"]
+    engine = Engine(model, TOK, max_batch=6, max_seq_len=64)
+    prompts = [SYSTEM + "12+34=", SYSTEM + "x*y", SYSTEM + "x*y", "a", SYSTEM[:20] + "zzz", SYSTEM + "12+34="]
     together = engine.generate(_requests(_greedy(6), prompts))
-    # slot 0 and "a" prefilled; slot 1 copies the 30 system tokens, slot 2 all but the last of its prompt (a decode
-    # step feeds that one), slot 4 the 20 it shares; the two partial ones prefill their rest after the copy
+    # Slots 0 and 3 prefilled. From slot 0: slot 1 copies the 30 system tokens, slot 4 the 20 it shares (both then
+    # prefill their rest), slot 5 all but the last token of its prompt (a decode step feeds that one). Slot 2 holds
+    # slot 1's prompt: it copies all but its last token from slot 1 once slot 1's rest is prefilled.
     assert pieces == [[(0, 36), (0, 1)], [(30, 3), (20, 3)]]
-    assert copied == [([0, 0, 0], [1, 2, 4], 35)]
-    assert engine.prompt_tokens_prefilled == 36 + 1 + 3 + 3 and engine.prompt_tokens_shared == 30 + 35 + 20
+    assert copied == [([0, 0, 0], [1, 4, 5], 35), ([1], [2], 32)]
+    assert engine.prompt_tokens_prefilled == 36 + 1 + 3 + 3 and engine.prompt_tokens_shared == 30 + 20 + 35 + 32
     # A later join: "a" finishes first and the last prompt takes its slot while slots 0 and 1 still decode; it copies
     # the 46 tokens it shares with slot 1's prompt (slot 0 holds only 30 of them) and prefills its last 2
     pieces.clear(), copied.clear()

@@ -171,37 +171,46 @@ class Engine:
         in_flight: list[_Step] = []
         while waiting or running:
             free = [s for s in range(self.max_batch) if s not in running]
-            joining, fresh, copied = [], [], []
+            joining, fresh, whole = [], [], []
+            rounds: list[list[int]] = []  # the slots copying in round r: from sources complete before it
+            depth: dict[int, int] = {}  # this join's slots completed by round r's prefill: r + 1 (others 0)
             while waiting and free:
                 index, req = waiting.popleft()
                 slot = free.pop(0)
                 seq = running[slot] = _Running(index, req)
                 joining.append(slot)
                 # The longest prefix a running slot's cache holds is copied rather than prefilled (at least the last
-                # token is fed: its logits sample the first token). Fresh prompts of this join are sources at once
-                # (their prefill is queued before the copies); a prompt that copies is one from the next join on.
+                # token is fed: its logits sample the first token). Sources within this join: fresh prompts (their
+                # prefill is queued before any copy) and prompts copied in part, whose rest is prefilled in their
+                # round (so a group's samples copy its prompt from the first sample, which copied the system prompt);
+                # a prompt held whole but its last token is one from the next join on (the decode step feeds it).
                 source, n = prefixes.longest(seq)
                 n = min(n, len(seq.prompt) - 1)
                 if n >= PREFIX_BLOCK or 0 < n == len(seq.prompt) - 1:
                     seq.prompt_from, seq.shared = source, n
-                    copied.append(slot)
+                    r = depth.get(source, 0)
+                    rounds += [[] for _ in range(r + 1 - len(rounds))]
+                    rounds[r].append(slot)
+                    if n == len(seq.prompt) - 1:
+                        whole.append(slot)
+                        continue
+                    depth[slot] = r + 1
                 else:
                     fresh.append(slot)
-                    prefixes.add(slot, seq)
-            for slot in copied:
+                prefixes.add(slot, seq)
+            for slot in whole:
                 prefixes.add(slot, running[slot])
             if joining:
                 self._params[:, on_device(joining, self._params.device)] = on_device(
                     [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
             queued = self._prefill([(s, 0) for s in fresh], running)
-            # A prompt held whole but its last token: that token is fed by the decode step below, which samples the
-            # first token; a prompt held in part: the rest is prefilled after the copy
-            whole = [s for s in copied if running[s].shared == len(running[s].prompt) - 1]
-            if copied:
+            for copied in rounds:
+                # A prompt held in part has the rest prefilled after the copy; one held whole but its last token has
+                # that token fed by the decode step below, which samples the first token
                 self.cache.copy_prompts([running[s].prompt_from for s in copied], copied,
                                         max(running[s].shared for s in copied))
                 self.prompt_tokens_shared += sum(running[s].shared for s in copied)
-                queued += self._prefill([(s, running[s].shared) for s in copied if s not in whole], running)
+                queued += self._prefill([(s, running[s].shared) for s in copied if s in depth], running)
             if whole:
                 self._next[on_device(whole, self._next.device)] = on_device(
                     [running[s].prompt[-1] for s in whole], self._next.device)
@@ -268,11 +277,16 @@ class Engine:
         live = [i for i, q in enumerate(step.seqs) if not q.done]
         if not live:
             return
-        for i in live:  # a copied prefix's routing: the source's rows (landed before this step: queued before it)
+        copies: dict[int, tuple[list[int], list[int]]] = {}  # a copied prefix's routing: the source's rows (landed
+        for i in live:                                         # before this step, as queued before it), by length
             seq = step.seqs[i]
             if seq.prompt_from is not None:
-                self.routing[step.slots[i], :, :seq.shared] = self.routing[seq.prompt_from, :, :seq.shared]
+                dst, src = copies.setdefault(seq.shared, ([], []))
+                dst.append(step.slots[i])
+                src.append(seq.prompt_from)
                 seq.prompt_from = None
+        for n, (dst, src) in copies.items():
+            self.routing[dst, :, :n] = self.routing[src, :, :n]
         if all(n == 1 for n in step.lens):  # one token a slot (a decode step, or one-token prompts): one indexed write
             self.routing[[step.slots[i] for i in live], :, [step.starts[i] for i in live]] = \
                 step.routing[:, live].transpose(0, 1).to(torch.int16)

@@ -127,8 +127,9 @@ def on_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dt
     """Host `values` (a list, as `dtype`, or a tensor) on `device`, copied from pinned memory on CUDA: no wait for the
     work queued there (a copy from pageable memory would wait for it, and the host would stop running ahead)."""
     cuda = device.type == "cuda"
-    t = torch.tensor(values, dtype=dtype) if isinstance(values, list) else values
-    return (t.pin_memory() if cuda else t).to(device, non_blocking=cuda)
+    if isinstance(values, list):
+        return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)
+    return (values.pin_memory() if cuda else values).to(device, non_blocking=cuda)
 
 
 def _bucket(n: int, least: int, most: int) -> int:
