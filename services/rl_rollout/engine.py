@@ -170,52 +170,9 @@ class Engine:
 
         in_flight: list[_Step] = []
         while waiting or running:
-            free = [s for s in range(self.max_batch) if s not in running]
-            joining, fresh, whole = [], [], []
-            rounds: list[list[int]] = []  # the slots copying in round r: from sources complete before it
-            depth: dict[int, int] = {}  # this join's slots completed by round r's prefill: r + 1 (others 0)
-            while waiting and free:
-                index, req = waiting.popleft()
-                slot = free.pop(0)
-                seq = running[slot] = _Running(index, req)
-                joining.append(slot)
-                # The longest prefix a running slot's cache holds is copied rather than prefilled (at least the last
-                # token is fed: its logits sample the first token). Sources within this join: fresh prompts (their
-                # prefill is queued before any copy) and prompts copied in part, whose rest is prefilled in their
-                # round (so a group's samples copy its prompt from the first sample, which copied the system prompt);
-                # a prompt held whole but its last token is one from the next join on (the decode step feeds it).
-                source, n = prefixes.longest(seq)
-                n = min(n, len(seq.prompt) - 1)
-                if n >= PREFIX_BLOCK or 0 < n == len(seq.prompt) - 1:
-                    seq.prompt_from, seq.shared = source, n
-                    r = depth.get(source, 0)
-                    rounds += [[] for _ in range(r + 1 - len(rounds))]
-                    rounds[r].append(slot)
-                    if n == len(seq.prompt) - 1:
-                        whole.append(slot)
-                        continue
-                    depth[slot] = r + 1
-                else:
-                    fresh.append(slot)
-                prefixes.add(slot, seq)
-            for slot in whole:
-                prefixes.add(slot, running[slot])
-            if joining:
-                self._params[:, on_device(joining, self._params.device)] = on_device(
-                    [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
-            queued = self._prefill([(s, 0) for s in fresh], running)
-            for copied in rounds:
-                # A prompt held in part has the rest prefilled after the copy; one held whole but its last token has
-                # that token fed by the decode step below, which samples the first token
-                self.cache.copy_prompts([running[s].prompt_from for s in copied], copied,
-                                        max(running[s].shared for s in copied))
-                self.prompt_tokens_shared += sum(running[s].shared for s in copied)
-                queued += self._prefill([(s, running[s].shared) for s in copied if s in depth], running)
-            if whole:
-                self._next[on_device(whole, self._next.device)] = on_device(
-                    [running[s].prompt[-1] for s in whole], self._next.device)
-            # Every sequence but those just prefilled steps; one whose last allowed token is sampled waits for it to
-            # land (it then finishes by length).
+            joining, whole, queued = self._join(waiting, running, prefixes)
+            # Every sequence but those just prefilled steps (those copied whole but their last token feed it); one
+            # whose last allowed token is sampled waits for it to land (it then finishes by length).
             prefilled = set(joining).difference(whole)
             stepping = [s for s in running if s not in prefilled
                         and running[s].sampled < running[s].request.params.max_tokens]
@@ -229,6 +186,55 @@ class Engine:
                 self._land(step, running, finish)
             in_flight = queued
         return done
+
+    def _join(self, waiting: deque, running: dict[int, _Running], prefixes: _Prefixes
+              ) -> tuple[list[int], list[int], list[_Step]]:
+        """Give free slots to waiting requests and queue their prompts: the slots that joined, those among them whose
+        prompt was copied whole but its last token (the next decode step feeds it, `_next`), and the prefill steps.
+
+        The longest prefix a running slot's cache holds is copied rather than prefilled (at least the last token is
+        fed: its logits sample the first token). Sources within the join: fresh prompts (their prefill is queued before
+        any copy) and prompts copied in part, once their rest is prefilled: copies run in rounds, round r from sources
+        complete before it (so a group's later samples copy its prompt from its first sample, which copied a system
+        prompt in round 0). A prompt copied whole but its last token is a source from the next join on."""
+        free = [s for s in range(self.max_batch) if s not in running]
+        joining, fresh, whole = [], [], []
+        rounds: list[list[int]] = []  # the slots copying in round r
+        depth: dict[int, int] = {}  # slots of this join complete after round r's prefill: r + 1 (the others: 0)
+        while waiting and free:
+            index, req = waiting.popleft()
+            slot = free.pop(0)
+            seq = running[slot] = _Running(index, req)
+            joining.append(slot)
+            source, n = prefixes.longest(seq)
+            n = min(n, len(seq.prompt) - 1)
+            if n >= PREFIX_BLOCK or 0 < n == len(seq.prompt) - 1:
+                seq.prompt_from, seq.shared = source, n
+                r = depth.get(source, 0)
+                rounds += [[] for _ in range(r + 1 - len(rounds))]
+                rounds[r].append(slot)
+                if n == len(seq.prompt) - 1:
+                    whole.append(slot)
+                    continue
+                depth[slot] = r + 1
+            else:
+                fresh.append(slot)
+            prefixes.add(slot, seq)
+        for slot in whole:
+            prefixes.add(slot, running[slot])
+        if joining:
+            self._params[:, on_device(joining, self._params.device)] = on_device(
+                [running[s].request.params.row for s in joining], self._params.device, torch.float32).T
+        queued = self._prefill([(s, 0) for s in fresh], running)
+        for copied in rounds:  # a prompt copied in part then has its rest prefilled
+            self.cache.copy_prompts([running[s].prompt_from for s in copied], copied,
+                                    max(running[s].shared for s in copied))
+            self.prompt_tokens_shared += sum(running[s].shared for s in copied)
+            queued += self._prefill([(s, running[s].shared) for s in copied if s in depth], running)
+        if whole:
+            self._next[on_device(whole, self._next.device)] = on_device(
+                [running[s].prompt[-1] for s in whole], self._next.device)
+        return joining, whole, queued
 
     def _prefill(self, spans: list[tuple[int, int]], running: dict[int, _Running]) -> list[_Step]:
         """Queue the prefill of each (slot, start): the slot's prompt from position `start` on, in forwards of at most
