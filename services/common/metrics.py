@@ -170,7 +170,7 @@ class RolloutMetrics(Exporter):
         self.staleness = self._gauge("staleness_versions", "Versions the worker's weights are behind the newest seen.")
         self.prompt_prefilled = self._counter("prompt_tokens_prefilled", "Prompt tokens run through prefill.")
         self.prompt_shared = self._counter("prompt_tokens_shared", "Prompt tokens copied from another slot's KV cache "
-                                           "(a group's shared prompt) instead of prefilled.")
+                                           "(a group's shared prompt, a shared prefix) instead of prefilled.")
 
     def batch(self, tokens: int, seconds: float, rewards: list[float], groups: int, version: int,
               behind: int, prompt_prefilled: int = 0, prompt_shared: int = 0) -> None:
