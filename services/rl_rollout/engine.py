@@ -104,7 +104,7 @@ class Engine:
                               f"{max_seq_len} and {prefill_tokens}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self.prefill_tokens = prefill_tokens  # prompt tokens per prefill forward at most (a longer prompt alone)
+        self.prefill_tokens = prefill_tokens  # prompt tokens per prefill forward at most (a longer prompt in chunks)
         # Prompt tokens run through prefill, and copied from another slot's cache instead (since construction)
         self.prompt_tokens_prefilled = self.prompt_tokens_shared = 0
         self.cache = CachedDecoder(model, max_batch, max_seq_len, cuda_graphs)  # decode steps as CUDA graphs on GPU
