@@ -344,7 +344,7 @@ def _pieces(spans: list[tuple[int, int, int]], budget: int) -> list[list[tuple[i
 PREFIX_BLOCK = 16  # a prompt prefix shorter than this many tokens is prefilled, not copied (unless all but one token)
 
 
-@functools.lru_cache(maxsize=4096)  # a group's samples share their prompt: its keys are computed once
+@functools.lru_cache(maxsize=256)  # a group's samples join one after another: their prompt's keys computed once
 def _prefix_keys(prompt: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """(length, hash) of the prompt's first PREFIX_BLOCK, 2·PREFIX_BLOCK, ... tokens and of the whole prompt, each hash
     chained from the one before (so a prefix's key costs one block's hashing)."""
