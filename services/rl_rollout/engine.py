@@ -305,8 +305,8 @@ class Engine:
             seq = step.seqs[i]
             if seq.done:
                 continue
-            seq.tokens.append(tokens[i])
-            seq.logprobs.append(logprobs[i])
+            seq.tokens.append(tokens[j])
+            seq.logprobs.append(logprobs[j])
             reason = self._finished(seq)
             if reason:
                 finish(step.slots[i], reason)
@@ -395,13 +395,15 @@ class _Prefixes:
     def longest(self, seq: _Running) -> tuple[int | None, int]:
         """A slot holding the longest prefix of `seq`'s prompt that one holds, and its length (None, 0: none does)."""
         source, n = None, 0
-        if seq.keys[-1] in self._holders:  # the whole prompt (a group's samples): no walk
-            source, n = next(iter(self._holders[seq.keys[-1]])), len(seq.prompt)
-        for key in () if source is not None else seq.keys:
-            prompts = self._prompts.get(key)
-            if prompts is None:
-                break
-            source, n = next(iter(self._holders[next(iter(prompts))])), key[0]
+        holders = self._holders.get(seq.keys[-1])
+        if holders:  # the whole prompt (a group's samples): no walk
+            source, n = next(iter(holders)), len(seq.prompt)
+        else:
+            for key in seq.keys:
+                prompts = self._prompts.get(key)
+                if prompts is None:
+                    break
+                source, n = next(iter(self._holders[next(iter(prompts))])), key[0]
         if source is None:
             return None, 0
         held, prompt = self._held[source].prompt, seq.prompt
