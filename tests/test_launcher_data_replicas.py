@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 import launcher_harness as harness  # noqa: E402
 
@@ -28,4 +30,6 @@ def test_two_dataloader_replicas_train_exactly_like_one(tmp_path):
     logs = [(tmp_path / "two" / "logs" / f"dataloader{i}.log").read_text() for i in range(2)]
     assert sorted("replica 0 of 2" in log for log in logs) == [False, True]
     assert all("of 2 serving" in log for log in logs)
-    assert len(losses) == 3 and losses == reference
+    # other tokens would move a loss by far more than fp32 rounding, which two runs on a loaded CPU do not always
+    # repeat in the last bit (tests/test_ops_chaos.py)
+    assert len(losses) == 3 and losses == pytest.approx(reference, rel=1e-6, abs=0)
