@@ -10,8 +10,10 @@ period) and the launcher says which child failed, with the tail of its log.
 Restart policy: a service (a child that registers) that crashes while the trainer runs is restarted, at most
 `run.max_restarts` times per service, each restart logged with the crash's log tail. Its dead registry record is
 removed at once so that clients looking it up find only the replacement; the clients resume it (the dataloader from
-the trainer's stream position, the checkpointer by re-sending an uncommitted save). The trainer is never restarted: a failed rank ends
-the run, and the next `foldmoe train` resumes from the newest valid checkpoint.
+the trainer's stream position, the checkpointer by re-sending an uncommitted save). The embedded Redis, too, is restarted
+when it dies (at most `run.max_restarts` times), on its port and from its append-only file, so it comes back with every
+key it had acknowledged; its clients retry meanwhile (services/common/registry.py). The trainer is never restarted: a
+failed rank ends the run, and the next `foldmoe train` resumes from the newest valid checkpoint.
 
 Every child is started in a session of its own so that a terminal Ctrl-C reaches the launcher alone and shutdown
 happens in order; `procs` makes sure none of them, nor their children, outlives the launcher.
@@ -38,7 +40,7 @@ import yaml
 
 from services.common import procs
 from services.common.config import Config
-from services.common.embedded_redis import EmbeddedRedis
+from services.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 from services.common.grpc_server import check as grpc_check
 from services.common.registry import Registry, RegistryError, connect
 
@@ -145,6 +147,8 @@ class Launcher:
     _clean: bool = field(default=True, init=False)
     _keep: set[int] = field(default_factory=set, init=False)  # our own children that are not in `children`
     _url: str = field(default="", init=False)
+    _redis_server: EmbeddedRedis | None = field(default=None, init=False)  # the embedded one, when started here
+    _redis_restarts: int = field(default=0, init=False)
     _env: dict[str, str] = field(default_factory=dict, init=False)
 
     # ------------------------------------------------------------------ public
@@ -205,10 +209,10 @@ class Launcher:
             connect(url).close()  # RegistryError names the URL and the fix
             self.say(f"using Redis at {url}")
             return url
-        redis = stack.enter_context(EmbeddedRedis(self.run_dir / "redis"))
-        self._keep.add(redis.proc.pid)  # stopped after the children, not swept with their orphans
-        self.say(f"started embedded Redis at {redis.url}")
-        return redis.url
+        server = self._redis_server = stack.enter_context(EmbeddedRedis(self.run_dir / "redis"))
+        self._keep.add(server.proc.pid)  # stopped after the children, not swept with their orphans
+        self.say(f"started embedded Redis at {server.url}")
+        return server.url
 
     def _start(self, spec: ChildSpec, env: dict[str, str], append: bool = False) -> Child:
         self._check_signal()
@@ -253,6 +257,7 @@ class Launcher:
 
     def _wait_step(self, spec: ChildSpec, deadline: float, what: str) -> None:
         """One poll of a wait for `spec`: fail fast if any child died, or once the deadline has passed."""
+        self._watch_redis()
         self._check_children()
         if time.monotonic() > deadline:
             raise LaunchError(f"{spec.name} {what} within {self.start_timeout:.0f}s (run {self.cfg.run.name!r}); "
@@ -262,6 +267,7 @@ class Launcher:
     def _supervise(self) -> int:
         while True:
             self._check_signal()
+            self._watch_redis()
             for child in self.children:
                 code = child.proc.poll()
                 if code is None:
@@ -295,6 +301,26 @@ class Launcher:
         new.restarts = child.restarts
         self.children.remove(new)
         self.children[self.children.index(child)] = new  # keep start order: it decides the stop order
+        self._write_state(self._url)
+
+    def _watch_redis(self) -> None:
+        """Restart the embedded Redis if it died: on its port, from its append-only file (embedded_redis.py)."""
+        server = self._redis_server
+        if server is None or server.proc is None or (code := server.proc.poll()) is None:
+            return
+        log = f"last lines of {server.log_path}:\n{server.log_tail()}"
+        if self._redis_restarts >= self.max_restarts:
+            raise LaunchError(f"the embedded Redis {exit_description(code)} after {self._redis_restarts} restart(s) "
+                              f"(run.max_restarts={self.max_restarts}); {log}")
+        self._redis_restarts += 1
+        self.say(f"the embedded Redis {exit_description(code)}; restarting it on {server.url} with its data "
+                 f"({self._redis_restarts} of {self.max_restarts}, run.max_restarts); {log}")
+        self._keep.discard(server.proc.pid)
+        try:
+            server.restart()
+        except EmbeddedRedisError as e:
+            raise LaunchError(str(e)) from None
+        self._keep.add(server.proc.pid)
         self._write_state(self._url)
 
     def _forget_registration(self, child: Child) -> None:
@@ -369,6 +395,8 @@ class Launcher:
     def _write_state(self, url: str) -> None:
         state = {"pid": os.getpid(), "run": self.cfg.run.name, "redis_url": url,
                  "children": {c.name: c.proc.pid for c in self.children}}
+        if self._redis_server is not None and self._redis_server.proc is not None:
+            state["redis_pid"] = self._redis_server.proc.pid
         tmp = self.run_dir / f"{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(state, indent=1))
         os.replace(tmp, self.run_dir / STATE_FILE)  # readers never see a half-written file

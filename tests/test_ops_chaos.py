@@ -1,6 +1,7 @@
 """Chaos on a real local run (`foldmoe train`, tiny model, CPU): kill -9 the dataloader, then the checkpointer, while
-the trainer runs. The launcher restarts each; the trainer resumes the data stream where it was and re-finds the writer;
-the run finishes with the per-step losses of an undisturbed run and, bit for bit, its final weights and optimizer state
+the trainer runs; in a second run, kill -9 the embedded Redis mid-save. The launcher restarts each (Redis on its port,
+from its append-only file); the trainer resumes the data stream where it was and re-finds the writer, and every client
+of Redis waits out its restart; each run finishes with the per-step losses of an undisturbed run and, bit for bit, its final weights and optimizer state
 (the same tokens in the same order, the same math), every checkpoint it was due to write is committed and verifies, and
 no process outlives the launcher.
 
@@ -87,11 +88,17 @@ class RunWatch:
         return int((self.state("checkpoint/latest") or {}).get("step", 0))
 
 
-def test_killing_the_dataloader_and_then_the_checkpointer_changes_nothing_in_the_run(tmp_path, dataset):
-    calm_dir, chaos_dir = tmp_path / "calm", tmp_path / "chaos"
-    calm = harness.run(command(calm_dir, dataset, f"calm-{os.getpid()}"), tmp_path, env={"REDIS_URL": ""}, timeout=240)
+@pytest.fixture(scope="module")
+def calm_dir(tmp_path_factory, dataset) -> Path:
+    """An undisturbed run's directory (its metrics and checkpoints), the one each chaos run is compared with."""
+    tmp = tmp_path_factory.mktemp("calm")
+    calm = harness.run(command(tmp, dataset, f"calm-{os.getpid()}"), tmp, env={"REDIS_URL": ""}, timeout=240)
     assert calm.rc == 0, calm.stderr[-3000:]
+    return tmp
 
+
+def test_killing_the_dataloader_and_then_the_checkpointer_changes_nothing_in_the_run(tmp_path, dataset, calm_dir):
+    chaos_dir = tmp_path / "chaos"
     name = f"chaos-{os.getpid()}"
     proc, strays_file = harness.start(command(chaos_dir, dataset, name), tmp_path, env={"REDIS_URL": ""})
     try:
@@ -129,6 +136,36 @@ def test_killing_the_dataloader_and_then_the_checkpointer_changes_nothing_in_the
         assert (f"vanished from the registry before answering for step {due}" in output
                 or f"the checkpoint of step {due} waits up to" in output), output[-3000:]
 
+    assert_same_run(calm_dir, chaos_dir)
+
+
+def test_killing_the_embedded_redis_mid_save_changes_nothing_in_the_run(tmp_path, dataset, calm_dir):
+    chaos_dir = tmp_path / "chaos"
+    name = f"redis-chaos-{os.getpid()}"
+    proc, strays_file = harness.start(command(chaos_dir, dataset, name), tmp_path, env={"REDIS_URL": ""})
+    try:
+        run = RunWatch(chaos_dir / "run", name, proc)
+        run.wait("a committed checkpoint", lambda: run.pid("trainer") and run.committed() >= INTERVAL)
+        due = (run.step() // INTERVAL + 1) * INTERVAL
+        assert due < STEPS, f"the run got to step {run.step()} before Redis could be killed"
+        server = json.loads(run.state_file.read_text())["redis_pid"]
+        while run.step() < due:  # the kill lands while step `due` is being written, as the checkpointer's above
+            assert proc.poll() is None and time.monotonic() < run.deadline, f"waiting for step {due}"
+            time.sleep(0.005)
+        os.kill(server, signal.SIGKILL)
+        print(f"killed Redis at step {run.step()} with step {run.committed()} committed")
+        run.wait("Redis's replacement", lambda: json.loads(run.state_file.read_text())["redis_pid"] != server)
+        run.wait("the run state to go on in the new Redis", lambda: run.step() > due)
+    finally:
+        chaos = harness.finish(proc, strays_file, timeout=240)
+    assert chaos.rc == 0, chaos.stderr[-3000:]
+    assert "the embedded Redis was killed by SIGKILL; restarting it on" in chaos.stderr
+    assert chaos.strays == []
+    assert_same_run(calm_dir, chaos_dir)
+
+
+def assert_same_run(calm_dir: Path, chaos_dir: Path) -> None:
+    """Every step's loss as the calm run's, the same final state, and every due checkpoint committed and valid."""
     assert list(losses(chaos_dir)) == list(range(1, STEPS + 1))
     assert losses(chaos_dir) == pytest.approx(losses(calm_dir), rel=1e-6, abs=0)  # the same tokens, in the same order
     assert_same_state(calm_dir / "ckpt", chaos_dir / "ckpt", STEPS)

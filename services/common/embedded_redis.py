@@ -1,7 +1,10 @@
 """A private, throw-away redis-server for a local run when no Redis is configured.
 
-It listens on a free 127.0.0.1 port, keeps nothing on disk (`--save "" --appendonly no`) and dies with its owner:
-`stop()` terminates it, and on Linux the kernel sends it SIGTERM if the owning process dies first.
+It listens on a free 127.0.0.1 port and dies with its owner: `stop()` terminates it, and on Linux the kernel sends it
+SIGTERM if the owning process dies first. Every write goes to an append-only file in its work dir, fsynced before the
+reply (`--appendfsync always`; a control plane writes little), so that `restart()` after a crash brings it back on the
+same port with every key it had acknowledged: the registry, the run state, an RL run's trajectory stream. `start()`
+begins empty and `stop()` leaves no file behind: the data lives as long as the run.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import redis
 from services.common.procs import die_with_parent
 
 START_TIMEOUT_S = 10.0
+APPEND_ONLY = ("appendonlydir", "appendonly.aof")  # what the server writes in its dir (Redis 7; before 7)
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -67,6 +71,7 @@ class EmbeddedRedis:
 
     def start(self) -> "EmbeddedRedis":
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._remove_data()  # a previous server's, left by a launcher that was killed
         # A port picked by free_port() can be taken before redis binds it; a second pick almost never collides.
         for _ in range(3):
             self.port = free_port(self.host)
@@ -75,11 +80,21 @@ class EmbeddedRedis:
                 return self
             self._kill()
         raise EmbeddedRedisError(f"{self.binary} did not start on {self.host}; last lines of {self.log_path}:\n"
-                                 f"{self._log_tail()}")
+                                 f"{self.log_tail()}")
+
+    def restart(self) -> "EmbeddedRedis":
+        """A new server on the same port and files after this one died: it loads the append-only file first."""
+        self._kill()
+        self.proc = self._spawn()
+        if not self._wait_ready():
+            self._kill()
+            raise EmbeddedRedisError(f"{self.binary} did not restart on {self.host}:{self.port}; last lines of "
+                                     f"{self.log_path}:\n{self.log_tail()}")
+        return self
 
     def _spawn(self) -> subprocess.Popen:
-        args = [self.binary, "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
-                "--dir", str(self.workdir), "--daemonize", "no", "--logfile", ""]
+        args = [self.binary, "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "yes",
+                "--appendfsync", "always", "--dir", str(self.workdir), "--daemonize", "no", "--logfile", ""]
         with open(self.log_path, "ab") as log:
             # Its own session: a Ctrl-C at the terminal reaches the owner, which stops Redis last, after the
             # services that still talk to it.
@@ -102,7 +117,7 @@ class EmbeddedRedis:
         finally:
             client.close()
 
-    def _log_tail(self, lines: int = 10) -> str:
+    def log_tail(self, lines: int = 10) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -118,10 +133,17 @@ class EmbeddedRedis:
                 self.proc.wait()
         self.proc = None
 
+    def _remove_data(self) -> None:
+        for name in APPEND_ONLY:
+            shutil.rmtree(self.workdir / name, ignore_errors=True)
+            (self.workdir / name).unlink(missing_ok=True)
+
     def stop(self) -> None:
         self._kill()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        else:
+            self._remove_data()
 
     def __enter__(self) -> "EmbeddedRedis":
         return self.start()

@@ -2,6 +2,9 @@
 
 Keys are namespaced by run: `foldmoe:{run}:svc:{service}:{instance}` holds a JSON record that expires unless its
 heartbeat refreshes it, so a dead service disappears from `lookup` within `ttl` seconds.
+
+A command that finds Redis gone (connection refused or reset: a restart, e.g. the launcher replacing a crashed embedded
+Redis, which comes back with its data) is retried with back-off for about half a minute before its error is raised.
 """
 
 from __future__ import annotations
@@ -15,8 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
 
 DEFAULT_TTL_S = 10.0
+# A command that cannot reach Redis is retried after 0.05, 0.1, ... 0.8 s, then every second: ~27 s in all
+RECONNECT_RETRIES = 30
 SCAN_COUNT = 1000  # keys Redis visits per SCAN round trip (its default, 10, costs a round trip per 10 keys)
 
 
@@ -31,14 +38,17 @@ def redis_url() -> str:
     return url
 
 
-def connect(url: str) -> redis.Redis:
-    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, decode_responses=True)
+def connect(url: str, decode_responses: bool = True) -> redis.Redis:
+    """A client of the Redis at `url` that rides out a restart (module docstring); an unreachable one fails at once."""
     try:
-        client.ping()
-    except redis.RedisError as e:
+        with redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, retry=Retry(NoBackoff(), 0)) as probe:
+            probe.ping()
+    except (redis.RedisError, ValueError) as e:
         raise RegistryError(f"cannot reach Redis at {url} ({e}); start it, or leave run.redis_url empty so "
                             "the launcher starts an embedded one") from None
-    return client
+    return redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, decode_responses=decode_responses,
+                                retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_RETRIES),
+                                retry_on_error=[redis.ConnectionError])
 
 
 class Heartbeat:

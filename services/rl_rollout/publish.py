@@ -7,10 +7,9 @@ import json
 import time
 from typing import Any
 
-import redis
-
 from proto import rollout_pb2 as pb
 from services.common import rollout_stream
+from services.common.registry import connect
 from services.rl_rollout.engine import Completion
 
 
@@ -36,7 +35,7 @@ class TrajectoryStream:
     """Writer side of the stream (binary values: a client without response decoding)."""
 
     def __init__(self, url: str, run: str):
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10)
+        self.client = connect(url, decode_responses=False)
         self.key = stream_key(run)
 
     def publish(self, group: pb.TrajectoryGroup) -> bytes:
