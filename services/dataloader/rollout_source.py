@@ -75,12 +75,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import redis
 import torch
 from torchdata.nodes import BaseNode
 
 from proto import rollout_pb2
 from services.common import rollout_stream
+from services.common.registry import connect
 from services.dataloader.cp_sizing import CPBudget, choose_cp_size, deal_by_cost, dp_rank_time, work
 from services.dataloader.errors import DataError
 from services.dataloader.packing import best_fit_decreasing
@@ -141,7 +141,7 @@ class TrajectoryLog:
     """Read-only view of the stream plus trimming; finds its key in the registry until it is known."""
 
     def __init__(self, url: str, key: str = "", registry=None):
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10)
+        self.client = connect(url, decode_responses=False)  # rides out a Redis restart
         self.key, self.registry = key, registry
 
     def _resolve(self) -> bool:
