@@ -1,6 +1,7 @@
 """The registry's lookup against a real Redis: a service's live records in key order, others' left out, in a few round
 trips whatever the number of records (the rollout workers poll it several times a second: one SCAN of up to
-`SCAN_COUNT` keys a trip and one MGET, not a trip per ten keys and a GET per record)."""
+`SCAN_COUNT` keys a trip and one MGET, not a trip per ten keys and a GET per record); and a claim that a Redis restart
+left unanswered."""
 
 from __future__ import annotations
 
@@ -43,3 +44,22 @@ def test_lookup_reads_every_live_record_of_the_service_in_a_few_round_trips():
 def test_lookup_of_a_service_without_records_is_empty():
     registry = Registry(REDIS_URL, f"lookup-{uuid.uuid4().hex[:8]}")
     assert registry.lookup("rollout") == [] and registry.services() == []
+
+
+def test_a_claim_whose_set_was_applied_but_unanswered_keeps_its_slot():
+    """A Redis that dies between applying a claim's SET NX and replying: the client retries it on the restarted server,
+    which has the record (append-only file) and refuses the second SET; the claim is still ours, not the next slot."""
+    registry = Registry(REDIS_URL, f"claim-{uuid.uuid4().hex[:8]}")
+    real_set = registry.client.set
+
+    def applied_then_refused(*args, **kwargs):
+        real_set(*args, **kwargs)
+        return None  # what the retried SET NX answers
+
+    registry.client.set = applied_then_refused
+    slot, heartbeat = registry.claim("rollout", 2, {"worker": "w"})
+    try:
+        assert slot == 0
+        assert [r["instance"] for r in registry.lookup("rollout")] == ["replica0"]
+    finally:
+        heartbeat.stop()

@@ -123,8 +123,9 @@ class Registry:
             for i in range(slots):
                 instance = f"replica{i}"
                 record = _record(service, instance, {**info, "replica": i, "replicas": slots})
-                key = self._key("svc", service, instance)
-                if self.client.set(key, json.dumps(record), px=int(ttl * 1000), nx=True):
+                key, payload = self._key("svc", service, instance), json.dumps(record)
+                # the second test: our own SET, applied by a Redis that died before its reply, then retried
+                if self.client.set(key, payload, px=int(ttl * 1000), nx=True) or self.client.get(key) == payload:
                     return i, Heartbeat(self.client, key, record, ttl)
             if time.monotonic() > deadline:
                 raise RegistryError(f"all {slots} {service} replicas of run {self.run!r} are taken (Redis {self.url}); "
