@@ -87,6 +87,17 @@ class RunWatch:
     def committed(self) -> int:
         return int((self.state("checkpoint/latest") or {}).get("step", 0))
 
+    def next_save_reported(self) -> int:
+        """Once a checkpoint is committed: wait for the step of the next due save to be reported, and return it. The
+        trainer issues a due step's save just before it reports the step, so a kill right after lands mid-save."""
+        self.wait("a committed checkpoint", lambda: self.committed() >= INTERVAL)
+        due = (self.step() // INTERVAL + 1) * INTERVAL
+        assert due < STEPS, f"the run got to step {self.step()} before the kill"
+        while self.step() < due:  # a tight poll
+            assert self.proc.poll() is None and time.monotonic() < self.deadline, f"waiting for step {due}"
+            time.sleep(0.005)
+        return due
+
 
 @pytest.fixture(scope="module")
 def calm_dir(tmp_path_factory, dataset) -> Path:
@@ -111,14 +122,8 @@ def test_killing_the_dataloader_and_then_the_checkpointer_changes_nothing_in_the
         run.wait("the dataloader's replacement", lambda: run.pid("dataloader") not in (None, dataloader))
         run.wait("the trainer to take steps from the new dataloader", lambda: run.step() >= killed_at + 2)
 
-        # Mid-save: the trainer issues the save of a due step just before it reports that step; kill the writer then.
-        run.wait("a committed checkpoint", lambda: run.committed() >= INTERVAL)
-        due = (run.step() // INTERVAL + 1) * INTERVAL
-        assert due < STEPS, f"the run got to step {run.step()} before the checkpointer could be killed"
         checkpointer = run.pid("checkpointer")
-        while run.step() < due:  # a tight poll: the kill should land while step `due` is being written
-            assert proc.poll() is None and time.monotonic() < run.deadline, f"waiting for step {due}"
-            time.sleep(0.005)
+        due = run.next_save_reported()
         os.kill(checkpointer, signal.SIGKILL)
         mid_save = run.committed() < due  # nothing commits after the kill: step `due` was still unanswered
         print(f"killed the checkpointer at step {run.step()} with step {run.committed()} committed (save of step {due} "
@@ -145,15 +150,12 @@ def test_killing_the_embedded_redis_mid_save_changes_nothing_in_the_run(tmp_path
     proc, strays_file = harness.start(command(chaos_dir, dataset, name), tmp_path, env={"REDIS_URL": ""})
     try:
         run = RunWatch(chaos_dir / "run", name, proc)
-        run.wait("a committed checkpoint", lambda: run.pid("trainer") and run.committed() >= INTERVAL)
-        due = (run.step() // INTERVAL + 1) * INTERVAL
-        assert due < STEPS, f"the run got to step {run.step()} before Redis could be killed"
+        run.wait("the trainer to start", lambda: run.pid("trainer"))
         server = json.loads(run.state_file.read_text())["redis_pid"]
-        while run.step() < due:  # the kill lands while step `due` is being written, as the checkpointer's above
-            assert proc.poll() is None and time.monotonic() < run.deadline, f"waiting for step {due}"
-            time.sleep(0.005)
+        due = run.next_save_reported()
         os.kill(server, signal.SIGKILL)
-        print(f"killed Redis at step {run.step()} with step {run.committed()} committed")
+        print(f"killed Redis as step {due} was reported (its save due); afterwards: step {run.step()}, step "
+              f"{run.committed()} committed")
         run.wait("Redis's replacement", lambda: json.loads(run.state_file.read_text())["redis_pid"] != server)
         run.wait("the run state to go on in the new Redis", lambda: run.step() > due)
     finally:
