@@ -1,11 +1,13 @@
 """The launcher's restart policy, proved with stand-in children (tests/fake_run.py) around the real Launcher: a service
 that crashes while the trainer runs is restarted (each restart logged with the crash's log tail), at most
-`run.max_restarts` times; its dead registration is gone at once, so clients see only the replacement; the trainer is
-never restarted; nothing outlives the launcher."""
+`run.max_restarts` times; its dead registration is gone at once, so clients see only the replacement; the embedded
+Redis is restarted with its data; the trainer is never restarted; nothing outlives the launcher."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -96,4 +98,47 @@ def test_the_crashed_services_registration_is_replaced_at_once_not_after_its_hea
     finally:
         proc.terminate()
         res = harness.finish(proc, strays_file)
+    assert res.strays == []
+
+
+def test_the_embedded_redis_is_restarted_with_its_data_until_its_restarts_are_spent(tmp_path):
+    """Killed once, Redis comes back on its port with the run's keys and the trainer steps on; killed again with
+    run.max_restarts=1 spent, the run fails naming it."""
+    name = f"redis-restart-{time.monotonic_ns()}"
+    proc, strays = harness.start(launch(tmp_path, "trainer:--steps=100000,--step-time=0.02", max_restarts=1, name=name),
+                                 tmp_path, env={"REDIS_URL": ""})
+    state_file = tmp_path / "run" / "launcher.json"
+
+    def state() -> dict:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                found = json.loads(state_file.read_text())
+                if "trainer" in found["children"]:
+                    return found
+            except (OSError, ValueError):
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the launcher did not start the trainer"
+            time.sleep(0.05)
+
+    try:
+        first = state()
+        registry = Registry(first["redis_url"], name)
+        while (registry.get_state("step") or 0) < 5:
+            time.sleep(0.02)
+        os.kill(first["redis_pid"], signal.SIGKILL)
+        before = registry.get_state("step")  # retried until the replacement answers: the key survived
+        assert before >= 5
+        while (registry.get_state("step") or 0) <= before:  # the trainer writes on to the new Redis
+            time.sleep(0.02)
+        second = state()
+        assert second["redis_pid"] != first["redis_pid"] and second["redis_url"] == first["redis_url"]
+        os.kill(second["redis_pid"], signal.SIGKILL)
+    finally:
+        res = harness.finish(proc, strays, timeout=90)
+    assert res.rc == 1
+    assert "foldmoe: the embedded Redis was killed by SIGKILL; restarting it on " in res.stderr
+    assert "(1 of 1, run.max_restarts)" in res.stderr
+    assert "foldmoe: error: the embedded Redis was killed by SIGKILL after 1 restart(s) (run.max_restarts=1)" \
+        in res.stderr
     assert res.strays == []
