@@ -41,8 +41,8 @@ def redis_url() -> str:
 def connect(url: str, decode_responses: bool = True) -> redis.Redis:
     """A client of the Redis at `url` that rides out a restart (module docstring); an unreachable one fails at once."""
     try:
-        with redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, retry=Retry(NoBackoff(), 0)) as probe:
-            probe.ping()
+        with redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, retry=Retry(NoBackoff(), 0)) as p:
+            p.ping()
     except (redis.RedisError, ValueError) as e:
         raise RegistryError(f"cannot reach Redis at {url} ({e}); start it, or leave run.redis_url empty so "
                             "the launcher starts an embedded one") from None
