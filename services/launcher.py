@@ -10,10 +10,10 @@ period) and the launcher says which child failed, with the tail of its log.
 Restart policy: a service (a child that registers) that crashes while the trainer runs is restarted, at most
 `run.max_restarts` times per service, each restart logged with the crash's log tail. Its dead registry record is
 removed at once so that clients looking it up find only the replacement; the clients resume it (the dataloader from
-the trainer's stream position, the checkpointer by re-sending an uncommitted save). The embedded Redis, too, is restarted
-when it dies (at most `run.max_restarts` times), on its port and from its append-only file, so it comes back with every
-key it had acknowledged; its clients retry meanwhile (services/common/registry.py). The trainer is never restarted: a
-failed rank ends the run, and the next `foldmoe train` resumes from the newest valid checkpoint.
+the trainer's stream position, the checkpointer by re-sending an uncommitted save). The embedded Redis, too, is
+restarted when it dies (at most `run.max_restarts` times), on its port and from its append-only file, so it comes back
+with every key it had acknowledged; its clients retry meanwhile (services/common/registry.py). The trainer is never
+restarted: a failed rank ends the run, and the next `foldmoe train` resumes from the newest valid checkpoint.
 
 Every child is started in a session of its own so that a terminal Ctrl-C reaches the launcher alone and shutdown
 happens in order; `procs` makes sure none of them, nor their children, outlives the launcher.

@@ -1,9 +1,9 @@
 """Chaos on a real local run (`foldmoe train`, tiny model, CPU): kill -9 the dataloader, then the checkpointer, while
 the trainer runs; in a second run, kill -9 the embedded Redis mid-save. The launcher restarts each (Redis on its port,
 from its append-only file); the trainer resumes the data stream where it was and re-finds the writer, and every client
-of Redis waits out its restart; each run finishes with the per-step losses of an undisturbed run and, bit for bit, its final weights and optimizer state
-(the same tokens in the same order, the same math), every checkpoint it was due to write is committed and verifies, and
-no process outlives the launcher.
+of Redis waits out its restart; each run finishes with the per-step losses of an undisturbed run and, bit for bit, its
+final weights and optimizer state (the same tokens in the same order, the same math), every checkpoint it was due to
+write is committed and verifies, and no process outlives the launcher.
 
 The losses are compared to a few fp32 rounding steps, the state exactly: in one CI run on a loaded 2-core machine the
 reported loss of 8 of 24 steps differed in its last bit between the two runs while every later step's loss was equal bit
