@@ -35,14 +35,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
-import redis
-import yaml
+# The launcher forks its children (fork, then `procs.die_with_parent`, then exec) after its health checks have started
+# gRPC's threads. gRPC's fork handlers restart those threads in the child before its exec, where they can abort it
+# ("Check failed: wakeup_fd_->ConsumeWakeup().ok()", a trainer lost so once in CI). No child uses gRPC before its exec,
+# so the handlers are off here; gRPC reads the variable when it is first imported (below, through grpc_server).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from services.common import procs
-from services.common.config import Config
-from services.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError
-from services.common.grpc_server import check as grpc_check
-from services.common.registry import Registry, RegistryError, connect
+import redis  # noqa: E402
+import yaml  # noqa: E402
+
+from services.common import procs  # noqa: E402
+from services.common.config import Config  # noqa: E402
+from services.common.embedded_redis import EmbeddedRedis, EmbeddedRedisError  # noqa: E402
+from services.common.grpc_server import check as grpc_check  # noqa: E402
+from services.common.registry import Registry, RegistryError, connect  # noqa: E402
 
 # Registry record key under which a service publishes its gRPC address ("host:port"), so it can be health-checked.
 GRPC_KEY = "grpc"
