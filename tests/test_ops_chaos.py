@@ -108,12 +108,16 @@ def calm_dir(tmp_path_factory, dataset) -> Path:
     return tmp
 
 
-def test_killing_the_dataloader_and_then_the_checkpointer_changes_nothing_in_the_run(tmp_path, dataset, calm_dir):
+def start_chaos_run(tmp_path: Path, dataset: Path, name: str) -> tuple[Path, RunWatch, Path]:
+    """A run to disturb, with the embedded Redis: its directory, its watch and the harness's strays file."""
     chaos_dir = tmp_path / "chaos"
-    name = f"chaos-{os.getpid()}"
     proc, strays_file = harness.start(command(chaos_dir, dataset, name), tmp_path, env={"REDIS_URL": ""})
+    return chaos_dir, RunWatch(chaos_dir / "run", name, proc), strays_file
+
+
+def test_killing_the_dataloader_and_then_the_checkpointer_changes_nothing_in_the_run(tmp_path, dataset, calm_dir):
+    chaos_dir, run, strays_file = start_chaos_run(tmp_path, dataset, f"chaos-{os.getpid()}")
     try:
-        run = RunWatch(chaos_dir / "run", name, proc)
         run.wait("the trainer to start", lambda: run.pid("trainer"))
         run.wait("step 3", lambda: run.step() >= 3)
         dataloader = run.pid("dataloader")
@@ -131,7 +135,7 @@ def test_killing_the_dataloader_and_then_the_checkpointer_changes_nothing_in_the
         run.wait("the checkpointer's replacement to register",
                  lambda: [r for r in run.registry.lookup("checkpointer") if r["pid"] != checkpointer])
     finally:
-        chaos = harness.finish(proc, strays_file, timeout=240)
+        chaos = harness.finish(run.proc, strays_file, timeout=240)
     assert chaos.rc == 0, chaos.stderr[-3000:]
     assert "dataloader was killed by SIGKILL; restarting it (1 of 2" in chaos.stderr
     assert "checkpointer was killed by SIGKILL; restarting it (1 of 2" in chaos.stderr
@@ -145,11 +149,8 @@ def test_killing_the_dataloader_and_then_the_checkpointer_changes_nothing_in_the
 
 
 def test_killing_the_embedded_redis_mid_save_changes_nothing_in_the_run(tmp_path, dataset, calm_dir):
-    chaos_dir = tmp_path / "chaos"
-    name = f"redis-chaos-{os.getpid()}"
-    proc, strays_file = harness.start(command(chaos_dir, dataset, name), tmp_path, env={"REDIS_URL": ""})
+    chaos_dir, run, strays_file = start_chaos_run(tmp_path, dataset, f"redis-chaos-{os.getpid()}")
     try:
-        run = RunWatch(chaos_dir / "run", name, proc)
         run.wait("the trainer to start", lambda: run.pid("trainer"))
         server = json.loads(run.state_file.read_text())["redis_pid"]
         due = run.next_save_reported()
@@ -159,7 +160,7 @@ def test_killing_the_embedded_redis_mid_save_changes_nothing_in_the_run(tmp_path
         run.wait("Redis's replacement", lambda: json.loads(run.state_file.read_text())["redis_pid"] != server)
         run.wait("the run state to go on in the new Redis", lambda: run.step() > due)
     finally:
-        chaos = harness.finish(proc, strays_file, timeout=240)
+        chaos = harness.finish(run.proc, strays_file, timeout=240)
     assert chaos.rc == 0, chaos.stderr[-3000:]
     assert "the embedded Redis was killed by SIGKILL; restarting it on" in chaos.stderr
     assert chaos.strays == []

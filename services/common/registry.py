@@ -22,7 +22,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 DEFAULT_TTL_S = 10.0
-# A command that cannot reach Redis is retried after 0.05, 0.1, ... 0.8 s, then every second: ~27 s in all
+# A command that cannot reach Redis is retried after 0.1, 0.2, 0.4, 0.8 s, then every second: 27.5 s of back-off
 RECONNECT_RETRIES = 30
 SCAN_COUNT = 1000  # keys Redis visits per SCAN round trip (its default, 10, costs a round trip per 10 keys)
 
