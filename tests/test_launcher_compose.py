@@ -1,7 +1,8 @@
 """compose/docker-compose.yml runs the launcher's topology: each service's command is exactly the launcher's, the
 trainer reserves GPUs and runs under torchrun, the services have gRPC health checks (rollout workers a registry one),
-crashed services are restarted as often as the launcher restarts them and the trainers never, rollout workers sit
-behind the `rl` profile, and `docker-compose config` accepts the file."""
+crashed services are restarted as often as the launcher restarts them and the trainers never, Redis too, from an
+append-only file that its flags really keep (a redis-server run with them here), every container shares the `pod`'s
+namespaces, rollout workers sit behind the `rl` profile, and `docker-compose config` accepts the file."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
 from services.common import grpc_server
+from services.common.embedded_redis import find_redis_server, free_port
 from services.common.config import load_config
 from services.common.registry import Registry
 from services.launcher import child_specs
@@ -99,11 +103,66 @@ def test_restart_policies_are_the_launchers(config):
     restartable = {re.sub(r"\d+$", "", s.name) for s in specs if s.restartable}  # dataloader<i>, rollout<i>: scaled
     assert restartable == {"dataloader", "checkpointer"} | ({"rollout"} if cfg.rl.enabled else set())
     assert not any(s.restartable for s in specs if s.name == "trainer")
-    for name in ("dataloader", "checkpointer", "rollout"):
+    # Redis, as the launcher's embedded one (launcher.py `_watch_redis`), comes back from its append-only file
+    for name in ("dataloader", "checkpointer", "rollout", "redis"):
         assert compose[name]["restart"] == f"on-failure:{cfg.run.max_restarts}", name
     for name in ("trainer", "rl_trainer", "preprocess"):
         assert compose[name]["restart"] == "no", name  # the string: a bare `no` in YAML is False
-    assert "restart" not in compose["redis"]  # its state is the run's: a restarted empty Redis would not help
+    assert "restart" not in compose["pod"]  # the namespaces' holder only sleeps; restarted, it would strand the others
+
+
+def test_every_container_joins_the_pods_namespaces_and_redis_keeps_its_file_in_the_pods_shared_memory():
+    compose = services()
+    pod = compose.pop("pod")
+    assert pod["ipc"] == "shareable" and pod["command"] == ["sleep", "infinity"] and pod["init"] is True
+    for name, service in compose.items():
+        assert {k: service.get(k) for k in ("network_mode", "ipc", "pid")} == dict.fromkeys(
+            ("network_mode", "ipc", "pid"), "service:pod"), name
+        assert "shm_size" not in service, name  # one /dev/shm, the pod's
+    flags = redis_flags(compose["redis"]["command"])
+    # Every write on file before the reply, the file in the pod's /dev/shm: it outlives a Redis container, not the pod
+    assert flags["appendonly"] == "yes" and flags["appendfsync"] == "always" and flags["dir"] == "/dev/shm"
+    assert flags["save"] == "" and flags["bind"] == "127.0.0.1"
+
+
+def redis_flags(command: list[str]) -> dict[str, str]:
+    assert command[0] == "redis-server" and len(command) % 2 == 1, command
+    return {k.removeprefix("--"): v for k, v in zip(command[1::2], command[2::2], strict=True)}
+
+
+def test_the_compose_redis_flags_bring_back_every_acknowledged_key_after_a_kill(tmp_path):
+    # The compose file's own redis-server command, run here with a port and directory of the test's, killed with
+    # SIGKILL (no shutdown save) and started again with the same command.
+    flags = {**redis_flags(services()["redis"]["command"]), "dir": str(tmp_path), "port": str(free_port()),
+             "logfile": str(tmp_path / "redis.log")}
+    command = [find_redis_server(), *(x for k, v in flags.items() for x in (f"--{k}", v))]
+
+    def start() -> tuple[subprocess.Popen, redis.Redis]:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=int(flags["port"]), decode_responses=True)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return proc, client
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "redis.log").read_text()
+                time.sleep(0.05)
+
+    proc, client = start()
+    try:
+        client.set("run:state", "step 7")
+        client.set("run:record", "alive", ex=600)
+        entry = client.xadd("run:trajectories", {"group": "0"})
+        proc.kill()
+        proc.wait()
+        proc, client = start()
+        assert client.get("run:state") == "step 7"
+        assert 0 < client.ttl("run:record") <= 600
+        assert [e[0] for e in client.xrange("run:trajectories")] == [entry]
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_rl_trainer_waits_for_healthy_services_and_rollout_workers():
