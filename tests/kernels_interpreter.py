@@ -53,7 +53,7 @@ if not ON_CUDA:
 # builds triton's library (on CPU, for the interpreter) and our kernels
 import_kernels("kernels.cross_entropy", "kernels.permute", "kernels.router", "kernels.swiglu", "kernels.unpermute",
                "kernels.fp8_quantize", "kernels.fp8_grouped_mm", "kernels.adamw", "kernels.head_norm_rope",
-               "kernels.sample", "kernels.decode_attention", "kernels.decode_latent_attention",
+               "kernels.sample", "kernels.truncation", "kernels.decode_attention", "kernels.decode_latent_attention",
                "kernels.grouped_mm_small")
 
 

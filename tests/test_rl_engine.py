@@ -13,7 +13,7 @@ import services.rl_rollout.engine as engine_module
 from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Engine, EngineError, Request
 from services.rl_rollout.kv_cache import CachedDecoder
-from services.rl_rollout.sampling import SamplingParams, sample
+from services.rl_rollout.sampling import SamplingParams, sample, truncation_of
 from tests.rl_helpers import full_forward, tiny_model
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -362,16 +362,15 @@ def test_a_slot_samples_with_the_parameters_of_the_request_it_holds_now():
 
 
 def test_a_step_samples_through_truncation_exactly_when_one_of_its_own_rows_truncates(monkeypatch):
-    """The sort path (top-k/top-p) is taken for a prefill or decode step only when a row of that step truncates: not
-    for non-truncating prompts prefilled while a truncating sequence decodes, not for a decode step whose truncating
-    sequences are joining or waiting for their last token to land, and no more once the truncating requests have
-    finished. Truncating rows keep their truncation (top_k=1 and top_p=0.01 keep only the argmax)."""
+    """The truncation searches (top-k, top-p) run for a prefill or decode step only when a row of that step truncates
+    that way: not for non-truncating prompts prefilled while a truncating sequence decodes, not for a decode step
+    whose truncating sequences are joining or waiting for their last token to land, and no more once the truncating
+    requests have finished. Truncating rows keep their truncation (top_k=1 and top_p=0.01 keep only the argmax)."""
     seen = []
 
-    def spy(logits, params, truncate, generator=None):
-        rows = ((params[1] > 0) | (params[2] < 1)).tolist()
-        seen.append((truncate, any(rows)))
-        return sample(logits, params, truncate, generator)
+    def spy(logits, params, truncation, generator=None):
+        seen.append((truncation, (bool((params[1] > 0).any()), bool((params[2] < 1).any()))))
+        return sample(logits, params, truncation, generator)
 
     monkeypatch.setattr(engine_module, "sample", spy)
     model = _model("cpu")
@@ -382,10 +381,11 @@ def test_a_step_samples_through_truncation_exactly_when_one_of_its_own_rows_trun
     reqs = [Request(TOK.encode(p), q, tag=i) for i, (p, q) in enumerate(zip(PROMPTS, params))]
     got = Engine(model, TOK, max_batch=3, max_seq_len=64, seed=4).generate(reqs)
     assert [len(c.tokens) for c in got] == [q.max_tokens for q in params]
-    assert [truncate for truncate, _ in seen] == [any_row for _, any_row in seen]
+    assert [truncation for truncation, _ in seen] == [rows for _, rows in seen]
+    assert any(k and not p for (k, p), _ in seen) and any(p and not k for (k, p), _ in seen)
     # The run holds untruncated steps while truncating sequences held slots, and after they finished
-    last = max(i for i, (truncate, _) in enumerate(seen) if truncate)
-    assert not all(truncate for truncate, _ in seen[:last]) and last < len(seen) - 1
+    last = max(i for i, (truncation, _) in enumerate(seen) if any(truncation))
+    assert not all(any(truncation) for truncation, _ in seen[:last]) and last < len(seen) - 1
     for i in (0, 4):
         logits, _ = full_forward(model, got[i].prompt_tokens + got[i].tokens[:-1])
         assert got[i].tokens == logits[len(got[i].prompt_tokens) - 1:].argmax(-1).tolist()
@@ -393,7 +393,7 @@ def test_a_step_samples_through_truncation_exactly_when_one_of_its_own_rows_trun
 
 def _sample(logits, params, gen):
     """`sample` over one row of parameters per logits row."""
-    return sample(logits, torch.tensor([p.row for p in params]).T, any(p.truncates for p in params), gen)
+    return sample(logits, torch.tensor([p.row for p in params]).T, truncation_of(params), gen)
 
 
 def test_top_k_and_top_p_only_draw_from_the_kept_tokens():

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from services.rl_rollout.kv_cache import CachedDecoder, on_device
-from services.rl_rollout.sampling import SamplingParams, sample
+from services.rl_rollout.sampling import SamplingParams, sample, truncation_of
 from services.trainer.model.transformer import MoETransformer
 
 
@@ -263,7 +263,7 @@ class Engine:
                 logits = logits[on_device(rows, logits.device)]
             index = on_device([slots[i] for i in rows], self._next.device)
             tokens, logprobs = sample(logits, self._params[:, index],
-                                      any(seqs[i].request.params.truncates for i in rows), self.generator)
+                                      truncation_of(seqs[i].request.params for i in rows), self.generator)
             self._next.index_copy_(0, index, tokens)  # what the next decode step feeds
             for i in rows:
                 seqs[i].sampled += 1

@@ -4,17 +4,20 @@ The log-prob recorded for a sampled token is taken under the temperature-scaled 
 truncation: that is the density the trainer can recompute from logits alone (it divides by the same temperature), so the
 train/rollout importance ratio compares like with like. Truncation only decides which tokens may be drawn.
 
-Without truncation (top_k 0, top_p 1: the RL default) a batch is sampled by two kernels that read its logits about
-once (kernels/sample.py); with it, through a sort of each row's vocabulary.
+A batch is sampled by two kernels that read its logits about once (kernels/sample.py). With truncation (top-k, top-p;
+off by default in RL) a search finds each row's floor first (kernels/truncation.py: a few passes over the logits, no
+sort): the tokens at or above it may be drawn, ties at the boundary all kept.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels.sample import sample_categorical
+from kernels.truncation import truncation_floor
 
 
 @dataclass(frozen=True)
@@ -40,44 +43,27 @@ class SamplingParams:
 
 
     @property
-    def truncates(self) -> bool:
-        """True when top-k or top-p limits which tokens may be drawn."""
-        return self.top_k > 0 or self.top_p < 1
-
-    @property
     def row(self) -> tuple[float, float, float]:
         """(temperature, top_k, top_p): this request's column of the parameters `sample` takes."""
         return self.temperature, self.top_k, self.top_p
 
 
-def sample(logits: torch.Tensor, params: torch.Tensor, truncate: bool,
+def truncation_of(params: Iterable[SamplingParams]) -> tuple[bool, bool]:
+    """(any by top-k, any by top-p) over the requests: `sample`'s `truncation`."""
+    by_k = by_p = False
+    for p in params:
+        by_k, by_p = by_k or p.top_k > 0, by_p or p.top_p < 1
+    return by_k, by_p
+
+
+def sample(logits: torch.Tensor, params: torch.Tensor, truncation: tuple[bool, bool] = (False, False),
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V], params [3, B] fp32 (temperature, top_k, top_p: each row's `SamplingParams.row`, on the logits'
-    device) -> (tokens [B] int64, log-probs [B] fp32 of those tokens). `truncate`: whether any row truncates
-    (`SamplingParams.truncates`), known to the caller on the host, so that choosing the path never waits for the
-    device."""
+    device) -> (tokens [B] int64, log-probs [B] fp32 of those tokens). `truncation`: whether any row truncates by
+    top-k, and whether any by top-p (`truncation_of` the rows' requests), known to the caller on the
+    host, so that choosing the path never waits for the device. Seeded from `generator` on the device."""
     temp, top_k, top_p = params
-    if not truncate:
-        # No truncation: the logits read about once (kernels/sample.py), seeded from `generator` on the device.
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=logits.device, generator=generator)
-        return sample_categorical(logits, temp, seed)
-    logits = logits.float()
-    greedy = temp <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    drawn = _draw_top_k_top_p(scaled, top_k.long(), top_p, generator)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _draw_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from the temperature-scaled logits, restricted to each row's top-k and top-p nucleus."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
-    drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # A token is dropped when the tokens ranked above it already reach top_p; the most likely token always stays.
-    drop |= (top_p[:, None] < 1) & ((probs.cumsum(-1) - probs) >= top_p[:, None])
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    return order.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
+    use_top_k, use_top_p = truncation
+    floor = truncation_floor(logits, temp, top_k, top_p, use_top_k, use_top_p) if use_top_k or use_top_p else None
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=logits.device, generator=generator)
+    return sample_categorical(logits, temp, seed, floor)
