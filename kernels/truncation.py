@@ -55,7 +55,8 @@ def truncation_floor_reference(logits: torch.Tensor, temperature: torch.Tensor, 
     if use_top_p:
         t = torch.where(temperature <= 0, torch.ones_like(temperature), temperature.float())
         mass = torch.exp((values - values[:, :1]) / t[:, None]).masked_fill(values < floor[:, None], 0.0)
-        reach = mass.cumsum(dim=-1) >= top_p.float()[:, None] * mass.sum(dim=-1, keepdim=True)
+        running = mass.cumsum(dim=-1)
+        reach = running >= top_p.float()[:, None] * running[:, -1:]  # the last always reaches: top_p <= 1
         nucleus = values[rows, reach.float().argmax(dim=-1)]  # the first value whose running mass reaches top_p
         floor = torch.where(top_p < 1, torch.maximum(floor, nucleus), floor)
     return floor
