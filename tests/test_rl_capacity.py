@@ -14,9 +14,9 @@ slots of the *replayed* expert ids as they drop their own top-k's, by the micro-
   1e-7 absolute; fp32, other summation orders only, on trajectories whose capacity boundaries hold no near-tie, which
   the test checks: `boundary_margins`), and each MoE layer's load (kept slots per expert, summed over the
   ranks) exactly. In the same processes: PP2 against one process on the same micro-batches (metrics, gathered
-  weights); TP2 with sequence parallelism, each rank's routers dropping among its SP shard of the micro-batch (padded
-  at its end to an even length, the padding taking no slot), against one process whose routers drop per half of each
-  micro-batch the same way (`capacity_per_shard`); and TP2·EP2 (EP inside the TP pair, where pad-to-capacity runs)
+  weights); TP2 with sequence parallelism and CP2, each rank's routers dropping among its rows of the micro-batch (its
+  SP shard, its zigzag cut; the micro-batch padded at its end to a multiple of 2 and 4, the padding taking no slot),
+  against one process whose routers drop per those rows the same way (`capacity_per_rank`); and TP2·EP2 (EP inside the TP pair, where pad-to-capacity runs)
   padded against unpadded, its SP padding rows keeping no slot.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from datetime import timedelta
 
 import pytest
@@ -36,6 +37,7 @@ from services.rl_rollout.worker import rollout_model_config
 import services.trainer.model.moe.router as router_module
 from services.trainer.model.moe.router import Router, capacity_mask, expert_capacity
 from services.trainer.optim import build_adamw, set_lr
+from services.trainer.parallel.context_parallel import zigzag_index
 from services.trainer.rl.step import rl_step
 from services.trainer.rl.train_rl import reference_model, validate_rl
 from tests.parallel_harness import spawn_ranks
@@ -81,28 +83,42 @@ def boundary_margins() -> Iterator[list[float]]:
         yield margins
 
 
+def sp_cuts(sp: int, total: int) -> list[torch.Tensor]:
+    """The rows of a micro-batch padded to `total` that each of `sp` sequence-parallel ranks routes: equal runs."""
+    rows = total // sp
+    return [torch.arange(r * rows, (r + 1) * rows) for r in range(sp)]
+
+
+def cp_cuts(cp: int, total: int) -> list[torch.Tensor]:
+    """... that each of `cp` context-parallel ranks routes: its zigzag cut (rl/cp_sharding.py)."""
+    return [zigzag_index(total, cp, r) for r in range(cp)]
+
+
 @contextmanager
-def capacity_per_shard(sp: int) -> Iterator[None]:
-    """One process's routers dropping as `sp` sequence-parallel ranks' do: the micro-batch's rows padded at the end to
-    a multiple of sp (as rl/folded.py pads it), each of the sp equal shards under its own capacity, the padding rows
-    taking no slot and counting in their shard's rows (`capacity_mask`). Wraps whatever `capacity_mask` is in place
-    (`boundary_margins`' recording one, inside it)."""
+def capacity_per_rank(multiple: int, cuts) -> Iterator[None]:
+    """One process's routers dropping as the ranks that split each micro-batch do: its rows padded at the end to a
+    multiple of `multiple` (as rl/folded.py and rl/cp_sharding.py pad it: sp, 2·cp), each rank's rows (`cuts(total)`)
+    under their own capacity, the padding rows taking no slot and counting in their rank's rows (`capacity_mask`).
+    Wraps whatever `capacity_mask` is in place (`boundary_margins`' recording one, inside it)."""
     inner = router_module.capacity_mask
 
-    def per_shard(scores, expert_ids, capacity_factor, padding=None):
+    def per_rank(scores, expert_ids, capacity_factor, padding=None):
         assert padding is None, "one process pads nothing"
         T = expert_ids.shape[0]
-        rows = -(-T // sp)
-        pad = rows * sp - T
-        scores = torch.cat([scores, scores.new_zeros(pad, scores.shape[1])])
-        expert_ids = torch.cat([expert_ids, expert_ids[:1].expand(pad, -1)])
-        padding = torch.arange(rows * sp, device=scores.device) >= T
-        kept = [inner(scores[i:i + rows], expert_ids[i:i + rows], capacity_factor, padding[i:i + rows])
-                for i in range(0, rows * sp, rows)]
-        return None if kept[0] is None else torch.cat(kept)[:T]
+        total = -(-T // multiple) * multiple
+        scores = torch.cat([scores, scores.new_zeros(total - T, scores.shape[1])])
+        expert_ids = torch.cat([expert_ids, expert_ids[:1].expand(total - T, -1)])
+        kept = None
+        for rows in cuts(total):
+            cut = inner(scores[rows], expert_ids[rows], capacity_factor, rows >= T)
+            if cut is None:
+                return None
+            kept = torch.zeros_like(expert_ids, dtype=torch.bool) if kept is None else kept
+            kept[rows] = cut
+        return kept[:T]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(router_module, "capacity_mask", per_shard)
+        patch.setattr(router_module, "capacity_mask", per_rank)
         yield
 
 
@@ -310,9 +326,9 @@ def _ep_worker(rank: int, world: int, steps: list[list], out_dir: str) -> None:
             sync_expert_load(model, groups)  # the load over the ranks, as train_rl sums it
             out[scenario] = {"metrics": metrics, "grads": grads, "shares": shares, "load": _loads(model),
                              "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-        # PP2: every micro-batch on both stages, each stage's routers its own layers; TP2: each rank's routers drop
-        # among its SP shard of every micro-batch
-        for name, parallel in (("pp2", dict(pp=2)), ("tp2", dict(tp=2))):
+        # PP2: every micro-batch on both stages, each stage's routers its own layers; TP2 and CP2: each rank's routers
+        # drop among its SP shard, its zigzag cut, of every micro-batch
+        for name, parallel in (("pp2", dict(pp=2)), ("tp2", dict(tp=2)), ("cp2", dict(cp=2))):
             cfg = _config("replay_kl", **parallel)
             groups = init_groups(cfg)
             model = parallelize(_model(cfg), cfg, groups)
@@ -422,21 +438,23 @@ def test_ep2_and_pp2_rl_steps_with_a_capacity_factor_match_one_process_running_t
                 assert ok, f"TP2·EP2 rank {r} step {step}: {k} {mp_[k]} padded, {mr[k]} not"
         for name, p in plain["params"].items():
             assert _rel_err(padded["params"][name], p) <= RTOL, f"TP2·EP2 rank {r}: {name} differs when padded"
-    # PP2 against one process on the same micro-batches, and TP2 against one process dropping per SP shard: every
-    # metric on both ranks, rank 0's gathered weights
-    with boundary_margins() as margins, capacity_per_shard(2):
-        per_shard = _ep_reference("replay_kl", steps, whole=True)
-    assert not sorted(m for m in margins if 0 < m < 1e-6), "TP2: capacity boundaries on near-ties"
-    # TP2's loss to 1e-6 absolute: it is -(1/N)·Σ A·w over the response tokens, advantages A summing to 0 per group
-    # and the TIS weights w ~ 1 taken from log-probs that TP's other summation order moves in their last bits, so
-    # its value (~4e-5) is what is left of terms of size ~|A| ~ 1 (measured: 1.3e-7 off; the gradients and weights
-    # below stay at 1e-5 relative)
-    for run, ref in (("pp2", _ep_reference("replay_kl", steps, whole=True)), ("tp2", per_shard)):
+    # PP2 against one process on the same micro-batches, TP2 and CP2 against one process dropping per SP shard and
+    # per zigzag cut: every metric on both ranks, rank 0's gathered weights
+    refs = {"pp2": _ep_reference("replay_kl", steps, whole=True)}
+    for run, multiple, cuts in (("tp2", 2, partial(sp_cuts, 2)), ("cp2", 4, partial(cp_cuts, 2))):
+        with boundary_margins() as margins, capacity_per_rank(multiple, cuts):
+            refs[run] = _ep_reference("replay_kl", steps, whole=True)
+        assert not sorted(m for m in margins if 0 < m < 1e-6), f"{run}: capacity boundaries on near-ties"
+    # TP2's and CP2's loss to 1e-6 absolute: it is -(1/N)·Σ A·w over the response tokens, advantages A summing to 0
+    # per group and the TIS weights w ~ 1 taken from log-probs that another summation order moves in their last bits,
+    # so its value (~4e-5) is what is left of terms of size ~|A| ~ 1 (measured on TP2: 1.3e-7 off; the gradients and
+    # weights below stay at 1e-5 relative)
+    for run, ref in refs.items():
         assert ref["dropped"] > 0
         for r, rank in enumerate(ranks):
             for step, (mr, mp_) in enumerate(zip(ref["metrics"], rank[run]["metrics"], strict=True)):
                 for k in METRICS:
-                    atol = 1e-6 if (run, k) == ("tp2", "loss") else ATOL
+                    atol = 1e-6 if run != "pp2" and k == "loss" else ATOL
                     ok = (mp_[k] == mr[k] if isinstance(mr[k], list) else
                           abs(mp_[k] - mr[k]) <= atol + RTOL * abs(mr[k]))
                     assert ok, f"{run} rank {r} step {step}: {k} {mp_[k]} != one process's {mr[k]}"
