@@ -22,7 +22,7 @@ from test_rl_launcher import forget_stream, records, rl_train  # noqa: E402
 
 from services.checkpointer.store import CheckpointStore  # noqa: E402
 
-STEPS = 16  # room for three kills in turn, each mid-run (at 10 the run once ended before the third; locally: steps 3, 5, 7)
+STEPS = 16  # room for three kills in turn, each mid-run (at 10 the run once ended before the third)
 
 
 def wait_for(what: str, cond, proc, timeout: float = 60.0):
