@@ -167,12 +167,14 @@ def _select_kernel(logits_ptr, temperature_ptr, seed_ptr, floor_ptr, max_ptr, co
     tl.store(logprobs_ptr + row, x_token - lse)
 
 
-def splits_for(rows: int, vocab: int) -> tuple[int, int]:
-    """(splits, chunk): each row's columns in `splits` chunks of `chunk` (a multiple of BLOCK_V), enough for about
-    PROGRAMS programs in all: few rows get many chunks each, many rows few."""
-    blocks = triton.cdiv(vocab, BLOCK_V)
+def splits_for(rows: int, vocab: int, block: int | None = None) -> tuple[int, int]:
+    """(splits, chunk): each row's columns in `splits` chunks of `chunk` (a multiple of `block`, default BLOCK_V),
+    enough for about PROGRAMS programs in all: few rows get many chunks each, many rows few. kernels/truncation.py
+    splits its rows by it too."""
+    block = block or BLOCK_V
+    blocks = triton.cdiv(vocab, block)
     splits = min(blocks, max(1, triton.cdiv(PROGRAMS, max(rows, 1))))
-    chunk = triton.cdiv(blocks, splits) * BLOCK_V
+    chunk = triton.cdiv(blocks, splits) * block
     return triton.cdiv(vocab, chunk), chunk
 
 

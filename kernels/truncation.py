@@ -28,10 +28,10 @@ import triton
 import triton.language as tl
 
 from kernels._triton import use_triton
+from kernels.sample import splits_for
 
 CANDIDATES = 4  # keys tried per pass: 2 bits of the key a pass (a power of 2; bench/RESULTS.md compares 2 to 16)
 TILE = 4096  # comparisons a program accumulates per iteration: it reads TILE / CANDIDATES logits
-PROGRAMS = 4096  # programs to aim for over a batch, as kernels/sample.py
 
 
 def _check(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
@@ -122,18 +122,12 @@ def _narrow_kernel(tally_ptr, lo_ptr, need_ptr, mass_ptr, step, SPLITS: tl.const
     tl.store(lo_ptr + row, tl.load(lo_ptr + row) + top.to(tl.int64) * step)
 
 
-def _splits(rows: int, vocab: int, block: int) -> tuple[int, int]:
-    blocks = triton.cdiv(vocab, block)
-    splits = min(blocks, max(1, triton.cdiv(PROGRAMS, max(rows, 1))))
-    chunk = triton.cdiv(blocks, splits) * block
-    return triton.cdiv(vocab, chunk), chunk
-
-
 def _search(logits, temperature, row_max, lo, need, mass: bool, shift: int) -> None:
-    """Moves `lo` [B] int64 (a key that holds) to the highest key that holds, 4 bits a pass."""
+    """Moves `lo` [B] int64 (a key that holds) to the highest key that holds, log2(CANDIDATES) bits a pass; rows
+    split over programs as the sampler's (`splits_for`)."""
     B, V = logits.shape
     block = TILE // CANDIDATES
-    splits, chunk = _splits(B, V, block)
+    splits, chunk = splits_for(B, V, block)
     tally = torch.empty(B, splits, CANDIDATES, dtype=torch.float32, device=logits.device)
     total = torch.full((B,), -1.0, dtype=torch.float32, device=logits.device)
     span = 1 << (32 - shift)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernels_interpreter import DEVICE, kernels_on_device  # noqa: F401  (first: before triton is imported)
 
-import kernels.truncation as truncation_module
+import kernels.sample as sample_module
 from kernels.sample import sample_categorical, sample_categorical_reference
 from kernels.truncation import truncation_floor, truncation_floor_reference
 
@@ -36,7 +36,7 @@ def _rows(dtype, seed=0):
 @pytest.mark.parametrize("split", [False, True], ids=["whole_rows", "split_rows"])
 def test_the_searched_floor_is_the_sorted_ones(dtype, split, monkeypatch):
     if not split:  # one program per row
-        monkeypatch.setattr(truncation_module, "PROGRAMS", 1)
+        monkeypatch.setattr(sample_module, "PROGRAMS", 1)
     logits, temperature, top_k, top_p = _rows(dtype)
     for use_top_k, use_top_p in ((True, True), (True, False), (False, True)):
         got = truncation_floor(logits, temperature, top_k, top_p, use_top_k, use_top_p)
