@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/dataloader.proto\x12\nfoldmoe.v1\"t\n\tDataHello\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x12\n\nstart_step\x18\x05 \x01(\x04\x12\x0f\n\x07\x63redits\x18\x06 \x01(\r\"\x1d\n\nDataCredit\x12\x0f\n\x07\x63redits\x18\x01 \x01(\r\"\xa5\x01\n\x10MicroBatchHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05micro\x18\x02 \x01(\r\x12\x12\n\ngrad_accum\x18\x03 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\x0f\n\x07\x63p_size\x18\x05 \x01(\r\x12\x14\n\x0cnum_segments\x18\x06 \x01(\r\x12\x13\n\x0breal_tokens\x18\x07 \x01(\r\x12\x13\n\x0bstate_after\x18\x08 \x01(\t\"!\n\x0e\x44\x61taErrorReply\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x13\n\x11\x44\x61taStatusRequest\"\x9c\x02\n\x0f\x44\x61taStatusReply\x12\x11\n\tnext_step\x18\x01 \x01(\x04\x12\x13\n\x0boldest_step\x18\x02 \x01(\x04\x12\x16\n\x0e\x62uffered_steps\x18\x03 \x01(\r\x12\x0f\n\x07\x63lients\x18\x04 \x01(\r\x12\x18\n\x10\x65xpected_clients\x18\x05 \x01(\r\x12\x1b\n\x13\x63redits_outstanding\x18\x06 \x01(\r\x12\x12\n\nefficiency\x18\x07 \x01(\x01\x12\x1a\n\x12micro_batches_sent\x18\x08 \x01(\x04\x12\x1b\n\x13micro_batches_per_s\x18\t \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\n \x01(\x01\x12\r\n\x05\x65poch\x18\x0b \x01(\r\x12\x0f\n\x07\x64\x61taset\x18\x0c \x01(\t\"1\n\x13\x44\x61taGetStateRequest\x12\x11\n\x04step\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"\x1f\n\x0f\x44\x61taStreamState\x12\x0c\n\x04json\x18\x01 \x01(\t\"F\n\x11\x44\x61taResumeRequest\x12\x12\n\nstate_json\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\"4\n\x0f\x44\x61taResumeReply\x12\x12\n\nstart_step\x18\x01 \x01(\x04\x12\r\n\x05reset\x18\x02 \x01(\x08\x32\xeb\x01\n\nDataLoader\x12\x44\n\x06Status\x12\x1d.foldmoe.v1.DataStatusRequest\x1a\x1b.foldmoe.v1.DataStatusReply\x12H\n\x08GetState\x12\x1f.foldmoe.v1.DataGetStateRequest\x1a\x1b.foldmoe.v1.DataStreamState\x12M\n\x0fResumeFromState\x12\x1d.foldmoe.v1.DataResumeRequest\x1a\x1b.foldmoe.v1.DataResumeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16proto/dataloader.proto\x12\nfoldmoe.v1\"t\n\tDataHello\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x03 \x01(\r\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x12\n\nstart_step\x18\x05 \x01(\x04\x12\x0f\n\x07\x63redits\x18\x06 \x01(\r\"\x1d\n\nDataCredit\x12\x0f\n\x07\x63redits\x18\x01 \x01(\r\"3\n\x0f\x44\x61taEvalRequest\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\r\"\xa5\x01\n\x10MicroBatchHeader\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05micro\x18\x02 \x01(\r\x12\x12\n\ngrad_accum\x18\x03 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\x0f\n\x07\x63p_size\x18\x05 \x01(\r\x12\x14\n\x0cnum_segments\x18\x06 \x01(\r\x12\x13\n\x0breal_tokens\x18\x07 \x01(\r\x12\x13\n\x0bstate_after\x18\x08 \x01(\t\"!\n\x0e\x44\x61taErrorReply\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x13\n\x11\x44\x61taStatusRequest\"\x9c\x02\n\x0f\x44\x61taStatusReply\x12\x11\n\tnext_step\x18\x01 \x01(\x04\x12\x13\n\x0boldest_step\x18\x02 \x01(\x04\x12\x16\n\x0e\x62uffered_steps\x18\x03 \x01(\r\x12\x0f\n\x07\x63lients\x18\x04 \x01(\r\x12\x18\n\x10\x65xpected_clients\x18\x05 \x01(\r\x12\x1b\n\x13\x63redits_outstanding\x18\x06 \x01(\r\x12\x12\n\nefficiency\x18\x07 \x01(\x01\x12\x1a\n\x12micro_batches_sent\x18\x08 \x01(\x04\x12\x1b\n\x13micro_batches_per_s\x18\t \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\n \x01(\x01\x12\r\n\x05\x65poch\x18\x0b \x01(\r\x12\x0f\n\x07\x64\x61taset\x18\x0c \x01(\t\"1\n\x13\x44\x61taGetStateRequest\x12\x11\n\x04step\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"\x1f\n\x0f\x44\x61taStreamState\x12\x0c\n\x04json\x18\x01 \x01(\t\"F\n\x11\x44\x61taResumeRequest\x12\x12\n\nstate_json\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\r\"4\n\x0f\x44\x61taResumeReply\x12\x12\n\nstart_step\x18\x01 \x01(\x04\x12\r\n\x05reset\x18\x02 \x01(\x08\x32\xeb\x01\n\nDataLoader\x12\x44\n\x06Status\x12\x1d.foldmoe.v1.DataStatusRequest\x1a\x1b.foldmoe.v1.DataStatusReply\x12H\n\x08GetState\x12\x1f.foldmoe.v1.DataGetStateRequest\x1a\x1b.foldmoe.v1.DataStreamState\x12M\n\x0fResumeFromState\x12\x1d.foldmoe.v1.DataResumeRequest\x1a\x1b.foldmoe.v1.DataResumeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DATAHELLO']._serialized_end=154
   _globals['_DATACREDIT']._serialized_start=156
   _globals['_DATACREDIT']._serialized_end=185
-  _globals['_MICROBATCHHEADER']._serialized_start=188
-  _globals['_MICROBATCHHEADER']._serialized_end=353
-  _globals['_DATAERRORREPLY']._serialized_start=355
-  _globals['_DATAERRORREPLY']._serialized_end=388
-  _globals['_DATASTATUSREQUEST']._serialized_start=390
-  _globals['_DATASTATUSREQUEST']._serialized_end=409
-  _globals['_DATASTATUSREPLY']._serialized_start=412
-  _globals['_DATASTATUSREPLY']._serialized_end=696
-  _globals['_DATAGETSTATEREQUEST']._serialized_start=698
-  _globals['_DATAGETSTATEREQUEST']._serialized_end=747
-  _globals['_DATASTREAMSTATE']._serialized_start=749
-  _globals['_DATASTREAMSTATE']._serialized_end=780
-  _globals['_DATARESUMEREQUEST']._serialized_start=782
-  _globals['_DATARESUMEREQUEST']._serialized_end=852
-  _globals['_DATARESUMEREPLY']._serialized_start=854
-  _globals['_DATARESUMEREPLY']._serialized_end=906
-  _globals['_DATALOADER']._serialized_start=909
-  _globals['_DATALOADER']._serialized_end=1144
+  _globals['_DATAEVALREQUEST']._serialized_start=187
+  _globals['_DATAEVALREQUEST']._serialized_end=238
+  _globals['_MICROBATCHHEADER']._serialized_start=241
+  _globals['_MICROBATCHHEADER']._serialized_end=406
+  _globals['_DATAERRORREPLY']._serialized_start=408
+  _globals['_DATAERRORREPLY']._serialized_end=441
+  _globals['_DATASTATUSREQUEST']._serialized_start=443
+  _globals['_DATASTATUSREQUEST']._serialized_end=462
+  _globals['_DATASTATUSREPLY']._serialized_start=465
+  _globals['_DATASTATUSREPLY']._serialized_end=749
+  _globals['_DATAGETSTATEREQUEST']._serialized_start=751
+  _globals['_DATAGETSTATEREQUEST']._serialized_end=800
+  _globals['_DATASTREAMSTATE']._serialized_start=802
+  _globals['_DATASTREAMSTATE']._serialized_end=833
+  _globals['_DATARESUMEREQUEST']._serialized_start=835
+  _globals['_DATARESUMEREQUEST']._serialized_end=905
+  _globals['_DATARESUMEREPLY']._serialized_start=907
+  _globals['_DATARESUMEREPLY']._serialized_end=959
+  _globals['_DATALOADER']._serialized_start=962
+  _globals['_DATALOADER']._serialized_end=1197
 # @@protoc_insertion_point(module_scope)

@@ -205,6 +205,10 @@ class DataConfig:
     replicas: int = 1  # dataloader services of the run; replica r serves the dp ranks with dp_rank % replicas == r
     #                    (each packs the same global stream, the corpus or an RL run's rollout stream, and sends only
     #                    its ranks' micro-batches)
+    eval_fraction: float = 0.0  # documents of each corpus dataset held out of training for the evaluation loss
+    #                             (`run.eval_interval`), drawn once by `seed`; 0: none held out
+    eval_micro_batches: int = 8  # held-out micro-batches (micro_batch_size sequences each) of every evaluation, over
+    #                              all dp ranks: the same ones each time, a multiple of the data-parallel size
 
 
 @dataclass
@@ -259,6 +263,8 @@ class RunConfig:
     #                               Clients authenticate with the FOLDMOE_AUTH_TOKEN environment variable when it is set
     advertise_host: str = ""  # host registered in Redis for clients to dial; empty: bind_host, or this host's name
     #                           when bind_host is 0.0.0.0
+    eval_interval: int = 0  # steps between evaluations of the held-out loss (`data.eval_fraction`), and one after the
+    #                         last step; 0: none
 
 
 @dataclass
@@ -535,6 +541,23 @@ def _check_rollout(rl: RLConfig) -> None:
                                                f"{rl.max_new_tokens}` completion tokens: raise it")
 
 
+def _check_eval(cfg: Config) -> None:
+    """The held-out evaluation: documents held out only when some evaluation reads them, and not in an RL run (whose
+    dataloader packs trajectories, not a corpus)."""
+    d, interval = cfg.data, cfg.run.eval_interval
+    _check(interval >= 0, f"`run.eval_interval` must be >= 0 (0: no evaluation), got {interval}")
+    _check(0 <= d.eval_fraction < 1, f"`data.eval_fraction={d.eval_fraction}` must be in [0, 1) (the share of each "
+                                     "dataset's documents held out for evaluation)")
+    _check(d.eval_micro_batches >= 1, f"`data.eval_micro_batches` must be at least 1, got {d.eval_micro_batches}")
+    _check(not (interval and cfg.rl.enabled), f"`run.eval_interval={interval}` evaluates held-out corpus documents, "
+                                              "but an RL run (`rl.enabled`) trains on rollouts: set "
+                                              "run.eval_interval=0")
+    _check(not interval or d.eval_fraction > 0, f"`run.eval_interval={interval}` evaluates documents held out of "
+                                                "training: set `data.eval_fraction` (e.g. 0.01)")
+    _check(interval or not d.eval_fraction, f"`data.eval_fraction={d.eval_fraction}` holds documents out of training "
+                                            "that no evaluation reads: set `run.eval_interval` or data.eval_fraction=0")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Reject impossible values; with `world_size`, also the parallel layout."""
     m, p, d, o = cfg.model, cfg.parallel, cfg.data, cfg.optimizer
@@ -608,6 +631,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(d.replicas >= 1, f"`data.replicas` must be at least 1, got {d.replicas}")
     _check(1 <= d.prefetch <= MAX_PREFETCH, f"`data.prefetch` must be in [1, {MAX_PREFETCH}] (micro-batches in flight "
            f"per rank; the dataloader holds a client to {MAX_PREFETCH}), got {d.prefetch}")
+    _check_eval(cfg)
     c = cfg.checkpoint
     _check(c.interval >= 0, f"`checkpoint.interval` must be >= 0 (0: save only at the end), got {c.interval}")
     _check(c.keep_last >= 0, f"`checkpoint.keep_last` must be >= 0 (0: keep every checkpoint), got {c.keep_last}")
@@ -658,3 +682,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                f"world size {world_size} is not divisible by pp*tp*cp = {p.pp}*{p.tp}*{p.cp} = {attn}")
         _check(world_size % moe == 0,
                f"world size {world_size} is not divisible by pp*etp*ep = {p.pp}*{p.etp}*{p.ep} = {moe}")
+        dp = world_size // attn
+        _check(not cfg.run.eval_interval or d.eval_micro_batches % dp == 0,
+               f"`data.eval_micro_batches={d.eval_micro_batches}` must be a multiple of the data-parallel size {dp} "
+               f"(world size {world_size} / pp*tp*cp {attn}): every dp rank evaluates as many micro-batches")

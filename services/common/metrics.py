@@ -100,6 +100,8 @@ class TrainerMetrics(Exporter):
         "data_wait_s": ("step_data_wait_seconds", "Seconds the latest step waited for its micro-batches."),
         "ckpt_stall_s": ("step_checkpoint_stall_seconds", "Seconds the latest step was held by a checkpoint save."),
         "max_load_ratio": ("max_expert_load_ratio", "Largest expert load over the mean load, latest step."),
+        "eval_loss": ("eval_loss", "Held-out loss of the latest evaluation (mean per loss token over the evaluation "
+                                   "set; run.eval_interval)."),
         "mtp_loss": ("mtp_loss", "Multi-token prediction cross-entropy of the latest step (per target token over "
                                  "the whole step, averaged over the depths; with model.mtp_num_layers)."),
     }

@@ -1,6 +1,6 @@
 """Charts of a run from the trainer's per-step records (`run.metrics_file`, JSON lines): `foldmoe plot`.
 
-    loss.png         loss and gradient norm per step
+    loss.png         loss and gradient norm per step (and the held-out loss where the run evaluated)
     throughput.png   tokens/s per step, with MFU where the record has it
     expert_load.png  each expert's share of the routed tokens per step (a heatmap: rows experts, columns steps)
 
@@ -63,7 +63,11 @@ def _save(fig, path: Path) -> Path:
 
 def plot_loss(records: list[dict[str, Any]], path: Path) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(*_series(records, "loss"), lw=1)
+    top.plot(*_series(records, "loss"), lw=1, label="training")
+    steps, held_out = _series(records, "eval_loss")
+    if steps:
+        top.plot(steps, held_out, "o-", ms=3, lw=1, color="tab:red", label="held out")
+        top.legend()
     top.set_ylabel("loss")
     top.grid(alpha=0.3)
     bottom.plot(*_series(records, "grad_norm"), lw=1, color="tab:orange")

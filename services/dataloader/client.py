@@ -3,6 +3,7 @@
     client = DataClient.from_registry(registry, dp_rank, dp_size, cfg)
     client.resume(checkpoint["data"])          # optional; without it the stream starts at step 0
     micro_batches = client.next_step()         # data.grad_accum dicts of CPU tensors
+    held_out = client.eval_micro_batches()     # this rank's share of the evaluation set (data.eval_fraction)
     checkpoint["data"] = client.state()        # JSON-able; resuming from it replays nothing and skips nothing
 
 Each micro-batch dict holds tokens, labels, position_ids (int64[T]), cu_seqlens (int32[S+1]) and cp_size (an int64
@@ -170,7 +171,9 @@ class DataClient:
         if self.on_demand:
             self._grant(1)
         while micro < count:
-            header, tensors = self._recv()
+            header, tensors = self._recv(self._sock, "micro_batch", f"step {self._next_step}")
+            if not self.on_demand:
+                self._grant(1)
             if header.step != self._next_step or header.micro != micro:
                 raise DataError(f"dataloader sent step {header.step} micro-batch {header.micro}, expected step "
                                 f"{self._next_step} micro-batch {micro}: another rank resumed the stream elsewhere; "
@@ -191,27 +194,57 @@ class DataClient:
         self._next_step += 1
         return out
 
-    def _recv(self) -> tuple[pb.MicroBatchHeader, dict[str, torch.Tensor]]:
+    def _recv(self, sock: zmq.Socket, expect: str, waiting_for: str
+              ) -> tuple[pb.MicroBatchHeader, dict[str, torch.Tensor]]:
+        """The next message on `sock`, a micro-batch of kind `expect` ("micro_batch" or "eval_batch")."""
         deadline = time.monotonic() + self.timeout
-        while not self._sock.poll(int(LIVENESS_S * 1000)):
+        while not sock.poll(int(LIVENESS_S * 1000)):
             if not self._alive():
                 raise _ServiceLost()
             if time.monotonic() > deadline:
                 raise DataError(f"no micro-batch from the dataloader at {self.zmq_endpoint} within "
-                                f"{self.timeout:.0f}s (waiting for step {self._next_step}) although it answers gRPC "
+                                f"{self.timeout:.0f}s (waiting for {waiting_for}) although it answers gRPC "
                                 f"at {self.grpc_endpoint}; see its log for what holds it up"
                                 + (" (an RL step waits for fresh trajectory groups: are the rollout workers running?)"
                                    if self.on_demand else ""))
-        kind, _, _ = wire.decode(frames := self._sock.recv_multipart(copy=False))
+        kind, _, _ = wire.decode(frames := sock.recv_multipart(copy=False))
         if kind == "error":
             _, err, _ = wire.decode(frames, pb.DataErrorReply)
             raise DataError(f"dataloader at {self.zmq_endpoint}: {err.message}")
-        if kind != "micro_batch":
+        if kind != expect:
             raise DataError(f"dataloader sent an unexpected {kind!r} message")
         _, header, tensors = wire.decode(frames, pb.MicroBatchHeader)
-        if not self.on_demand:
-            self._grant(1)
         return header, tensors
+
+    # ------------------------------------------------------------ evaluation
+
+    def eval_micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's share of the run's held-out evaluation set (services/dataloader/heldout.py: the same
+        micro-batches at every call), as `next_step`'s dicts. Asked for on a socket of its own, so the training stream's prefetched
+        micro-batches stay where they are; a service lost meanwhile is found again as `next_step` finds it."""
+        while True:
+            try:
+                return self._receive_eval()
+            except _ServiceLost:
+                self._reconnect()
+
+    def _receive_eval(self) -> list[dict[str, torch.Tensor]]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.zmq_endpoint)
+        try:
+            wire.send(sock, "eval", pb.DataEvalRequest(dp_rank=self.dp_rank, dp_size=self.dp_size), token=self.token)
+            out, count = [], 1
+            while len(out) < count:
+                header, tensors = self._recv(sock, "eval_batch", "the evaluation set")
+                if header.micro != len(out):
+                    raise DataError(f"dataloader sent evaluation micro-batch {header.micro}, expected {len(out)}")
+                count = header.grad_accum
+                tensors["cp_size"] = torch.tensor(header.cp_size or 1, dtype=torch.int64)
+                out.append(tensors)
+            return out
+        finally:
+            sock.close(linger=0)
 
     def _grant(self, credits: int) -> None:
         wire.send(self._sock, "credit", pb.DataCredit(credits=credits), token=self.token)

@@ -29,7 +29,8 @@ from proto import dataloader_pb2 as pb
 from services.common.config import MAX_PREFETCH
 from services.dataloader.dataset import IndexedDataset
 from services.dataloader.errors import DataError
-from services.dataloader.stream import Step, StepStream
+from services.dataloader.heldout import eval_sequences
+from services.dataloader.stream import Step, StepStream, build_micro_batch
 
 # How far apart (in steps) two resume positions may be and still be checked for lying on one stream; farther: reset.
 MAX_REALIGN_STEPS = 64
@@ -59,6 +60,10 @@ class Engine:
             raise DataError(f"replica {replica} is outside [0, data.replicas={self.replicas})")
         self.make_stream = make_stream or (lambda dp_size: StepStream(datasets, data_cfg, dp_size, self.cp_sizes))
         self.make_stream(1)  # a config the stream cannot serve fails at start, not at a join
+        # The evaluation set (heldout.py), built at start for the same reason; None: the run holds nothing out
+        self.eval_set = ([build_micro_batch(datasets, seqs, data_cfg.seq_len)
+                          for seqs in eval_sequences(datasets, data_cfg)]
+                         if datasets and data_cfg.eval_fraction else None)
         self.max_buffered = max_buffered or max(2, -(-data_cfg.prefetch // data_cfg.grad_accum) + 1)
         self.lock = threading.Lock()
         self.stream: StepStream | None = None
@@ -177,6 +182,28 @@ class Engine:
             if c.ident == ident:
                 return c.rank
         return None
+
+    # ------------------------------------------------------------ evaluation
+
+    def eval_share(self, dp_rank: int, dp_size: int) -> list[tuple[pb.MicroBatchHeader, dict]]:
+        """Dp rank `dp_rank`'s micro-batches of the evaluation set as (header, tensors): micro-batches j = dp_rank,
+        dp_rank + dp_size, ..., each sized for the largest CP size (every CP peer of the rank runs it)."""
+        if self.eval_set is None:
+            raise DataError("this dataloader holds no documents out for evaluation (" + (
+                "it serves an RL run's rollout stream" if not self.datasets else "`data.eval_fraction=0`")
+                + "); give it the trainer's config (run.eval_interval needs data.eval_fraction > 0)")
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
+        if not self.serves(dp_rank):
+            raise DataError(f"dp_rank {dp_rank} is not served by replica {self.replica} of data.replicas="
+                            f"{self.replicas}; ask replica {dp_rank % self.replicas}")
+        if len(self.eval_set) % dp_size:
+            raise DataError(f"`data.eval_micro_batches={len(self.eval_set)}` is not a multiple of the trainer's "
+                            f"data-parallel size {dp_size}; make it one")
+        share = self.eval_set[dp_rank::dp_size]
+        return [(pb.MicroBatchHeader(micro=i, grad_accum=len(share), dp_rank=dp_rank, cp_size=max(self.cp_sizes),
+                                     num_segments=mb.num_segments, real_tokens=mb.real_tokens), mb.tensors)
+                for i, mb in enumerate(share)]
 
     # ------------------------------------------------------------ serving
 

@@ -117,14 +117,17 @@ class PackedSequences(BaseNode[Sequence]):
     (cheap, deterministic) and skips exactly those.
     """
 
-    def __init__(self, lengths: np.ndarray, seq_len: int, window: int, seed: int, stream_id: int = 0):
-        """`stream_id`: the dataset's index in a blend; it tags pieces and decorrelates the shuffles of blended datasets."""
+    def __init__(self, lengths: np.ndarray, seq_len: int, window: int, seed: int, stream_id: int = 0,
+                 docs: np.ndarray | None = None):
+        """`stream_id`: the dataset's index in a blend; it tags pieces and decorrelates the shuffles of blended
+        datasets. `docs`: the ids of the documents this stream packs (None: all; heldout.py splits them)."""
         super().__init__()
-        if len(lengths) == 0 or int(np.max(lengths)) < 2:
+        self.docs = np.arange(len(lengths)) if docs is None else np.asarray(docs, dtype=np.int64)
+        if len(self.docs) == 0 or int(np.max(lengths[self.docs])) < 2:
             raise ValueError("a dataset needs at least one document of two or more tokens to pack")
         self.lengths, self.seq_len, self.window = lengths, seq_len, max(1, window)
         self.seed, self.stream_id = seed, stream_id
-        self.windows_per_epoch = -(-len(lengths) // self.window)
+        self.windows_per_epoch = -(-len(self.docs) // self.window)
         self.used_positions = 0  # statistics since this process started; not part of the position
         self.total_positions = 0
 
@@ -138,7 +141,8 @@ class PackedSequences(BaseNode[Sequence]):
 
     def _load_window(self) -> None:
         if self._perm_epoch != self._epoch:
-            self._perm = np.random.default_rng((self.seed, self.stream_id, self._epoch)).permutation(len(self.lengths))
+            order = np.random.default_rng((self.seed, self.stream_id, self._epoch)).permutation(len(self.docs))
+            self._perm = self.docs[order]
             self._perm_epoch = self._epoch
         ids = self._perm[self._window * self.window:(self._window + 1) * self.window]
         ages = dict(self._carry_in)

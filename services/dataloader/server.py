@@ -3,7 +3,9 @@
     python -m services.dataloader.server --config FILE [section.key=value ...]
 
 ZMQ (ROUTER): clients send `hello` then `credit` messages; the server answers with `micro_batch` messages (a
-`MicroBatchHeader` plus tensor frames, see proto/dataloader.proto) within each client's credits, or one `error`.
+`MicroBatchHeader` plus tensor frames, see proto/dataloader.proto) within each client's credits, or one `error`. An
+`eval` message asks for a rank's share of the held-out evaluation set (heldout.py), answered at once with `eval_batch`
+messages.
 gRPC: `foldmoe.v1.DataLoader` (Status, GetState, ResumeFromState) and `grpc.health.v1.Health`.
 HTTP: Prometheus metrics at `/metrics` (see `metrics.py`).
 Registers as service "dataloader" with {"zmq": ..., "grpc": ..., "metrics": ..., "replica": r, "replicas": n} under run
@@ -171,6 +173,17 @@ class DataLoaderServer:
                         problem = self.engine.hello(ident, msg)
                     if problem:
                         self._reply_error(ident, problem)
+                elif kind == "eval":
+                    _, msg, _ = wire.decode(frames[1:], pb.DataEvalRequest)
+                    try:
+                        with self.engine.lock:
+                            share = self.engine.eval_share(msg.dp_rank, msg.dp_size)
+                    except DataError as e:
+                        self._reply_error(ident, str(e))
+                    else:
+                        for header, tensors in share:
+                            self._router.send_multipart([ident, *wire.encode("eval_batch", header, tensors)],
+                                                        copy=False)
                 elif kind == "credit":
                     _, msg, _ = wire.decode(frames[1:], pb.DataCredit)
                     with self.engine.lock:

@@ -4,8 +4,9 @@ One step takes `dp_size * grad_accum * micro_batch_size` packed sequences off th
 r*grad_accum .. (r+1)*grad_accum-1 of the step. The stream position is counted in sequences, not steps, so a state saved
 under one (dp_size, grad_accum, micro_batch_size) resumes exactly under another: no sequence replayed, none skipped.
 
-State (JSON): {"version", "step", "stream": <node state>, "dataset", "blend_weights", "seq_len", "packing_window", "seed"};
-the last five must match the server's, because they define the stream itself.
+State (JSON): {"version", "step", "stream": <node state>, "dataset", "blend_weights", "seq_len", "packing_window", "seed"}
+and "eval_fraction" when documents are held out (heldout.py); all but the first three must match the server's, because
+they define the stream itself.
 
 CP size of a micro-batch (`MicroBatch.cp_size`, sent as `MicroBatchHeader.cp_size` and handed to the trainer as the
 0-dim tensor `cp_size`): the number of context-parallel ranks that must split this micro-batch between them by zigzag
@@ -30,6 +31,7 @@ from services.dataloader.blend import BlendedSequences
 from services.dataloader.cp_sizing import CPBudget, choose_cp_size, deal_by_cost, segment_lengths, work
 from services.dataloader.dataset import IndexedDataset
 from services.dataloader.errors import DataError
+from services.dataloader.heldout import split_documents
 from services.dataloader.packing import PackedSequences, Sequence
 
 STATE_VERSION = 2  # 2: packing carries part-filled sequences into the next window (a different stream)
@@ -111,7 +113,8 @@ class StepStream:
         datasets, cfg = self.datasets, self.cfg
         if len({str(d.meta["tokenizer"]) for d in datasets}) != 1:
             raise DataError("blended datasets were tokenized with different tokenizers; preprocess them with one")
-        self._sources = [PackedSequences(d.doc_lengths, cfg.seq_len, cfg.packing_window, cfg.seed, i)
+        self._sources = [PackedSequences(d.doc_lengths, cfg.seq_len, cfg.packing_window, cfg.seed, i,
+                                         docs=split_documents(len(d), cfg.eval_fraction, cfg.seed)[0])
                          for i, d in enumerate(datasets)]
         if cfg.blend_weights:
             return BlendedSequences(self._sources, list(cfg.blend_weights), cfg.seed)
@@ -120,9 +123,10 @@ class StepStream:
         raise DataError(f"{len(datasets)} datasets need `data.blend_weights` (one weight each)")
 
     def identity(self) -> dict[str, Any]:
+        held_out = {"eval_fraction": self.cfg.eval_fraction} if self.cfg.eval_fraction else {}  # (older states lack it)
         return {"dataset": "+".join(d.fingerprint for d in self.datasets),
                 "blend_weights": list(self.cfg.blend_weights), "seq_len": self.cfg.seq_len,
-                "packing_window": self.cfg.packing_window, "seed": self.cfg.seed}
+                "packing_window": self.cfg.packing_window, "seed": self.cfg.seed, **held_out}
 
     def state(self) -> dict[str, Any]:
         """Position before the next step this stream will produce."""

@@ -1,7 +1,9 @@
-"""Rank 0's console output: one line per step with a progress bar (works the same in a terminal and in a log file)."""
+"""Rank 0's console output: one line per step with a progress bar, and one per evaluation of the held-out loss (works
+the same in a terminal and in a log file)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -40,6 +42,10 @@ class StepPrinter:
             f"step {step:>5}/{self.total} {self._bar(step)} loss {r['loss']:.4f} gnorm {r['grad_norm']:.2f} "
             f"lr {r['lr']:.2e} {r['tokens_per_s']:,.0f} tok/s{mfu} load×{r['max_load_ratio']:.2f} "
             f"drop {100 * r['dropped_frac']:.1f}% wait {1000 * r['data_wait_s']:.0f}ms eta {eta:.0f}s")
+        if "eval_loss" in r:
+            self.console.print(f"eval {step:>5}/{self.total} held-out loss {r['eval_loss']:.4f} "
+                               f"ppl {math.exp(min(r['eval_loss'], 80)):.2f} over {r['eval_tokens']:,} tokens "
+                               f"({r['eval_time_s']:.1f}s)")
 
     def done(self) -> None:
         if self.enabled:

@@ -25,6 +25,7 @@ from services.common.metrics import TrainerMetrics
 from services.common.registry import Registry, RegistryError, redis_url
 from services.dataloader.errors import DataError
 from services.trainer import checkpointing
+from services.trainer.evaluate import EvalResult, evaluate
 from services.trainer.metrics import (MetricsLog, StepEnd, StepValues, datasheet_peak, flops_per_token,
                                       measure_peak_tflops)
 from services.trainer.model.mtp import mean_per_target
@@ -150,6 +151,13 @@ def train_step(model: MoETransformer, optimizer, micro_batches: list, lr: float,
                       loads=advance_router_bias(model, cfg), **mtp)
 
 
+def evaluation_due(cfg: Config, step: int) -> bool:
+    """Whether the held-out loss is measured after `step` (1-based): every `run.eval_interval` steps and after the
+    last."""
+    every = cfg.run.eval_interval
+    return bool(every) and (step % every == 0 or step == cfg.run.steps)
+
+
 def mtp_loss_of_step(model: MoETransformer, groups: ParallelGroups, device: torch.device) -> torch.Tensor:
     """The MTP depths' mean cross-entropy per target token over the step's micro-batches on every DP x CP rank, from
     the last pipeline stage (which holds the depths; the others add zeros), queued on the device (mtp.py)."""
@@ -171,6 +179,11 @@ class StepReporter:
         self.printer = StepPrinter(cfg.run.steps, start_step, enabled=rt.rank == 0)
         self.log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
         self.printer.header(cfg, rt.device, self.peak_sheet, self.peak_measured, start_step)
+        self.evaluations: dict[int, EvalResult] = {}  # step -> its evaluation, added to the step's record
+
+    def evaluated(self, step: int, result: EvalResult) -> None:
+        """The held-out loss measured after `step` (1-based): written with the step's record."""
+        self.evaluations[step] = result
 
     def __call__(self, step: int, values: StepValues, end: StepEnd, lr: float, data_wait: float, stall: float,
                  since: StepEnd) -> StepEnd:
@@ -193,6 +206,10 @@ class StepReporter:
         }
         if "mtp_loss" in v:  # the whole step's, as loss
             record["mtp_loss"] = float(v["mtp_loss"])
+        if held_out := self.evaluations.pop(step + 1, None):
+            record.update(eval_loss=held_out.loss, eval_tokens=held_out.tokens, eval_time_s=held_out.seconds)
+            if held_out.mtp_loss is not None:
+                record["eval_mtp_loss"] = held_out.mtp_loss
         if self.rt.device.type == "cuda":
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.rt.device) / 2**30
         self.log.write(record)
@@ -261,6 +278,12 @@ def train(cfg: Config) -> int:
                                            skippable=why != "asked")
             pending.append((step, values, StepEnd(rt.device), lr, data_wait, stall))
             profiler.end(step + 1)
+            if evaluation_due(cfg, step + 1):
+                report.evaluated(step + 1, evaluate(model, data.eval_micro_batches(), groups, cfg, rt.device,
+                                                    rt.autocast_dtype))
+                while pending:  # done on the device: the evaluation read its loss
+                    last_end = report(*pending.popleft(), since=last_end)
+                last_end = StepEnd(rt.device)  # the next step's time starts after the evaluation
         while pending:  # the last steps: nothing queued after them, the last end is the last work on the device
             last_end = report(*pending.popleft(), since=last_end)
         saver.wait()

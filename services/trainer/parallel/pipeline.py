@@ -355,19 +355,8 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
     (`parallel.ep_overlap`), micro-batches go through the schedule two at a time, interleaved
     (services/trainer/parallel/micro_batch_pairs.py).
     """
-    mbs = [to_device(mb, device) for mb in micro_batches]
-    link = StageLink.of(model_stage, [mb["tokens"].shape[0] for mb in mbs], device, pp_group, sequence_parallel_size)
-
-    def stage_forward(i: int, hidden: torch.Tensor | None, chunk: int, staged: bool = False):
-        mb = mbs[i]
-        bind_micro_batch(model_stage, mb)
-        # every chunk gets the labels: the first one embeds the MTP depths' inputs from them (model.mtp_num_layers)
-        return model_stage(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden,
-                           labels=mb["labels"], staged=staged, layers=link.chunks[chunk],
-                           mtp_labels=mb.get("mtp_labels"))
-
-    def autocast():
-        return torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    mbs, link, stage_forward, autocast = _loss_stage(model_stage, micro_batches, device, autocast_dtype, pp_group,
+                                                     sequence_parallel_size)
 
     def micro_batch_forward(i: int, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
         with autocast():
@@ -382,3 +371,41 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
         rebind = (lambda i: bind_micro_batch(model_stage, mbs[i])) if cp else None
         return one_f_one_b(micro_batch_forward, link, step_tokens,
                            unit_forward=pair_forward(stage_forward, autocast, rebind), unit_size=2)
+
+
+def loss_forward_pipeline(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
+                          autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None,
+                          sequence_parallel_size: int = 1) -> torch.Tensor:
+    """`forward_backward_pipeline`'s forward alone (`forward_only`, no autograd): the micro-batches' summed token loss
+    on the last stage, zero elsewhere (evaluation, services/trainer/evaluate.py)."""
+    mbs, link, stage_forward, autocast = _loss_stage(model_stage, micro_batches, device, autocast_dtype, pp_group,
+                                                     sequence_parallel_size)
+
+    def micro_batch_forward(i: int, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
+        with autocast():
+            return stage_forward(i, hidden, chunk)
+
+    with fp8_weights_held(model_stage, len(mbs)):
+        losses = forward_only(micro_batch_forward, link)
+    return sum((loss.float() for loss in losses if loss is not None), torch.zeros((), device=device))
+
+
+def _loss_stage(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
+                autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None, sequence_parallel_size: int):
+    """(the micro-batches on `device`, their StageLink, the stage's forward with the model's cross-entropy as the last
+    chunk's output, the autocast context) of the pre-training schedules."""
+    mbs = [to_device(mb, device) for mb in micro_batches]
+    link = StageLink.of(model_stage, [mb["tokens"].shape[0] for mb in mbs], device, pp_group, sequence_parallel_size)
+
+    def stage_forward(i: int, hidden: torch.Tensor | None, chunk: int, staged: bool = False):
+        mb = mbs[i]
+        bind_micro_batch(model_stage, mb)
+        # every chunk gets the labels: the first one embeds the MTP depths' inputs from them (model.mtp_num_layers)
+        return model_stage(mb["tokens"], mb["position_ids"], mb["cu_seqlens"], mb.get("max_seqlen"), hidden=hidden,
+                           labels=mb["labels"], staged=staged, layers=link.chunks[chunk],
+                           mtp_labels=mb.get("mtp_labels"))
+
+    def autocast():
+        return torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+
+    return mbs, link, stage_forward, autocast

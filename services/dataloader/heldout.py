@@ -1,0 +1,71 @@
+"""The held-out split: documents kept out of training, and the micro-batches the evaluation loss is measured on.
+
+`data.eval_fraction` of each dataset's documents (at least one), drawn once from `data.seed`, never enter the training
+stream (stream.py packs the others). The evaluation set packs the held-out documents as training packs its own (same
+`seq_len`, window and seed, one epoch, each document once) into the first `data.eval_micro_batches` micro-batches of
+`data.micro_batch_size` sequences, the datasets of a blend taking turns sequence by sequence. It is the same set at
+every evaluation and under every parallel layout, so evaluations compare across steps and runs: micro-batch j goes to
+dp rank j % dp_size, and the loss is their token-weighted mean (services/trainer/evaluate.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from services.dataloader.dataset import IndexedDataset
+from services.dataloader.errors import DataError
+from services.dataloader.packing import PackedSequences, Sequence
+
+HELD_OUT_DRAW = 0x5EED  # mixed into the draw's seed: the held-out documents do not follow from the shuffles' seeds
+
+
+def split_documents(num_docs: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training ids, held-out ids), each ascending: round(fraction * num_docs) documents held out, at least one when
+    `fraction` > 0; none when it is 0."""
+    if fraction <= 0:
+        return np.arange(num_docs), np.arange(0)
+    held = max(1, round(fraction * num_docs))
+    if held >= num_docs:
+        raise DataError(f"`data.eval_fraction={fraction}` holds out {held} of the dataset's {num_docs} documents, "
+                        "leaving none to train on; lower it or add documents")
+    chosen = np.zeros(num_docs, dtype=bool)
+    chosen[np.random.default_rng((seed, HELD_OUT_DRAW)).choice(num_docs, held, replace=False)] = True
+    return np.flatnonzero(~chosen), np.flatnonzero(chosen)
+
+
+def _first_epoch(source: PackedSequences, limit: int) -> list[Sequence]:
+    """The first `limit` sequences of the source's first epoch (fewer when the epoch has fewer)."""
+    source.reset(None)
+    out = []
+    while len(out) < limit:
+        seq = source.next()
+        if source.get_state()["epoch"]:  # the next epoch's first sequence: every held-out document is packed
+            break
+        out.append(seq)
+    return out
+
+
+def eval_sequences(datasets: list[IndexedDataset], data_cfg) -> list[list[Sequence]]:
+    """The evaluation set of the run (module docstring): `data.eval_micro_batches` lists of `data.micro_batch_size`
+    packed sequences."""
+    cfg = data_cfg
+    mbs, need = cfg.micro_batch_size, cfg.eval_micro_batches * cfg.micro_batch_size
+    epochs = []
+    for i, d in enumerate(datasets):
+        held = split_documents(len(d), cfg.eval_fraction, cfg.seed)[1]
+        try:
+            epochs.append(_first_epoch(PackedSequences(d.doc_lengths, cfg.seq_len, cfg.packing_window, cfg.seed, i,
+                                                       docs=held), need))
+        except ValueError:
+            raise DataError(f"the documents `data.eval_fraction={cfg.eval_fraction}` holds out of {d.path} are all "
+                            "shorter than two tokens; raise eval_fraction") from None
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*epochs))
+    sequences = [s for s in turns if s is not None]
+    if len(sequences) < need:
+        raise DataError(f"the held-out documents (`data.eval_fraction={cfg.eval_fraction}`) pack into {len(sequences)} "
+                        f"sequences of {cfg.seq_len} tokens, fewer than `data.eval_micro_batches` x "
+                        f"`data.micro_batch_size` = {cfg.eval_micro_batches} x {mbs}: raise eval_fraction or lower "
+                        "eval_micro_batches")
+    return [sequences[j * mbs:(j + 1) * mbs] for j in range(cfg.eval_micro_batches)]
