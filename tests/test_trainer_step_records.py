@@ -139,8 +139,14 @@ class _NoSaveAsked:
 class _Data:
     """The dataloader client: `steps[k]` after sleeping `waits[k]` (the time the trainer waits for step k's data)."""
 
-    def __init__(self, steps: list, waits: list[float]):
+    def __init__(self, steps: list, waits: list[float], eval_wait: float = 0.0):
         self.steps, self.waits, self._next = steps, waits, 0
+        self.eval_wait, self.evaluations = eval_wait, []  # the steps after which the evaluation set was asked for
+
+    def eval_micro_batches(self):
+        time.sleep(self.eval_wait)
+        self.evaluations.append(self._next)
+        return self.steps[0]
 
     @property
     def step(self) -> int:
@@ -191,15 +197,18 @@ WAIT, STALL = 0.5, 0.3
 def test_each_pre_training_record_times_its_own_step_the_first_and_the_last_too(tmp_path, monkeypatch):
     """Step k is reported after step k+1 is queued. On the CPU, where queuing a step computes it, the time between
     reports was the next step's (the first record held two steps' data waits, the last next to nothing): each record
-    must hold its own step's data wait and checkpoint stall, and no other step's."""
+    must hold its own step's data wait and checkpoint stall, and no other step's. An evaluation (after steps 2 and 4,
+    `run.eval_interval=2`, its data taking WAIT) is in the record of the step it follows, and in no step's time."""
     from services.trainer import train as train_module
 
     cfg = load_config("configs/tiny.yaml", [
         "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=32",
         "model.num_experts=4", "data.seq_len=32", "data.micro_batch_size=1", "run.steps=4", "checkpoint.interval=0",
-        f"run.metrics_file={tmp_path / 'metrics.jsonl'}", f"checkpoint.dir={tmp_path / 'ckpt'}"])
-    waits = [0.0, 0.0, WAIT, WAIT]  # the last step also saves the final checkpoint (STALL)
-    saved = _services(monkeypatch, train_module, _Data(make_batches(cfg.model, steps=4, micro=1), waits), STALL)
+        f"run.metrics_file={tmp_path / 'metrics.jsonl'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "run.eval_interval=2"])
+    waits = [0.0, 0.0, 0.0, WAIT]  # the last step also saves the final checkpoint (STALL)
+    data = _Data(make_batches(cfg.model, steps=4, micro=1), waits, eval_wait=WAIT)
+    saved = _services(monkeypatch, train_module, data, STALL)
     monkeypatch.setattr(train_module, "TrainerMetrics", _Exporter)
     monkeypatch.setattr(train_module, "measure_peak_tflops", lambda *a: 0.0)
     t0 = time.perf_counter()
@@ -215,6 +224,12 @@ def test_each_pre_training_record_times_its_own_step_the_first_and_the_last_too(
         assert r["tokens_per_s"] == pytest.approx(cfg.data.seq_len / r["step_time_s"])  # one 32-token micro-batch
     assert logged[-1]["ckpt_stall_s"] == STALL
     assert sum(r["step_time_s"] for r in logged) <= wall  # the steps' times tile the loop, none counted twice
+    assert data.evaluations == [2, 4]
+    tokens = count_loss_tokens(data.steps[0])
+    for r in logged:
+        assert ("eval_loss" in r) == (r["step"] in (2, 4)), r
+        if "eval_loss" in r:
+            assert r["eval_tokens"] == tokens and 0 < r["eval_loss"] < 10 and r["eval_time_s"] > 0
 
 
 def _rl_groups(cfg, steps: int) -> list[list]:

@@ -136,7 +136,8 @@ class StepStream:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise DataError(f"not a version-{STATE_VERSION} dataloader state: {str(state)[:200]}")
         mine = self.identity()
-        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        keys = [*mine, *(["eval_fraction"] if "eval_fraction" in state and "eval_fraction" not in mine else [])]
+        diff = {k: (state.get(k), mine.get(k)) for k in keys if state.get(k) != mine.get(k)}
         if diff:
             raise DataError("dataloader state was saved for another stream (saved, now): "
                             + ", ".join(f"{k}={a!r} vs {b!r}" for k, (a, b) in diff.items())
