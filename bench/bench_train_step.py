@@ -3,8 +3,9 @@
     python bench/bench_train_step.py --config configs/qwen3_30b_a3b.yaml model.num_layers=2 data.seq_len=4096 \
         data.micro_batch_size=2 run.steps=20
 
-Prints tokens/s, MFU against the datasheet peak and against a GEMM peak measured in the same run, peak memory, and
-the memory of one step by category (parameters, gradients, optimizer state, activations, other: memory_report.py).
+Prints tokens/s, MFU against the datasheet peak and against a GEMM peak measured in the same run, peak memory, the
+tokens/s of the held-out evaluation's forward (services/trainer/evaluate.py) on the same model, and the memory of one
+step by category (parameters, gradients, optimizer state, activations, other: memory_report.py).
 The data path (dataloader service) is excluded on purpose: this isolates compute. `--record bench/RESULTS.md` appends the
 final tables there with machine, command and commit.
 
@@ -23,6 +24,7 @@ runs the same paths as training.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import shlex
 import statistics
@@ -40,9 +42,11 @@ from services.common.config import Config, load_config  # noqa: E402
 from services.trainer.memory_report import MemoryReport, measure_step  # noqa: E402
 from services.trainer.metrics import (StepValues, active_params, datasheet_peak, flops_per_token,  # noqa: E402
                                       measure_peak_tflops)
+from services.trainer.evaluate import evaluate  # noqa: E402
 from services.trainer.model.recompute import apply_memory_policy  # noqa: E402
 from services.trainer.model.transformer import MoETransformer  # noqa: E402
 from services.trainer.optim import build_adamw, clip_and_step  # noqa: E402
+from services.trainer.parallel.groups import single_process  # noqa: E402
 from services.trainer.step import forward_backward  # noqa: E402
 
 
@@ -72,6 +76,7 @@ class Outcome:
     step_ms: float
     final_loss: float
     memory: MemoryReport
+    eval_tokens_per_s: float  # the held-out evaluation's forward (services/trainer/evaluate.py)
 
 
 def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batches, device, sheet: float,
@@ -113,13 +118,31 @@ def run_variant(name: str, cfg: Config, weights: dict[str, torch.Tensor], batche
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     memory = measure_step(model, opt, lambda: train_step(batches[0]), device)  # one more step, counted by category
+    eval_tps = evaluation_rate(model, cfg, batches, device)
     if profile_rows:
         print_profile(name, lambda: train_step(batches[0]), profile_rows, trace and f"{trace}.{name}.json")
-    outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, peak_gib, steady * 1000, value, memory)
+    outcome = Outcome(name, tps, 100 * tps * fpt / 1e12 / sheet, peak_gib, steady * 1000, value, memory, eval_tps)
     del model, opt
     gc.collect()
     torch.cuda.empty_cache()
     return outcome
+
+
+def evaluation_rate(model: MoETransformer, cfg: Config, batches, device, reps: int = 4) -> float:
+    """Tokens/s of the trainer's held-out evaluation (`evaluate`: eval mode, no autograd) over a step's micro-batches,
+    after two untimed calls (a compiled model compiles its no-grad versions). Each call reads its loss on the host, so
+    the time between calls is the device's."""
+    cfg = copy.deepcopy(cfg)
+    cfg.data.eval_micro_batches = len(batches[0])
+
+    def run(i: int) -> None:
+        evaluate(model, batches[i % len(batches)], single_process(), cfg, device, torch.bfloat16)
+
+    run(0), run(1)
+    start = time.perf_counter()
+    for i in range(reps):
+        run(i)
+    return reps * cfg.data.seq_len * cfg.data.micro_batch_size * len(batches[0]) / (time.perf_counter() - start)
 
 
 # Memory-bound operators the profile lists by input shape: where casts, adds and fills come from.
@@ -195,17 +218,20 @@ def main() -> None:
         o = outcomes[-1]
         print(f"RESULT {name} | moe_kernels {m.moe_kernels} recompute {m.recompute} offload {m.offload} | "
               f"tokens/s {o.tokens_per_s:,.0f} | MFU {o.mfu:.1f}% of {sheet:.0f} | peak mem {o.peak_gib:.1f} GiB | "
-              f"median step {o.step_ms:.0f} ms | final loss {o.final_loss:.4f}", flush=True)
+              f"median step {o.step_ms:.0f} ms | final loss {o.final_loss:.4f} | evaluation tokens/s "
+              f"{o.eval_tokens_per_s:,.0f}", flush=True)
         print(f"memory of one step, {name}:\n{o.memory.table()}", flush=True)
     measured = measure_peak_tflops(device, torch.bfloat16)
     fpt = flops_per_token(base.model, base.data.seq_len)
     table = Table()
     table.line(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | active params "
                f"{active_params(base.model) / 1e9:.3f}B | GEMM peak measured {measured:.0f} TFLOP/s")
-    table.line(f"{'variant':<24}{'tokens/s':>12}{'MFU sheet':>11}{'MFU meas.':>11}{'peak GiB':>10}{'step ms':>9}")
+    table.line(f"{'variant':<24}{'tokens/s':>12}{'MFU sheet':>11}{'MFU meas.':>11}{'peak GiB':>10}{'step ms':>9}"
+               f"{'eval tok/s':>12}")
     for o in outcomes:
         table.line(f"{o.name:<24}{o.tokens_per_s:>12,.0f}{o.mfu:>10.1f}%"
-                   f"{100 * o.tokens_per_s * fpt / 1e12 / measured:>10.1f}%{o.peak_gib:>10.1f}{o.step_ms:>9.0f}")
+                   f"{100 * o.tokens_per_s * fpt / 1e12 / measured:>10.1f}%{o.peak_gib:>10.1f}{o.step_ms:>9.0f}"
+                   f"{o.eval_tokens_per_s:>12,.0f}")
     table.line("\nmemory by category, GiB (services/trainer/memory_report.py; one step after the timed ones)")
     names = [r[0] for r in outcomes[0].memory.rows()]
     table.line(f"{'variant':<16}" + "".join(f"{n.split(' (')[0][:16]:>17}" for n in names))

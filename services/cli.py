@@ -149,7 +149,7 @@ def _last_record(path: Path) -> str:
     if not isinstance(record, dict):
         return ""
     shown = [f"{key} {record[key]:.4g}" for key in ("loss", "grad_norm", "tokens_per_s", "mfu", "data_wait_s",
-                                                    "ckpt_stall_s")
+                                                    "ckpt_stall_s", "eval_loss")
              if isinstance(record.get(key), (int, float))]
     return f"step {record.get('step', '?')}: " + ", ".join(shown)
 

@@ -1,6 +1,6 @@
 """The whole local topology for real: `foldmoe train` on the tiny config starts Redis, dataloader, checkpointer and a
-trainer rank, trains a few steps, lands checkpoints, and a second run resumes exactly after the last one; every process
-is gone after each run."""
+trainer rank, trains a few steps, lands checkpoints, evaluates the held-out loss every 4 steps and after the last, and a
+second run resumes exactly after the last one, on the same evaluation set; every process is gone after each run."""
 
 from __future__ import annotations
 
@@ -15,14 +15,22 @@ from services.checkpointer.store import CheckpointStore  # noqa: E402
 
 
 def train(tmp_path: Path, steps: int, metrics: str) -> harness.Result:
-    overrides = [f"run.steps={steps}", "checkpoint.interval=3", "optimizer.warmup_steps=2",
+    overrides = [f"run.steps={steps}", "checkpoint.interval=3", "optimizer.warmup_steps=2", "run.eval_interval=4",
                  f"run.dir={tmp_path / 'run'}", f"data.dataset_dir={tmp_path / 'data'}",
                  f"checkpoint.dir={tmp_path / 'ckpt'}", f"run.metrics_file={tmp_path / metrics}", "run.name=e2e"]
     return harness.run(harness.cli("train", "--config", "configs/tiny.yaml", *overrides), tmp_path, timeout=240)
 
 
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def logged_steps(path: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    return [r["step"] for r in records(path)]
+
+
+def evaluations(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in records(path) if "eval_loss" in r}
 
 
 def test_train_checkpoints_and_a_second_run_resumes_at_the_right_step(tmp_path):
@@ -38,3 +46,9 @@ def test_train_checkpoints_and_a_second_run_resumes_at_the_right_step(tmp_path):
     assert second.strays == []
     assert logged_steps(tmp_path / "second.jsonl") == [7, 8, 9]
     assert CheckpointStore(tmp_path / "ckpt", keep_last=0).latest_step() == 9
+
+    first_evals, second_evals = evaluations(tmp_path / "first.jsonl"), evaluations(tmp_path / "second.jsonl")
+    assert sorted(first_evals) == [4, 6] and sorted(second_evals) == [8, 9]
+    assert len({r["eval_tokens"] for r in [*first_evals.values(), *second_evals.values()]}) == 1  # one set
+    assert first_evals[4]["eval_loss"] > second_evals[9]["eval_loss"] > 0
+    assert "held-out loss" in first.stdout

@@ -64,3 +64,17 @@ def test_plot_command_reports_a_missing_file_as_one_line(tmp_path):
     assert res.stderr.strip().splitlines() == [
         f"foldmoe: error: no metrics file at {tmp_path / 'none.jsonl'}; train first (`foldmoe train`) or pass "
         "--metrics FILE"]
+
+
+def test_the_loss_chart_draws_the_held_out_loss_where_the_run_evaluated(tmp_path, monkeypatch):
+    from services.common import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_save", lambda fig, path: drawn.append(fig) or path)
+    records = [{**record(s, 5.0 - 0.1 * s), **({"eval_loss": 4.5 - 0.1 * s} if s % 5 == 0 else {})}
+               for s in range(1, 21)]
+    plot.plot_loss(records, tmp_path / "loss.png")
+    lines = {line.get_label(): line for line in drawn[0].axes[0].get_lines()}
+    assert list(lines["held out"].get_xdata()) == [5, 10, 15, 20]
+    assert list(lines["held out"].get_ydata()) == pytest.approx([4.0, 3.5, 3.0, 2.5])
+    assert len(lines["training"].get_xdata()) == 20

@@ -36,6 +36,7 @@ def _config(**parallel):
     cfg.model.bias_update_rate = 1e-2  # the step's loads move the routers' bias: a polluted count changes the weights
     cfg.model.mtp_num_layers = 1  # the depths' held-out loss too, and sums a polluting evaluation would leave behind
     cfg.model.num_layers = 4 if cfg.parallel.pp_virtual > 1 else 2
+    cfg.data.eval_micro_batches = 4
     return cfg
 
 

@@ -220,8 +220,9 @@ class DataClient:
 
     def eval_micro_batches(self) -> list[dict[str, torch.Tensor]]:
         """This rank's share of the run's held-out evaluation set (services/dataloader/heldout.py: the same
-        micro-batches at every call), as `next_step`'s dicts. Asked for on a socket of its own, so the training stream's prefetched
-        micro-batches stay where they are; a service lost meanwhile is found again as `next_step` finds it."""
+        micro-batches at every call), as `next_step`'s dicts. Asked for on a socket of its own, so the training
+        stream's prefetched micro-batches stay where they are; a service lost meanwhile is found again as `next_step`
+        finds it."""
         while True:
             try:
                 return self._receive_eval()

@@ -13,13 +13,13 @@ their mean loss over the set is reported too (and their sums cleared, so the nex
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from services.common.config import Config
+from services.dataloader.errors import DataError
 from services.trainer.model.mtp import mean_per_target
 from services.trainer.parallel.context_parallel import cp_share, shard_micro_batch
 from services.trainer.parallel.groups import ParallelGroups, sum_over
@@ -31,7 +31,6 @@ from services.trainer.step import count_loss_tokens, host_to_device
 class EvalResult:
     loss: float  # mean token cross-entropy over the whole evaluation set
     tokens: int  # loss tokens of the whole set
-    seconds: float  # wall time of the evaluation on this rank, the transfer from the dataloader excluded
     mtp_loss: float | None = None  # the MTP depths' mean loss per target token (model.mtp_num_layers), else None
 
 
@@ -39,7 +38,10 @@ def evaluate(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], gro
              device: torch.device, autocast_dtype: torch.dtype | None) -> EvalResult:
     """The loss over the evaluation set, from this dp rank's share of it (`DataClient.eval_micro_batches`). Every rank
     of the run calls it at the same step (it all-reduces over DP x CP and PP) and gets the same result."""
-    start = time.perf_counter()
+    if len(micro_batches) * groups.dp.size != cfg.data.eval_micro_batches:
+        raise DataError(f"the dataloader served {len(micro_batches)} held-out micro-batches to each of the "
+                        f"{groups.dp.size} dp ranks, but this trainer's `data.eval_micro_batches` is "
+                        f"{cfg.data.eval_micro_batches}: start both from the same config")
     p = cfg.parallel
     local = [shard_micro_batch(mb, groups, p.cp_comm, cfg.model.mtp_num_layers)
              for mb in cp_share(micro_batches, groups.cp.size, groups.cp.rank)]
@@ -62,5 +64,4 @@ def evaluate(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], gro
     if cfg.model.mtp_num_layers:  # the depths' sums of this evaluation, taken so the next step's record has its own
         mtp = float(mean_per_target(sum_over(model.mtp_loss_sums.take(device), groups.dp_cp, groups.pp)))
     count = int(tokens[0].round())
-    return EvalResult(loss=float(loss) / max(count, 1), tokens=count, seconds=time.perf_counter() - start,
-                      mtp_loss=mtp)
+    return EvalResult(loss=float(loss) / max(count, 1), tokens=count, mtp_loss=mtp)

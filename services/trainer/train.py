@@ -179,11 +179,15 @@ class StepReporter:
         self.printer = StepPrinter(cfg.run.steps, start_step, enabled=rt.rank == 0)
         self.log = MetricsLog(cfg.run.metrics_file if rt.rank == 0 else None)
         self.printer.header(cfg, rt.device, self.peak_sheet, self.peak_measured, start_step)
-        self.evaluations: dict[int, EvalResult] = {}  # step -> its evaluation, added to the step's record
+        self.evaluations: dict[int, dict] = {}  # step -> its evaluation's fields, added to the step's record
 
-    def evaluated(self, step: int, result: EvalResult) -> None:
-        """The held-out loss measured after `step` (1-based): written with the step's record."""
-        self.evaluations[step] = result
+    def evaluated(self, step: int, result: EvalResult, seconds: float) -> None:
+        """The held-out loss measured after `step` (1-based) in `seconds` (its data's transfer included): written with
+        the step's record."""
+        fields = {"eval_loss": result.loss, "eval_tokens": result.tokens, "eval_time_s": seconds}
+        if result.mtp_loss is not None:
+            fields["eval_mtp_loss"] = result.mtp_loss
+        self.evaluations[step] = fields
 
     def __call__(self, step: int, values: StepValues, end: StepEnd, lr: float, data_wait: float, stall: float,
                  since: StepEnd) -> StepEnd:
@@ -206,10 +210,7 @@ class StepReporter:
         }
         if "mtp_loss" in v:  # the whole step's, as loss
             record["mtp_loss"] = float(v["mtp_loss"])
-        if held_out := self.evaluations.pop(step + 1, None):
-            record.update(eval_loss=held_out.loss, eval_tokens=held_out.tokens, eval_time_s=held_out.seconds)
-            if held_out.mtp_loss is not None:
-                record["eval_mtp_loss"] = held_out.mtp_loss
+        record.update(self.evaluations.pop(step + 1, {}))
         if self.rt.device.type == "cuda":
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.rt.device) / 2**30
         self.log.write(record)
@@ -279,8 +280,9 @@ def train(cfg: Config) -> int:
             pending.append((step, values, StepEnd(rt.device), lr, data_wait, stall))
             profiler.end(step + 1)
             if evaluation_due(cfg, step + 1):
-                report.evaluated(step + 1, evaluate(model, data.eval_micro_batches(), groups, cfg, rt.device,
-                                                    rt.autocast_dtype))
+                t0 = time.perf_counter()
+                result = evaluate(model, data.eval_micro_batches(), groups, cfg, rt.device, rt.autocast_dtype)
+                report.evaluated(step + 1, result, time.perf_counter() - t0)
                 while pending:  # done on the device: the evaluation read its loss
                     last_end = report(*pending.popleft(), since=last_end)
                 last_end = StepEnd(rt.device)  # the next step's time starts after the evaluation
