@@ -139,14 +139,16 @@ class _NoSaveAsked:
 class _Data:
     """The dataloader client: `steps[k]` after sleeping `waits[k]` (the time the trainer waits for step k's data)."""
 
-    def __init__(self, steps: list, waits: list[float], eval_wait: float = 0.0):
+    def __init__(self, steps: list, waits: list[float], eval_wait: float = 0.0, held_out: int = 8):
         self.steps, self.waits, self._next = steps, waits, 0
+        # the evaluation set: `held_out` micro-batches (the tiny config's data.eval_micro_batches), taking `eval_wait`
+        self.held_out = [mb for step in steps for mb in step][:1] * held_out
         self.eval_wait, self.evaluations = eval_wait, []  # the steps after which the evaluation set was asked for
 
     def eval_micro_batches(self):
         time.sleep(self.eval_wait)
         self.evaluations.append(self._next)
-        return self.steps[0]
+        return self.held_out
 
     @property
     def step(self) -> int:
@@ -225,7 +227,7 @@ def test_each_pre_training_record_times_its_own_step_the_first_and_the_last_too(
     assert logged[-1]["ckpt_stall_s"] == STALL
     assert sum(r["step_time_s"] for r in logged) <= wall  # the steps' times tile the loop, none counted twice
     assert data.evaluations == [2, 4]
-    tokens = count_loss_tokens(data.steps[0])
+    tokens = count_loss_tokens(data.held_out)
     for r in logged:
         assert ("eval_loss" in r) == (r["step"] in (2, 4)), r
         if "eval_loss" in r:
