@@ -9,6 +9,7 @@ state saved with another split is refused, naming it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,9 +24,9 @@ from services.dataloader.dataset import IndexedDataset
 from services.dataloader.engine import Engine
 from services.dataloader.errors import DataError
 from services.dataloader.heldout import eval_sequences, split_documents
-from services.dataloader.preprocess import dataset_paths, ensure_dataset
+from services.dataloader.preprocess import dataset_paths, ensure_dataset, eval_dataset_path
 from services.dataloader.server import DataLoaderServer
-from services.dataloader.stream import StepStream
+from services.dataloader.stream import StepStream, build_micro_batch
 from tests.test_dataloader_service import CORPUS, REDIS_URL, ROOT, registry, same  # noqa: F401
 
 FRACTION = 0.1  # 12 of the corpus's 122 documents: 53 sequences of 64 tokens, the set takes 16
@@ -127,8 +128,40 @@ def test_dp_ranks_share_the_set_in_turn_sized_for_the_largest_cp_group(tmp_path)
     with pytest.raises(DataError, match="ask replica 0"):
         replica.eval_share(0, 2)
     plain = Engine([d], load_config(None, overrides(tmp_path, "data.eval_fraction=0", "run.eval_interval=0")).data)
-    with pytest.raises(DataError, match="holds no documents out"):
+    with pytest.raises(DataError, match="has no evaluation set"):
         plain.eval_share(0, 1)
+
+
+def test_a_validation_corpus_of_ones_own_is_the_evaluation_set_and_training_keeps_every_document(tmp_path):
+    """`data.eval_corpus`: tokenized beside the dataset (<dataset_dir>/eval, same tokenizer), every one of its
+    documents eligible for the set; the training stream is the one without any split."""
+    validation = tmp_path / "validation.jsonl"
+    validation.write_text("".join(json.dumps({"text": f"validation document {i}: " + "words " * (40 + i)}) + "\n"
+                                  for i in range(30)))
+    cfg = load_config(None, overrides(tmp_path, "data.eval_fraction=0", f"data.eval_corpus=[{validation}]"))
+    ensure_dataset(cfg)
+    held = IndexedDataset(eval_dataset_path(cfg))
+    assert len(held) == 30 and held.meta["tokenizer"] == IndexedDataset(dataset_paths(cfg)[0]).meta["tokenizer"]
+    server = DataLoaderServer(cfg).start()
+    try:
+        whole = server.engine.eval_set
+        assert len(whole) == 8
+        want = [build_micro_batch([held], seqs, cfg.data.seq_len) for seqs in eval_sequences([held], cfg.data, True)]
+        assert all(same(a.tensors, b.tensors) for a, b in zip(whole, want, strict=True))
+        text = bytes(int(t) for mb in whole for t in mb.tensors["tokens"] if int(t) < 256).decode("utf-8", "replace")
+        assert "validation document" in text
+        client = DataClient(server.zmq_endpoint, server.grpc_endpoint, dp_rank=0, dp_size=1, grad_accum=2, timeout=20)
+        got = client.eval_micro_batches()
+        assert all(same({k: v for k, v in mb.items() if k != "cp_size"}, w.tensors)
+                   for mb, w in zip(got, whole, strict=True))
+        client.close()
+    finally:
+        server.stop()
+    plain = StepStream([dataset(cfg)], cfg.data, dp_size=1)
+    assert "eval_fraction" not in plain.state()  # the training stream has no split
+    cfg.data.eval_micro_batches = 400
+    with pytest.raises(DataError, match="`data.eval_corpus` pack into .*add documents to data.eval_corpus"):
+        eval_sequences([held], cfg.data, whole=True)
 
 
 def test_a_state_saved_with_another_split_is_refused_naming_it(tmp_path):
@@ -215,6 +248,11 @@ def test_the_config_asks_for_a_split_that_is_read_and_a_set_that_can_be_dealt():
         load_config(None, ["data.eval_fraction=0.05"])
     with pytest.raises(ConfigError, match=r"must be in \[0, 1\)"):
         load_config(None, ["data.eval_fraction=1.0", "run.eval_interval=10"])
+    with pytest.raises(ConfigError, match="set one"):
+        load_config(None, [*base, "data.eval_corpus=[/tmp/x]"])
+    load_config(None, ["run.eval_interval=10", "data.eval_corpus=[/tmp/x]"])
+    with pytest.raises(ConfigError, match="read by the evaluation only"):
+        load_config(None, ["data.eval_corpus=[/tmp/x]"])
     with pytest.raises(ConfigError, match="an RL run"):
         load_config(None, [*base, "rl.enabled=true"])
     from services.common.config import validate

@@ -207,6 +207,9 @@ class DataConfig:
     #                    its ranks' micro-batches)
     eval_fraction: float = 0.0  # documents of each corpus dataset held out of training for the evaluation loss
     #                             (`run.eval_interval`), drawn once by `seed`; 0: none held out
+    eval_corpus: list[str] = field(default_factory=list)  # files or directories of text the evaluation reads instead
+    #                             of held-out documents (a validation split of your own; tokenized into
+    #                             <dataset_dir>/eval); empty: the held-out documents (eval_fraction)
     eval_micro_batches: int = 8  # held-out micro-batches (micro_batch_size sequences each) of every evaluation, over
     #                              all dp ranks: the same ones each time, a multiple of the data-parallel size
 
@@ -552,10 +555,15 @@ def _check_eval(cfg: Config) -> None:
     _check(not (interval and cfg.rl.enabled), f"`run.eval_interval={interval}` evaluates held-out corpus documents, "
                                               "but an RL run (`rl.enabled`) trains on rollouts: set "
                                               "run.eval_interval=0")
-    _check(not interval or d.eval_fraction > 0, f"`run.eval_interval={interval}` evaluates documents held out of "
-                                                "training: set `data.eval_fraction` (e.g. 0.01)")
+    _check(not interval or d.eval_fraction > 0 or d.eval_corpus,
+           f"`run.eval_interval={interval}` evaluates documents held out of training: set `data.eval_fraction` "
+           "(e.g. 0.01) or `data.eval_corpus` (a validation split)")
+    _check(not (d.eval_fraction and d.eval_corpus), f"`data.eval_fraction={d.eval_fraction}` holds documents out for "
+                                                    f"an evaluation that reads `data.eval_corpus` instead: set one")
     _check(interval or not d.eval_fraction, f"`data.eval_fraction={d.eval_fraction}` holds documents out of training "
                                             "that no evaluation reads: set `run.eval_interval` or data.eval_fraction=0")
+    _check(interval or not d.eval_corpus, f"`data.eval_corpus` is read by the evaluation only: set "
+                                          "`run.eval_interval` or leave it empty")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:

@@ -51,19 +51,24 @@ class Client:
 class Engine:
     def __init__(self, datasets: list[IndexedDataset], data_cfg, cp_sizes: list[int] | None = None,
                  max_buffered: int | None = None, make_stream: Callable[[int], StepStream] | None = None,
-                 replica: int = 0):
+                 replica: int = 0, eval_datasets: list[IndexedDataset] | None = None):
         """`make_stream(dp_size)`: the step stream to serve; default: packed documents of `datasets`.
-        `replica`: this service's index among the run's `data_cfg.replicas` (see the module docstring)."""
+        `replica`: this service's index among the run's `data_cfg.replicas` (see the module docstring).
+        `eval_datasets`: `data.eval_corpus`'s, which the evaluation set packs instead of held-out documents."""
         self.datasets, self.cfg, self.cp_sizes = datasets, data_cfg, list(cp_sizes or [1])
         self.replica, self.replicas = replica, data_cfg.replicas
         if not 0 <= replica < self.replicas:
             raise DataError(f"replica {replica} is outside [0, data.replicas={self.replicas})")
         self.make_stream = make_stream or (lambda dp_size: StepStream(datasets, data_cfg, dp_size, self.cp_sizes))
         self.make_stream(1)  # a config the stream cannot serve fails at start, not at a join
-        # The evaluation set (heldout.py), built at start for the same reason; None: the run holds nothing out
-        self.eval_set = ([build_micro_batch(datasets, seqs, data_cfg.seq_len)
-                          for seqs in eval_sequences(datasets, data_cfg)]
-                         if datasets and data_cfg.eval_fraction else None)
+        # The evaluation set (heldout.py), built at start for the same reason; None: the run evaluates nothing
+        self.eval_set = None
+        if eval_datasets:
+            self.eval_set = [build_micro_batch(eval_datasets, seqs, data_cfg.seq_len)
+                             for seqs in eval_sequences(eval_datasets, data_cfg, whole=True)]
+        elif datasets and data_cfg.eval_fraction:
+            self.eval_set = [build_micro_batch(datasets, seqs, data_cfg.seq_len)
+                             for seqs in eval_sequences(datasets, data_cfg)]
         self.max_buffered = max_buffered or max(2, -(-data_cfg.prefetch // data_cfg.grad_accum) + 1)
         self.lock = threading.Lock()
         self.stream: StepStream | None = None
@@ -189,9 +194,9 @@ class Engine:
         """Dp rank `dp_rank`'s micro-batches of the evaluation set as (header, tensors): micro-batches j = dp_rank,
         dp_rank + dp_size, ..., each sized for the largest CP size (every CP peer of the rank runs it)."""
         if self.eval_set is None:
-            raise DataError("this dataloader holds no documents out for evaluation (" + (
-                "it serves an RL run's rollout stream" if not self.datasets else "`data.eval_fraction=0`")
-                + "); give it the trainer's config (run.eval_interval needs data.eval_fraction > 0)")
+            raise DataError("this dataloader has no evaluation set (" + (
+                "it serves an RL run's rollout stream" if not self.datasets else
+                "`data.eval_fraction=0` and no `data.eval_corpus`") + "); give it the trainer's config")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
         if not self.serves(dp_rank):

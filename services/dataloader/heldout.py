@@ -1,5 +1,8 @@
 """The held-out split: documents kept out of training, and the micro-batches the evaluation loss is measured on.
 
+A validation corpus of the user's own (`data.eval_corpus`) replaces the split: its documents are the held-out ones,
+packed and dealt the same way, and the training stream keeps every document of `data.corpus`.
+
 `data.eval_fraction` of each dataset's documents (at least one), drawn once from `data.seed`, never enter the training
 stream (stream.py packs the others). The evaluation set packs the held-out documents as training packs its own (same
 `seq_len`, window and seed, one epoch, each document once) into the first `data.eval_micro_batches` micro-batches of
@@ -47,25 +50,26 @@ def _first_epoch(source: PackedSequences, limit: int) -> list[Sequence]:
     return out
 
 
-def eval_sequences(datasets: list[IndexedDataset], data_cfg) -> list[list[Sequence]]:
+def eval_sequences(datasets: list[IndexedDataset], data_cfg, whole: bool = False) -> list[list[Sequence]]:
     """The evaluation set of the run (module docstring): `data.eval_micro_batches` lists of `data.micro_batch_size`
-    packed sequences."""
+    packed sequences, from the documents `data.eval_fraction` holds out of `datasets`, or (`whole`: the
+    `data.eval_corpus` datasets) from all of theirs."""
     cfg = data_cfg
     mbs, need = cfg.micro_batch_size, cfg.eval_micro_batches * cfg.micro_batch_size
+    source = "`data.eval_corpus`" if whole else f"the documents `data.eval_fraction={cfg.eval_fraction}` holds out"
     epochs = []
     for i, d in enumerate(datasets):
-        held = split_documents(len(d), cfg.eval_fraction, cfg.seed)[1]
+        docs = None if whole else split_documents(len(d), cfg.eval_fraction, cfg.seed)[1]
         try:
             epochs.append(_first_epoch(PackedSequences(d.doc_lengths, cfg.seq_len, cfg.packing_window, cfg.seed, i,
-                                                       docs=held), need))
+                                                       docs=docs), need))
         except ValueError:
-            raise DataError(f"the documents `data.eval_fraction={cfg.eval_fraction}` holds out of {d.path} are all "
-                            "shorter than two tokens; raise eval_fraction") from None
+            raise DataError(f"{source} ({d.path}): every document is shorter than two tokens") from None
     turns = itertools.chain.from_iterable(itertools.zip_longest(*epochs))
     sequences = [s for s in turns if s is not None]
     if len(sequences) < need:
-        raise DataError(f"the held-out documents (`data.eval_fraction={cfg.eval_fraction}`) pack into {len(sequences)} "
-                        f"sequences of {cfg.seq_len} tokens, fewer than `data.eval_micro_batches` x "
-                        f"`data.micro_batch_size` = {cfg.eval_micro_batches} x {mbs}: raise eval_fraction or lower "
-                        "eval_micro_batches")
+        more = "add documents to data.eval_corpus" if whole else "raise eval_fraction"
+        raise DataError(f"{source} pack into {len(sequences)} sequences of {cfg.seq_len} tokens, fewer than "
+                        f"`data.eval_micro_batches` x `data.micro_batch_size` = {cfg.eval_micro_batches} x {mbs}: "
+                        f"{more} or lower eval_micro_batches")
     return [sequences[j * mbs:(j + 1) * mbs] for j in range(cfg.eval_micro_batches)]

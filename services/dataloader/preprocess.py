@@ -352,15 +352,29 @@ def dataset_paths(cfg) -> list[Path]:
     return [Path(d.dataset_dir) / f"part-{i}" for i in range(len(d.corpus))]
 
 
+def eval_dataset_path(cfg) -> Path | None:
+    """Where `data.eval_corpus` is tokenized (None without one)."""
+    return Path(cfg.data.dataset_dir) / "eval" if cfg.data.eval_corpus else None
+
+
+def _builds(cfg) -> list[tuple[list[str], Path]]:
+    """(corpus entries, dataset directory) of every dataset `cfg` reads: `dataset_paths`', then `eval_dataset_path`."""
+    d = cfg.data
+    out = list(zip([[e] for e in d.corpus] if d.blend_weights else [d.corpus], dataset_paths(cfg)))
+    if d.eval_corpus:
+        out.append((d.eval_corpus, eval_dataset_path(cfg)))
+    return out
+
+
 def ensure_dataset(cfg, *, progress: bool = False) -> Path:
-    """Build the dataset(s) of `cfg` (see `dataset_paths`) where missing or stale; returns `data.dataset_dir`.
+    """Build the dataset(s) of `cfg` (see `dataset_paths`, and `eval_dataset_path`) where missing or stale; returns
+    `data.dataset_dir`.
 
     Fails with a `DataError` when the tokenizer's vocabulary does not fit `model.vocab_size`.
     """
     d = cfg.data
     paths = dataset_paths(cfg)
-    entries = [[e] for e in d.corpus] if d.blend_weights else [d.corpus]
-    for entry, path in zip(entries, paths):
+    for entry, path in _builds(cfg):
         preprocess(entry, d.tokenizer, path, progress=progress)
     vocab = read_meta(paths[0])["tokenizer"]["vocab_size"]
     if vocab > cfg.model.vocab_size:
@@ -384,9 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             print("an RL run (rl.enabled) reads no corpus: nothing to preprocess")
             return 0
         d = cfg.data
-        paths = dataset_paths(cfg)
-        entries = [[e] for e in d.corpus] if d.blend_weights else [d.corpus]
-        for entry, path in zip(entries, paths):
+        paths = [path for _, path in _builds(cfg)]
+        for entry, path in _builds(cfg):
             preprocess(entry, d.tokenizer, path, workers=args.workers, force=args.force, progress=sys.stderr.isatty())
         ensure_dataset(cfg)  # the vocabulary check; the datasets are up to date by now
     except (ConfigError, DataError) as e:

@@ -37,7 +37,7 @@ from services.dataloader.dataset import IndexedDataset
 from services.dataloader.engine import Engine
 from services.dataloader.errors import DataError
 from services.dataloader.metrics import MetricsServer
-from services.dataloader.preprocess import dataset_paths, ensure_dataset, open_tokenizer
+from services.dataloader.preprocess import dataset_paths, ensure_dataset, eval_dataset_path, open_tokenizer
 
 log = logs.logger("dataloader")
 SERVICE_NAME = "foldmoe.v1.DataLoader"
@@ -88,7 +88,9 @@ class DataLoaderServer:
             ensure_dataset(cfg)
             tokenizer = open_tokenizer(cfg.data.tokenizer)
             self.datasets = [IndexedDataset(p, expect_tokenizer=tokenizer.identity()) for p in dataset_paths(cfg)]
-            self.engine = Engine(self.datasets, cfg.data, cp_sizes, replica=replica)
+            path = eval_dataset_path(cfg)
+            eval_datasets = [IndexedDataset(path, expect_tokenizer=tokenizer.identity())] if path else None
+            self.engine = Engine(self.datasets, cfg.data, cp_sizes, replica=replica, eval_datasets=eval_datasets)
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
