@@ -69,3 +69,28 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert lr_at(9, cfg, 110) == pytest.approx(1.0)
     assert lr_at(60, cfg, 110) == pytest.approx(0.55)
     assert lr_at(110, cfg, 110) == pytest.approx(0.1)
+
+
+def test_learning_rate_decays_linearly_warmup_stable_decay_or_not_at_all():
+    linear = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay="linear")
+    assert [lr_at(s, linear, 110) for s in (9, 10, 60, 110)] == pytest.approx([1.0, 1.0, 0.55, 0.1])
+    wsd = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay="wsd", decay_steps=20)
+    assert lr_at(0, wsd, 110) == pytest.approx(0.1)
+    assert {lr_at(s, wsd, 110) for s in range(9, 91)} == {1.0}  # stable until the last 20 steps
+    assert [lr_at(s, wsd, 110) for s in (95, 100, 110)] == pytest.approx([0.775, 0.55, 0.1])
+    default = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_steps=10, decay="wsd")  # the last 20% after warmup
+    assert lr_at(89, default, 110) == 1.0 and lr_at(100, default, 110) == pytest.approx(0.5)
+    constant = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay="constant")
+    assert {lr_at(s, constant, 110) for s in range(9, 120)} == {1.0}
+
+
+def test_a_decay_length_is_refused_where_it_cannot_apply():
+    from services.common.config import ConfigError
+
+    load_config(None, ["optimizer.decay=wsd", "optimizer.decay_steps=50", "run.steps=100"])
+    with pytest.raises(ConfigError, match="set decay=wsd"):
+        load_config(None, ["optimizer.decay_steps=50", "run.steps=100"])
+    with pytest.raises(ConfigError, match="exceeds the 80 steps after warmup"):
+        load_config(None, ["optimizer.decay=wsd", "optimizer.decay_steps=90", "run.steps=100"])
+    with pytest.raises(ConfigError, match="not one of"):
+        load_config(None, ["optimizer.decay=step"])

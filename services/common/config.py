@@ -216,8 +216,12 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 3e-3  # peak learning rate, reached after warmup_steps, then cosine decay to min_lr at run.steps
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps, then decayed to min_lr at run.steps (`decay`)
     min_lr: float = 3e-4  # learning rate at the last step
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"  # the shape after warmup: cosine or linear from
+    #                              lr to min_lr over the rest of the run; wsd (warmup-stable-decay): lr until the last
+    #                              `decay_steps`, then linear to min_lr; constant: lr throughout (min_lr unused)
+    decay_steps: int = 0  # wsd: steps of the final decay; 0: the last 20% of the steps after warmup
     weight_decay: float = 0.1  # AdamW's decoupled decay, of matrices only (norm scales and other vectors: none)
     beta1: float = 0.9  # Adam's first-moment decay, in [0, 1)
     beta2: float = 0.95  # Adam's second-moment decay, in [0, 1)
@@ -618,6 +622,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
            "`data.seq_len` must be > 1 and `data.micro_batch_size`, `data.grad_accum` positive")
     _check(d.packing_window >= 1, f"`data.packing_window={d.packing_window}` must be at least 1 (documents packed "
                                   "together)")
+    _check(o.decay_steps >= 0, f"`optimizer.decay_steps` must be >= 0, got {o.decay_steps}")
+    _check(not o.decay_steps or o.decay == "wsd", f"`optimizer.decay_steps={o.decay_steps}` sets the final decay of "
+                                                  f"`optimizer.decay=wsd`, not of {o.decay!r}: set decay=wsd or drop it")
+    _check(o.decay_steps <= max(cfg.run.steps - o.warmup_steps, 0),
+           f"`optimizer.decay_steps={o.decay_steps}` exceeds the {max(cfg.run.steps - o.warmup_steps, 0)} steps after "
+           f"warmup (run.steps={cfg.run.steps}, optimizer.warmup_steps={o.warmup_steps})")
     _check(o.lr > 0 and 0 <= o.min_lr <= o.lr,
            f"need `optimizer.lr` > 0 and 0 <= `optimizer.min_lr` <= `optimizer.lr` (got lr={o.lr}, min_lr={o.min_lr})")
     for name in ("beta1", "beta2"):

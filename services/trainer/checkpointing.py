@@ -356,7 +356,8 @@ def restore(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, dat
     return step
 
 
-SCHEDULE_KEYS = (("optimizer", "lr"), ("optimizer", "min_lr"), ("optimizer", "warmup_steps"), ("run", "steps"))
+SCHEDULE_KEYS = (("optimizer", "lr"), ("optimizer", "min_lr"), ("optimizer", "warmup_steps"), ("optimizer", "decay"),
+                 ("optimizer", "decay_steps"), ("run", "steps"))
 
 
 def schedule_changes(recorded: dict[str, Any] | None, cfg: Config) -> list[str]:

@@ -20,9 +20,20 @@ from services.common.config import OptimizerConfig
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """The learning rate of 0-based `step` of a run of `total_steps`: linear warmup to `cfg.lr`, then `cfg.decay`'s
+    shape down to `cfg.min_lr`, which `total_steps` reaches (a function of the step alone: a resume follows it)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    after = total_steps - cfg.warmup_steps
+    if cfg.decay == "constant":
+        return cfg.lr
+    if cfg.decay == "wsd":  # stable at lr, then the last decay_steps linear to min_lr
+        decay = cfg.decay_steps or max(1, after // 5)
+        progress = min(1.0, max(0.0, (step - (total_steps - decay)) / decay))
+        return cfg.lr - (cfg.lr - cfg.min_lr) * progress
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, after))
+    if cfg.decay == "linear":
+        return cfg.lr - (cfg.lr - cfg.min_lr) * progress
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
