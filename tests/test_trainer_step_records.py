@@ -12,6 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import json
+import math
 import time
 from types import SimpleNamespace
 
@@ -401,4 +402,82 @@ def test_the_host_does_not_wait_for_step_values_while_a_save_copies(tmp_path, mo
     monkeypatch.setattr(train_module, "measure_peak_tflops", lambda *a: 0.0)
     assert train_module.train(cfg) == 0
     assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert served_at_read == ([4, 4, 4, 4] if copying else [2, 3, 4, 4])
+    # (+1: the last step saves the final checkpoint, so its values are read before its save, to know it finite)
+    assert served_at_read == ([4, 4, 4, 4, 4] if copying else [2, 3, 4, 4, 4])
+
+
+@pytest.mark.parametrize("diverges", [3, 4], ids=["between-saves", "at-a-save"])
+def test_a_diverged_step_stops_the_run_before_any_checkpoint_holds_it(tmp_path, monkeypatch, diverges):
+    """A step whose loss is NaN (or gradient norm infinite) ends the run with TrainingDiverged naming it, after its
+    record; a save at or after it is never made (checkpoint.interval=2: steps 2 and 4 save)."""
+    from services.trainer import metrics, train as train_module
+
+    cfg = load_config("configs/tiny.yaml", [
+        "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=32",
+        "model.num_experts=4", "data.seq_len=32", "data.micro_batch_size=1", "run.steps=6", "checkpoint.interval=2",
+        f"run.metrics_file={tmp_path / 'metrics.jsonl'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.eval_interval=0",
+        "data.eval_fraction=0"])
+    data = _Data(make_batches(cfg.model, steps=6, micro=1), [0.0] * 6)
+    saved = _services(monkeypatch, train_module, data)
+    monkeypatch.setattr(train_module, "TrainerMetrics", _Exporter)
+    monkeypatch.setattr(train_module, "measure_peak_tflops", lambda *a: 0.0)
+    real = train_module.train_step
+
+    def train_step(*args):
+        values = real(*args)
+        if data.step == diverges:
+            host = values.read()
+            key = "loss_sum" if diverges == 3 else "grad_norm"
+            return metrics.StepValues(**{**host, key: torch.tensor(float("nan") if diverges == 3 else float("inf"))})
+        return values
+
+    monkeypatch.setattr(train_module, "train_step", train_step)
+    with pytest.raises(metrics.TrainingDiverged, match=f"step {diverges}: .*resume from the newest checkpoint"):
+        train_module.train(cfg)
+    assert saved == [2]
+    logged = _records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in logged] == list(range(1, diverges + 1))
+    assert not math.isfinite(logged[-1]["loss" if diverges == 3 else "grad_norm"])
+
+
+def test_a_diverged_run_exits_1_with_one_line(capsys):
+    from services.trainer import metrics, train as train_module
+
+    def diverging(cfg):
+        metrics.check_finite(7, float("nan"), 1.0)
+
+    assert train_module.run_rank(diverging, ["--config", "configs/tiny.yaml"], "trainer", "") == 1
+    assert capsys.readouterr().err.startswith("trainer: error: step 7: loss nan, gradient norm 1.0: training diverged")
+    metrics.check_finite(7, 1.0, 1.0)  # finite: nothing
+
+
+def test_a_diverged_rl_step_is_neither_published_nor_checkpointed(tmp_path, monkeypatch):
+    """RL: step 2's loss NaN ends the run with TrainingDiverged before version 3 reaches the workers or a checkpoint
+    (checkpoint.interval=1 would save every step)."""
+    from services.trainer import metrics
+    from services.trainer.rl import train_rl as rl_module
+
+    steps = 3
+    cfg = load_config("configs/rl_tiny.yaml", [
+        f"run.steps={steps}", "rl.groups_per_step=2", "rl.group_size=4", "rl.micro_batch_tokens=48",
+        "optimizer.warmup_steps=1", f"run.metrics_file={tmp_path / 'metrics.jsonl'}", "checkpoint.interval=1",
+        f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    data = _Data([rl_micro_batches(g, max_tokens=cfg.rl.micro_batch_tokens)[0] for g in _rl_groups(cfg, steps)],
+                  [0.0] * steps)
+    saved = _services(monkeypatch, rl_module, data)
+    publisher = _Publisher()
+    monkeypatch.setattr(rl_module, "WeightPublisher", SimpleNamespace(from_config=lambda *a, **k: publisher))
+    monkeypatch.setattr(rl_module, "discard_backlog", lambda *a, **k: 0)
+    real = rl_module.rl_train_step
+
+    def rl_train_step(*args):
+        step_metrics, loads = real(*args)
+        if data.step == 2:
+            step_metrics.values = metrics.StepValues(**{**step_metrics.values.read(), "grad_norm": torch.tensor(
+                float("nan"))})
+        return step_metrics, loads
+
+    monkeypatch.setattr(rl_module, "rl_train_step", rl_train_step)
+    with pytest.raises(metrics.TrainingDiverged, match="step 2: .*gradient norm nan"):
+        rl_module.train_rl(cfg)
+    assert sorted(publisher.published) == [0, 1] and saved == [1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -68,6 +69,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     dim)·seq (for GQA, 6·L·heads·head_dim·seq) without MTP."""
     blocks = sum(layer_flops(cfg, i, seq_len) for i in range(cfg.num_layers))
     return blocks + output_flops(cfg) + mtp_flops(cfg, seq_len)
+
+
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite."""
+
+
+def check_finite(step: int, loss: float, grad_norm: float) -> None:
+    """Raise `TrainingDiverged` naming `step` (1-based) when its loss or gradient norm is not finite. The trainer checks
+    every step as it reports it, and a step it is about to checkpoint before the save: a checkpoint never holds the
+    weights of a diverged step, and retention never drops the last finite ones for them."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    raise TrainingDiverged(f"step {step}: loss {loss}, gradient norm {grad_norm}: training diverged, stopped before "
+                           "any checkpoint holds it; resume from the newest checkpoint (`foldmoe status`) with a "
+                           "lower optimizer.lr, a longer optimizer.warmup_steps or a lower optimizer.clip_grad")
 
 
 class StepValues:

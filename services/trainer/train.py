@@ -26,8 +26,8 @@ from services.common.registry import Registry, RegistryError, redis_url
 from services.dataloader.errors import DataError
 from services.trainer import checkpointing
 from services.trainer.evaluate import EvalResult, evaluate
-from services.trainer.metrics import (MetricsLog, StepEnd, StepValues, datasheet_peak, flops_per_token,
-                                      measure_peak_tflops)
+from services.trainer.metrics import (MetricsLog, StepEnd, StepValues, TrainingDiverged, check_finite, datasheet_peak,
+                                      flops_per_token, measure_peak_tflops)
 from services.trainer.model.mtp import mean_per_target
 from services.trainer.model.initial_weights import SeededInit, materialize, parameters_on_meta
 from services.trainer.model.recompute import apply_memory_policy
@@ -151,6 +151,11 @@ def train_step(model: MoETransformer, optimizer, micro_batches: list, lr: float,
                       loads=advance_router_bias(model, cfg), **mtp)
 
 
+def loss_and_norm(values: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """A step's mean token loss and gradient norm from its values on the host (`StepValues.read`)."""
+    return float(values["loss_sum"]) / max(int(values["step_tokens"]), 1), float(values["grad_norm"])
+
+
 def evaluation_due(cfg: Config, step: int) -> bool:
     """Whether the held-out loss is measured after `step` (1-based): every `run.eval_interval` steps and after the
     last."""
@@ -193,14 +198,14 @@ class StepReporter:
                  since: StepEnd) -> StepEnd:
         """Step's record; `since`: the previous step's end. Returns `end`."""
         v = values.read()
+        loss, grad_norm = loss_and_norm(v)
         end.wait()
         dt = end.seconds_since(since)
         tps = self.tokens_per_step / dt
         per_rank_tflops = tps * self.flops_tok / 1e12 / self.rt.world_size
         load = expert_load_summary(v["loads"], self.cfg, self.dp)
         record = {
-            "step": step + 1, "loss": float(v["loss_sum"]) / max(int(v["step_tokens"]), 1),
-            "grad_norm": float(v["grad_norm"]),
+            "step": step + 1, "loss": loss, "grad_norm": grad_norm,
             "lr": lr, "tokens_per_s": tps, "step_time_s": dt, "data_wait_s": data_wait, "ckpt_stall_s": stall,
             "aux_loss": float(v["aux_loss"]),
             "mfu": per_rank_tflops / self.peak_sheet if self.peak_sheet else None,
@@ -216,6 +221,7 @@ class StepReporter:
         self.log.write(record)
         self.exporter.observe(record)
         self.printer.step(record)
+        check_finite(step + 1, loss, grad_norm)  # after the record: the file shows the step that diverged
         if self.rt.rank == 0:
             self.registry.set_state("step", step + 1)
         return end
@@ -275,6 +281,14 @@ def train(cfg: Config) -> int:
                 last_end = report(*pending.popleft(), since=last_end)
             stall = 0.0
             if why := schedule.due(step + 1):  # copies ordered after this step on the device; the host goes on
+                # once the step is known to be finite: the host waits for it here, at save steps only
+                while pending:
+                    last_end = report(*pending.popleft(), since=last_end)
+                try:
+                    check_finite(step + 1, *loss_and_norm(values.read()))
+                except TrainingDiverged:
+                    report(step, values, StepEnd(rt.device), lr, data_wait, 0.0, since=last_end)  # its record; raises
+                    raise
                 stall = checkpointing.save(saver, cfg, model, optimizer, data, step + 1, shard_groups,
                                            skippable=why != "asked")
             pending.append((step, values, StepEnd(rt.device), lr, data_wait, stall))
@@ -332,9 +346,9 @@ def expert_load_summary(loads: torch.Tensor, cfg: Config, data_parallel: int = 1
 
 # Why a rank stops, as one line (the messages name the cause and the fix) instead of a traceback, and its exit code:
 # 2 for what must be fixed before starting again, 1 for a run that started and then lost its dataloader, a checkpoint
-# save or Redis. The launcher never restarts the trainer (services/launcher.py): any non-zero code ends the run.
+# save or Redis, or diverged. The launcher never restarts the trainer (services/launcher.py): any non-zero code ends the run.
 USAGE_ERRORS = (ConfigError, RegistryError, checkpointing.CheckpointLoadError)
-RUN_ERRORS = (DataError, SaveError, TimeoutError, RedisError)
+RUN_ERRORS = (DataError, SaveError, TimeoutError, RedisError, TrainingDiverged)
 
 
 def run_rank(loop: Callable[[Config], int], argv: list[str] | None, prog: str, description: str) -> int:

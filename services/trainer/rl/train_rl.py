@@ -41,7 +41,7 @@ from services.common.registry import Registry, redis_url
 from services.dataloader.client import DataClient
 from services.dataloader.errors import DataError
 from services.trainer import checkpointing
-from services.trainer.metrics import MetricsLog, StepValues
+from services.trainer.metrics import MetricsLog, StepValues, check_finite
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.optim import lr_at, set_lr
 from services.trainer.parallel.expert_parallel import sync_expert_load
@@ -255,6 +255,9 @@ def train_rl(cfg: Config) -> int:
             metrics, loads = rl_train_step(model, optimizer, micro_batches, ref, step, lr, cfg, rt, groups)
             if pending is not None:  # the previous step: done by now (its publish waited), this one still queued
                 report(*pending)
+            # A diverged policy is neither published to the workers nor checkpointed: the wait for this step's values
+            # is the one the publish below makes anyway
+            check_finite(step + 1, *(metrics.read()[k] for k in ("loss", "grad_norm")))
             # Collective: every rank sends its shards; rank 0 takes the full weights to host memory, so it waits here
             # for this step's work, the one wait the loop keeps (the workers need version step+1 on the host).
             policy.publish(step + 1)
