@@ -261,3 +261,19 @@ def test_the_config_asks_for_a_split_that_is_read_and_a_set_that_can_be_dealt():
     validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match="must be a multiple of the data-parallel size 4"):
         validate(cfg, world_size=4)
+
+
+def test_a_blend_holds_out_of_each_dataset_and_its_datasets_take_turns_in_the_set(tmp_path):
+    from tests.test_dataloader_stream import blend_cfg, open_all
+
+    cfg = blend_cfg(tmp_path, "data.eval_fraction=0.1", "run.eval_interval=5", "data.eval_micro_batches=4")
+    datasets = open_all(cfg)
+    held = [set(split_documents(len(d), 0.1, cfg.data.seed)[1].tolist()) for d in datasets]
+    chunks = eval_sequences(datasets, cfg.data)
+    sources = [seq[0].source for chunk in chunks for seq in chunk]
+    assert sources == [0, 1] * 4  # one sequence of each dataset in turn
+    assert all(p.doc in held[p.source] for chunk in chunks for seq in chunk for p in seq)
+    stream = StepStream(datasets, cfg.data, dp_size=1)
+    for _ in range(50):
+        for p in stream.sequences.next():
+            assert p.doc not in held[p.source]
