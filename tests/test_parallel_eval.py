@@ -37,6 +37,7 @@ def _config(**parallel):
     cfg.model.mtp_num_layers = 1  # the depths' held-out loss too, and sums a polluting evaluation would leave behind
     cfg.model.num_layers = 4 if cfg.parallel.pp_virtual > 1 else 2
     cfg.data.eval_micro_batches = 4
+    cfg.data.grad_accum = 2  # (what parallel.ep_overlap asks of a step: two micro-batches per rank, as here)
     return cfg
 
 
@@ -118,6 +119,8 @@ LAYOUTS = {
     "pp2": dict(world=2, pp=2),
     "pp2_virtual2": dict(world=2, pp=2, pp_virtual=2),
     "ep2": dict(world=2, ep=2),
+    "ep2_overlap": dict(world=2, ep=2, ep_overlap=True),
+    "cp2_dynamic": dict(world=2, cp=2, cp_sizes=[1, 2]),
     "tp2_ep2_dp2": dict(world=4, tp=2, ep=2),
 }
 
