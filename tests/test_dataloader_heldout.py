@@ -10,9 +10,6 @@ state saved with another split is refused, naming it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -27,15 +24,17 @@ from services.dataloader.heldout import eval_sequences, split_documents
 from services.dataloader.preprocess import dataset_paths, ensure_dataset, eval_dataset_path
 from services.dataloader.server import DataLoaderServer
 from services.dataloader.stream import StepStream, build_micro_batch
-from tests.test_dataloader_service import CORPUS, REDIS_URL, ROOT, registry, same  # noqa: F401
+from tests import test_dataloader_restart as restart
+from tests.test_dataloader_service import registry, same  # noqa: F401
 
 FRACTION = 0.1  # 12 of the corpus's 122 documents: 53 sequences of 64 tokens, the set takes 16
 
 
+EVAL = [f"data.eval_fraction={FRACTION}", "data.eval_micro_batches=8", "run.eval_interval=5"]
+
+
 def overrides(tmp_path, *extra):
-    return [f"data.corpus=[{CORPUS}]", f"data.dataset_dir={tmp_path / 'ds'}", "data.seq_len=64",
-            "data.micro_batch_size=2", "data.grad_accum=2", "data.prefetch=3", "data.packing_window=32",
-            f"data.eval_fraction={FRACTION}", "data.eval_micro_batches=8", "run.eval_interval=5", *extra]
+    return restart.overrides(tmp_path, *EVAL, *extra)
 
 
 def config(tmp_path, *extra):
@@ -209,15 +208,7 @@ def test_a_client_asking_for_the_set_finds_a_restarted_service(tmp_path, registr
     ensure_dataset(cfg)
 
     def start():
-        proc = subprocess.Popen([sys.executable, "-m", "services.dataloader.server", *overrides(tmp_path),
-                                 f"run.name={registry.run}"], cwd=ROOT, env={**os.environ, "REDIS_URL": REDIS_URL},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 30
-        while not any(r["pid"] == proc.pid for r in registry.lookup("dataloader")):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the dataloader service did not register within 30 s"
-            time.sleep(0.1)
-        return proc
+        return restart.start_service(tmp_path, registry, *EVAL)
 
     first, second = start(), None
     try:

@@ -43,8 +43,8 @@ def undisturbed(cfg, n):
     return [[got[s][r] for s in range(n)] for r in range(DP * TP)]
 
 
-def start_service(tmp_path, registry) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "services.dataloader.server", *overrides(tmp_path),
+def start_service(tmp_path, registry, *extra) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "services.dataloader.server", *overrides(tmp_path, *extra),
                              f"run.name={registry.run}"], cwd=ROOT, env={**os.environ, "REDIS_URL": REDIS_URL},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30

@@ -355,13 +355,8 @@ def forward_backward_pipeline(model_stage: nn.Module, micro_batches: list[dict[s
     (`parallel.ep_overlap`), micro-batches go through the schedule two at a time, interleaved
     (services/trainer/parallel/micro_batch_pairs.py).
     """
-    mbs, link, stage_forward, autocast = _loss_stage(model_stage, micro_batches, device, autocast_dtype, pp_group,
-                                                     sequence_parallel_size)
-
-    def micro_batch_forward(i: int, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
-        with autocast():
-            return stage_forward(i, hidden, chunk)
-
+    mbs, link, stage_forward, autocast, micro_batch_forward = _loss_stage(
+        model_stage, micro_batches, device, autocast_dtype, pp_group, sequence_parallel_size)
     with fp8_weights_held(model_stage, len(mbs)):
         if not pairs:
             return one_f_one_b(micro_batch_forward, link, step_tokens)
@@ -378,13 +373,8 @@ def loss_forward_pipeline(model_stage: nn.Module, micro_batches: list[dict[str, 
                           sequence_parallel_size: int = 1) -> torch.Tensor:
     """`forward_backward_pipeline`'s forward alone (`forward_only`, no autograd): the micro-batches' summed token loss
     on the last stage, zero elsewhere (evaluation, services/trainer/evaluate.py)."""
-    mbs, link, stage_forward, autocast = _loss_stage(model_stage, micro_batches, device, autocast_dtype, pp_group,
-                                                     sequence_parallel_size)
-
-    def micro_batch_forward(i: int, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
-        with autocast():
-            return stage_forward(i, hidden, chunk)
-
+    mbs, link, _, _, micro_batch_forward = _loss_stage(model_stage, micro_batches, device, autocast_dtype, pp_group,
+                                                       sequence_parallel_size)
     with fp8_weights_held(model_stage, len(mbs)):
         losses = forward_only(micro_batch_forward, link)
     return sum((loss.float() for loss in losses if loss is not None), torch.zeros((), device=device))
@@ -393,7 +383,7 @@ def loss_forward_pipeline(model_stage: nn.Module, micro_batches: list[dict[str, 
 def _loss_stage(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
                 autocast_dtype: torch.dtype | None, pp_group: ProcessGroup | None, sequence_parallel_size: int):
     """(the micro-batches on `device`, their StageLink, the stage's forward with the model's cross-entropy as the last
-    chunk's output, the autocast context) of the pre-training schedules."""
+    chunk's output, the autocast context, that forward under autocast) of the pre-training schedules."""
     mbs = [to_device(mb, device) for mb in micro_batches]
     link = StageLink.of(model_stage, [mb["tokens"].shape[0] for mb in mbs], device, pp_group, sequence_parallel_size)
 
@@ -408,4 +398,8 @@ def _loss_stage(model_stage: nn.Module, micro_batches: list[dict[str, torch.Tens
     def autocast():
         return torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
 
-    return mbs, link, stage_forward, autocast
+    def micro_batch_forward(i: int, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
+        with autocast():
+            return stage_forward(i, hidden, chunk)
+
+    return mbs, link, stage_forward, autocast, micro_batch_forward
