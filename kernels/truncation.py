@@ -10,15 +10,18 @@ Row b may draw the tokens whose logit is >= floor[b] (kernels/sample.py `sample_
 A row with top_k 0 and top_p 1 keeps every token (its floor is its smallest logit).
 
 Why no sort: a sort of [256, 151936] logits (a rollout batch over Qwen3's vocabulary) and the passes around it cost a
-decode step far more than sampling itself (bench/RESULTS.md). The floor is a search instead, over the logits'
+decode step far more than sampling itself (bench/RESULTS.md). The floor is found instead over the logits'
 order-preserving integer keys (the fp32 bits mapped so that integer order is float order; bf16 logits use the top 16
-bits alone): each pass counts, for CANDIDATES keys spread over the remaining interval, the row's logits at or above
-each (top-k) or their mass (top-p), in a program per chunk of the row (`_tally_kernel`), then one program per row keeps
-the highest candidate that still holds k tokens or top_p of the mass (`_narrow_kernel`) and the interval shrinks
-CANDIDATES times. With 4 candidates, 16-bit keys take 8 passes and 32-bit keys 16, per search; top-k's search runs
-only when a row truncates by top-k (`use_top_k`, known to the caller on the host) and top-p's likewise, so nothing
-waits for the device. Each pass is bound by its comparisons, not by reading the logits: 2, 8 and 16 candidates a pass
-measured slower than 4. The torch reference (same contract) sorts.
+bits alone), in passes of a program per chunk of the row that tally, then a program per row that narrows:
+- top-k by radix select, RADIX_BITS of the key a pass from the top: each chunk's histogram of the next digit among the
+  keys that share the digits fixed so far (`tl.histogram`, `_digit_tally_kernel`), then the row's digit is the
+  largest whose keys at or above still number k (`_digit_narrow_kernel`): 2 passes for 16-bit keys, 4 for 32-bit;
+- top-p by a search (a histogram counts, it cannot sum masses): for CANDIDATES keys spread over the remaining interval,
+  each chunk sums the mass of its logits at or above each (`_tally_kernel`), then the row keeps the highest candidate
+  that still holds top_p of the mass (`_narrow_kernel`) and the interval shrinks CANDIDATES times: 8 passes for 16-bit
+  keys, 16 for 32-bit, bound by the comparisons (2, 8 and 16 candidates a pass measured slower than 4).
+Each search runs only when a row truncates that way (`use_top_k` / `use_top_p`, known to the caller on the host), so
+nothing waits for the device. The torch reference (same contract) sorts.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from kernels.sample import splits_for
 
 CANDIDATES = 4  # keys tried per pass: 2 bits of the key a pass (a power of 2; bench/RESULTS.md compares 2 to 16)
 TILE = 4096  # comparisons a program accumulates per iteration: it reads TILE / CANDIDATES logits
+RADIX_BITS = 8  # key bits a radix-select pass fixes: a histogram of 2^8 bins
+RADIX_BLOCK = 4096  # logits a radix-select program reads per iteration (1024 to 8192 measured: 4096 fastest)
 
 
 def _check(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
@@ -71,60 +76,119 @@ def _key(x, SHIFT: tl.constexpr):
 
 @triton.jit
 def _tally_kernel(logits_ptr, temperature_ptr, row_max_ptr, lo_ptr, out_ptr, step, V: tl.constexpr, stride,
-                  CHUNK: tl.constexpr, SPLITS: tl.constexpr, MASS: tl.constexpr, SHIFT: tl.constexpr,
-                  C: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, split): for the candidate keys lo + j x step (j < C), the chunk's logits with a key at or above
-    each: their count, or (MASS) their sum of exp((x - row max) / t)."""
+                  CHUNK: tl.constexpr, SPLITS: tl.constexpr, SHIFT: tl.constexpr, C: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Program (row, split): for the candidate keys lo + j x step (j < C), the mass of the chunk's logits with a key
+    at or above each: their sum of exp((x - row max) / t)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
     # Candidates past the largest key hold nothing; clamped into int32, they stay past every real logit's key
     cand = tl.minimum(tl.load(lo_ptr + row) + tl.arange(0, C).to(tl.int64) * step, 0x7FFFFFFF).to(tl.int32)
     base = logits_ptr + row.to(tl.int64) * stride
-    if MASS:
-        t = tl.load(temperature_ptr + row)
-        inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
-        m = tl.load(row_max_ptr + row)
+    t = tl.load(temperature_ptr + row)
+    inv_t = 1.0 / tl.where(t <= 0, 1.0, t)
+    m = tl.load(row_max_ptr + row)
     acc = tl.zeros([BLOCK, C], tl.float32)  # summed over the lanes once, after the loop
     for offset in range(0, CHUNK, BLOCK):
         cols = split * CHUNK + offset + lanes
         inside = cols < V
         x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        if MASS:
-            w = tl.where(inside, tl.exp((x - m) * inv_t), 0.0)
-        else:
-            w = tl.where(inside, 1.0, 0.0)
+        w = tl.where(inside, tl.exp((x - m) * inv_t), 0.0)
         acc += tl.where(_key(x, SHIFT)[:, None] >= cand[None, :], w[:, None], 0.0)
     tl.store(out_ptr + (row * SPLITS + split) * C + tl.arange(0, C), tl.sum(acc, axis=0))
 
 
 @triton.jit
-def _narrow_kernel(tally_ptr, lo_ptr, need_ptr, mass_ptr, step, SPLITS: tl.constexpr, S_BLOCK: tl.constexpr,
-                   MASS: tl.constexpr, C: tl.constexpr):
+def _narrow_kernel(tally_ptr, lo_ptr, top_p_ptr, mass_ptr, step, SPLITS: tl.constexpr, S_BLOCK: tl.constexpr,
+                   C: tl.constexpr):
     """Program per row: the tallies summed over the row's chunks; lo moves to the highest candidate that still holds
-    `need` tokens (count) or top_p of the mass at lo when the search began (MASS; that mass is kept in `mass_ptr` by
-    the first pass, marked by a negative entry)."""
+    top_p of the mass at lo when the search began (kept in `mass_ptr` by the first pass, marked by a negative
+    entry)."""
     row = tl.program_id(0)
     splits = tl.arange(0, S_BLOCK)
     j = tl.arange(0, C)
     tally = tl.load(tally_ptr + (row * SPLITS + splits[:, None]) * C + j[None, :], mask=(splits < SPLITS)[:, None],
                     other=0.0)
     held = tl.sum(tally, axis=0)
-    need = tl.load(need_ptr + row)
-    if MASS:
-        total = tl.load(mass_ptr + row)
-        total = tl.where(total < 0, tl.sum(tl.where(j == 0, held, 0.0), axis=0), total)  # first pass: mass at lo
-        tl.store(mass_ptr + row, total)
-        holds = (j == 0) | (held >= tl.where(need < 1, need * total, float("inf")))  # top_p 1: lo stays
-    else:
-        holds = (j == 0) | (held >= need)
+    top_p = tl.load(top_p_ptr + row)
+    total = tl.load(mass_ptr + row)
+    total = tl.where(total < 0, tl.sum(tl.where(j == 0, held, 0.0), axis=0), total)  # first pass: mass at lo
+    tl.store(mass_ptr + row, total)
+    holds = (j == 0) | (held >= tl.where(top_p < 1, top_p * total, float("inf")))  # top_p 1: lo stays
     top = tl.max(tl.where(holds, j, 0), axis=0)
     tl.store(lo_ptr + row, tl.load(lo_ptr + row) + top.to(tl.int64) * step)
 
 
-def _search(logits, temperature, row_max, lo, need, mass: bool, shift: int) -> None:
-    """Moves `lo` [B] int64 (a key that holds) to the highest key that holds, log2(CANDIDATES) bits a pass; rows
-    split over programs as the sampler's (`splits_for`)."""
+@triton.jit
+def _digit_tally_kernel(logits_ptr, prefix_ptr, out_ptr, V: tl.constexpr, stride, CHUNK: tl.constexpr,
+                        SPLITS: tl.constexpr, SHIFT: tl.constexpr, DIGIT: tl.constexpr, BITS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program (row, split): the histogram of key digit (key >> DIGIT) mod 2^BITS over the chunk's logits whose key
+    shares the row's fixed digits above it (`prefix`: the unsigned key, `_keys` + 2^(31 - SHIFT), its digits below
+    DIGIT + BITS still 0). Keys are uint32 here, the fp32 bits with the sign bit set for a positive value and every
+    bit flipped for a negative one: the same order as `_key`'s, shifted by 2^(31 - SHIFT)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK)
+    TOP: tl.constexpr = DIGIT + BITS >= 32 - SHIFT  # the first pass: no digit fixed yet
+    high = (tl.load(prefix_ptr + row) >> (DIGIT + BITS)).to(tl.uint32)
+    base = logits_ptr + row.to(tl.int64) * stride
+    counts = tl.zeros([1 << BITS], tl.int32)
+    for offset in range(0, CHUNK, BLOCK):
+        cols = split * CHUNK + offset + lanes
+        inside = cols < V
+        bits = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32).to(tl.uint32, bitcast=True)
+        key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000) >> SHIFT
+        digit = ((key >> DIGIT) & ((1 << BITS) - 1)).to(tl.int32)
+        if TOP:
+            fixed = inside
+        else:
+            fixed = inside & ((key >> (DIGIT + BITS)) == high)
+        counts += tl.histogram(digit, 1 << BITS, mask=fixed)
+    tl.store(out_ptr + (row * SPLITS + split) * (1 << BITS) + tl.arange(0, 1 << BITS), counts)
+
+
+@triton.jit
+def _digit_narrow_kernel(tally_ptr, prefix_ptr, need_ptr, SPLITS: tl.constexpr, S_BLOCK: tl.constexpr,
+                         DIGIT: tl.constexpr, BITS: tl.constexpr):
+    """Program per row: the chunks' histograms summed; the row's digit at DIGIT is the largest whose keys at or above
+    (within the fixed digits) still number `need`; `need` drops by the keys above that digit."""
+    row = tl.program_id(0)
+    splits = tl.arange(0, S_BLOCK)
+    d = tl.arange(0, 1 << BITS)
+    tally = tl.load(tally_ptr + (row * SPLITS + splits[:, None]) * (1 << BITS) + d[None, :],
+                    mask=(splits < SPLITS)[:, None], other=0)
+    per_digit = tl.sum(tally, axis=0)
+    at_or_above = tl.sum(per_digit, axis=0) - tl.cumsum(per_digit, axis=0) + per_digit
+    need = tl.load(need_ptr + row)
+    chosen = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1  # non-increasing: the last digit that holds
+    above = tl.sum(tl.where(d == chosen, at_or_above - per_digit, 0), axis=0)
+    tl.store(need_ptr + row, need - above)
+    tl.store(prefix_ptr + row, tl.load(prefix_ptr + row) | (chosen.to(tl.int64) << DIGIT))
+
+
+def _radix_select(logits: torch.Tensor, k: torch.Tensor, shift: int) -> torch.Tensor:
+    """The key [B] int64 of each row's k[b]-th largest logit (1 <= k[b] <= V), RADIX_BITS a pass from the top."""
+    B, V = logits.shape
+    splits, chunk = splits_for(B, V, RADIX_BLOCK)
+    bins = 1 << RADIX_BITS
+    tally = torch.empty(B, splits, bins, dtype=torch.int32, device=logits.device)
+    prefix = torch.zeros(B, dtype=torch.int64, device=logits.device)
+    need = k.to(torch.int32).contiguous()
+    for digit in range(32 - shift - RADIX_BITS, -1, -RADIX_BITS):
+        _digit_tally_kernel[(B, splits)](logits, prefix, tally, V, logits.stride(0), CHUNK=chunk, SPLITS=splits,
+                                         SHIFT=shift, DIGIT=digit, BITS=RADIX_BITS, BLOCK=RADIX_BLOCK,
+                                         num_warps=4)
+        _digit_narrow_kernel[(B,)](tally, prefix, need, SPLITS=splits, S_BLOCK=max(2, triton.next_power_of_2(splits)),
+                                   DIGIT=digit, BITS=RADIX_BITS, num_warps=4)
+    return prefix - (1 << (31 - shift))  # the signed key
+
+
+def _nucleus_search(logits, temperature, row_max, lo, top_p, shift: int) -> None:
+    """Moves `lo` [B] int64 (a key whose logits at or above hold all the mass kept: top-k's floor) to the highest key
+    whose logits at or above still hold top_p of it, log2(CANDIDATES) bits a pass; rows split over programs as the
+    sampler's (`splits_for`)."""
     B, V = logits.shape
     block = TILE // CANDIDATES
     splits, chunk = splits_for(B, V, block)
@@ -134,9 +198,9 @@ def _search(logits, temperature, row_max, lo, need, mass: bool, shift: int) -> N
     while span > 1:
         step = max(1, span // CANDIDATES)  # candidates past the interval (a last, smaller pass) hold nothing
         _tally_kernel[(B, splits)](logits, temperature, row_max, lo, tally, step, V, logits.stride(0), CHUNK=chunk,
-                                   SPLITS=splits, MASS=mass, SHIFT=shift, C=CANDIDATES, BLOCK=block, num_warps=4)
-        _narrow_kernel[(B,)](tally, lo, need, total, step, SPLITS=splits, S_BLOCK=max(2, triton.next_power_of_2(splits)),
-                             MASS=mass, C=CANDIDATES, num_warps=1)
+                                   SPLITS=splits, SHIFT=shift, C=CANDIDATES, BLOCK=block, num_warps=4)
+        _narrow_kernel[(B,)](tally, lo, top_p, total, step, SPLITS=splits,
+                             S_BLOCK=max(2, triton.next_power_of_2(splits)), C=CANDIDATES, num_warps=1)
         span = step
 
 
@@ -171,14 +235,13 @@ def truncation_floor(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
         return torch.empty(0, dtype=torch.float32, device=logits.device)
     shift = 16 if logits.dtype == torch.bfloat16 else 0  # bf16 is the top half of fp32: its low 16 key bits are 0
     temperature = temperature.float().contiguous()
-    lo = torch.full((B,), -(1 << (31 - shift)), dtype=torch.int64, device=logits.device)  # the lowest key holds
     if use_top_k:
-        k = top_k.float()
-        _search(logits, temperature, None, lo, torch.where((k > 0) & (k < V), k, V).contiguous(), False, shift)
+        k = top_k.long()
+        lo = _radix_select(logits, torch.where((k > 0) & (k < V), k, V), shift)
     else:
         lo = _keys(logits.amin(dim=1).float(), shift)
     if use_top_p:
         row_max = logits.amax(dim=1).float()
-        _search(logits, temperature, row_max, lo, top_p.float().contiguous(), True, shift)
+        _nucleus_search(logits, temperature, row_max, lo, top_p.float().contiguous(), shift)
     return _value_of(lo, shift)
 
