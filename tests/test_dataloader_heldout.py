@@ -159,7 +159,7 @@ def test_a_validation_corpus_of_ones_own_is_the_evaluation_set_and_training_keep
     plain = StepStream([dataset(cfg)], cfg.data, dp_size=1)
     assert "eval_fraction" not in plain.state()  # the training stream has no split
     cfg.data.eval_micro_batches = 400
-    with pytest.raises(DataError, match="`data.eval_corpus` pack into .*add documents to data.eval_corpus"):
+    with pytest.raises(DataError, match="`data.eval_corpus` packs into .*add documents to data.eval_corpus"):
         eval_sequences([held], cfg.data, whole=True)
 
 
