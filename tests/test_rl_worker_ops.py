@@ -283,3 +283,34 @@ def test_the_decision_lock_is_held_by_one_worker_at_a_time_and_freed_when_its_ho
     finally:
         client.delete(f"{stream}:deciding")
         client.close()
+
+
+def test_one_worker_evaluates_each_multiple_of_the_interval_greedily_on_a_fixed_prompt_set(run):
+    """`rl.eval_interval`: the first worker holding weights at or past a multiple evaluates them, once per multiple
+    across the run's workers; the prompts are fixed (the same for every worker id, apart from the training ones); the
+    reward is the mean over one greedy completion each, stored in the run state for the trainer."""
+    from services.rl_rollout.engine import Request
+    from services.rl_rollout.sampling import SamplingParams
+
+    cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY, "rl.eval_interval=2", "rl.eval_prompts=5"])
+    registry = Registry(REDIS_URL, run)
+    with worker_with_a_publisher(cfg, registry, (0, 1, 2, 3)) as worker:
+        assert worker.evaluate_due() is None  # no weights yet
+        assert worker.policy.refresh(timeout_s=10) and worker.policy.version == 3
+        result = worker.evaluate_due()
+        assert result["version"] == 3 and result["prompts"] == 5 and registry.get_state("rl_eval") == result
+        greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens, stop=tuple(cfg.rl.stop))
+        texts = [c.text for c in worker.engine.generate([Request(worker.tokenizer.encode(p.prompt), greedy, tag=i)
+                                                         for i, p in enumerate(worker.eval_set)])]
+        rewards = [worker.task.reward(p.prompt, t, p.meta) for p, t in zip(worker.eval_set, texts)]
+        assert result["reward"] == pytest.approx(sum(rewards) / 5)
+        assert worker.evaluate_due() is None  # the multiple 2 is done
+        other = RolloutWorker(cfg, registry, worker_id="rollout1")
+        try:
+            assert other.policy.refresh(timeout_s=10)
+            assert other.evaluate_due() is None  # the turn is taken
+            assert [p.prompt for p in other.eval_set] == [p.prompt for p in worker.eval_set]
+            training = {p.prompt for p in worker.next_prompts(20)} | {p.prompt for p in other.next_prompts(20)}
+            assert len({p.prompt for p in worker.eval_set} - training) >= 4  # (drawn apart; a repeat is possible)
+        finally:
+            other.close()

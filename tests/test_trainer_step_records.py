@@ -83,14 +83,19 @@ def test_the_aux_loss_scale_may_be_a_number_or_a_device_tensor():
 
 
 class _Registry:
+    preset: dict = {}  # the run state a test starts the loop with
+
     def __init__(self, *args, **kwargs):
-        self.state: dict = {}
+        self.state: dict = dict(self.preset)
 
     def register(self, *args, **kwargs):
         return SimpleNamespace(stop=lambda: None)
 
     def set_state(self, key, value):
         self.state[key] = value
+
+    def get_state(self, key, default=None):
+        return self.state.get(key, default)
 
 
 class _Saver:
@@ -481,3 +486,26 @@ def test_a_diverged_rl_step_is_neither_published_nor_checkpointed(tmp_path, monk
     with pytest.raises(metrics.TrainingDiverged, match="step 2: .*gradient norm nan"):
         rl_module.train_rl(cfg)
     assert sorted(publisher.published) == [0, 1] and saved == [1]
+
+
+def test_an_rl_record_takes_the_newest_evaluation_of_the_policy_once(tmp_path, monkeypatch):
+    """`rl.eval_interval`: a worker's evaluation in the run state (services/rl_rollout/worker.py `evaluate_due`) lands
+    in the next record, once."""
+    from services.trainer.rl import train_rl as rl_module
+
+    steps = 3
+    cfg = load_config("configs/rl_tiny.yaml", [
+        f"run.steps={steps}", "rl.groups_per_step=2", "rl.group_size=4", "rl.micro_batch_tokens=48",
+        "optimizer.warmup_steps=1", f"run.metrics_file={tmp_path / 'metrics.jsonl'}", "rl.eval_interval=2",
+        f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    data = _Data([rl_micro_batches(g, max_tokens=cfg.rl.micro_batch_tokens)[0] for g in _rl_groups(cfg, steps)],
+                 [0.0] * steps)
+    _services(monkeypatch, rl_module, data)
+    monkeypatch.setattr(rl_module, "WeightPublisher", SimpleNamespace(from_config=lambda *a, **k: _Publisher()))
+    monkeypatch.setattr(rl_module, "discard_backlog", lambda *a, **k: 0)
+    monkeypatch.setattr(_Registry, "preset", {"rl_eval": {"version": 0, "reward": 0.25, "prompts": 5, "seconds": 1.0}})
+    assert rl_module.train_rl(cfg) == 0
+    logged = _records(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r.get("eval_reward"), r.get("eval_version")) for r in logged] == [
+        (1, 0.25, 0), (2, None, None), (3, None, None)]
+    assert logged[0]["eval_prompts"] == 5

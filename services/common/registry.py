@@ -132,6 +132,11 @@ class Registry:
                                     f"stop one, or raise the replica count")
             time.sleep(0.2)
 
+    def take_turn(self, job: str, holder: str, ttl: float = 86400.0) -> bool:
+        """True for the first caller, among every process of the run, to take `job` (within `ttl` seconds): one of
+        several services does a job once. Atomic (SET NX)."""
+        return bool(self.client.set(self._key("turn", job), holder, ex=max(1, int(ttl)), nx=True))
+
     def _records(self, pattern: str) -> list[dict[str, Any]]:
         """The live records whose keys match `pattern`, in key order: a SCAN of up to `SCAN_COUNT` keys a round trip
         and one MGET (workers poll this several times a second; a record that expired in between is skipped)."""

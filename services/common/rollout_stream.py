@@ -23,6 +23,10 @@ from contextlib import contextmanager
 
 import redis
 
+# The run-state key (Registry.set_state) of the newest evaluation of the policy, which a rollout worker writes
+# (services/rl_rollout/worker.py `evaluate_due`) and the trainer's RL records take (services/trainer/rl/train_rl.py).
+EVAL_STATE = "rl_eval"
+
 
 def read_position_key(stream: str) -> str:
     return f"{stream}:read"

@@ -109,6 +109,9 @@ class RLStepPrinter(StepPrinter):
             f"stale {r['staleness_max']} (v{min(r['policy_versions'])}-{max(r['policy_versions'])}) "
             f"loss {r['loss']:+.4f} gnorm {r['grad_norm']:.2f} wait {1000 * r['rollout_wait_s']:.0f}ms "
             f"({100 * r['rollout_wait_frac']:.0f}% of the step) eta {eta:.0f}s")
+        if "eval_reward" in r:
+            self.console.print(f"eval  weights v{r['eval_version']}: greedy reward {r['eval_reward']:.3f} over "
+                               f"{r['eval_prompts']} fixed prompts")
 
 
 def reference_model(model: MoETransformer, cfg: Config, groups: ParallelGroups | None = None
@@ -178,6 +181,7 @@ class RLStepReporter:
         self.printer = RLStepPrinter(cfg.run.steps, start_step, enabled=self.lead)
         self.log = MetricsLog(cfg.run.metrics_file if self.lead else None)
         self.printer.rl_header(cfg, rt.device, start_step)
+        self.evaluated = start_step - 1  # the newest version whose evaluation a record holds (older: a previous run's)
 
     def __call__(self, step: int, metrics: RLStepMetrics, loads: StepValues, timings: StepValues, lr: float,
                  stall: float, position: dict, micro_batches: int) -> None:
@@ -191,6 +195,11 @@ class RLStepReporter:
                   "rollout_wait_frac": wait / step_time if step_time > 0 else 0.0, "ckpt_stall_s": stall,
                   "max_load_ratio": load["max_ratio"], **position, "micro_batches": micro_batches,
                   "trainer_ranks": self.rt.world_size}
+        evaluation = self.registry.get_state(rollout_stream.EVAL_STATE) if self.cfg.rl.eval_interval else None
+        if evaluation and evaluation["version"] > self.evaluated:  # a worker evaluated newer weights since the last
+            self.evaluated = evaluation["version"]
+            record.update(eval_reward=evaluation["reward"], eval_version=evaluation["version"],
+                          eval_prompts=evaluation["prompts"])
         self.log.write(record)
         self.printer.step(record)
         self.registry.set_state("step", step + 1)
