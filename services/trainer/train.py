@@ -280,8 +280,9 @@ def train(cfg: Config) -> int:
             while pending and (len(pending) > behind or pending[0][1].ready()):
                 last_end = report(*pending.popleft(), since=last_end)
             stall = 0.0
-            if why := schedule.due(step + 1):  # copies ordered after this step on the device; the host goes on
-                # once the step is known to be finite: the host waits for it here, at save steps only
+            if why := schedule.due(step + 1):
+                # The host waits for this step here (at save steps only) to know it finite, then orders the save's
+                # copies after it on the device and goes on
                 while pending:
                     last_end = report(*pending.popleft(), since=last_end)
                 try:
