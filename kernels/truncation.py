@@ -126,8 +126,7 @@ def _digit_tally_kernel(logits_ptr, prefix_ptr, out_ptr, V: tl.constexpr, stride
                         BLOCK: tl.constexpr):
     """Program (row, split): the histogram of key digit (key >> DIGIT) mod 2^BITS over the chunk's logits whose key
     shares the row's fixed digits above it (`prefix`: the unsigned key, `_keys` + 2^(31 - SHIFT), its digits below
-    DIGIT + BITS still 0). Keys are uint32 here, the fp32 bits with the sign bit set for a positive value and every
-    bit flipped for a negative one: the same order as `_key`'s, shifted by 2^(31 - SHIFT)."""
+    DIGIT + BITS still 0): `_key`'s with its sign bit flipped, as uint32, so that shifts are logical."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
@@ -138,8 +137,8 @@ def _digit_tally_kernel(logits_ptr, prefix_ptr, out_ptr, V: tl.constexpr, stride
     for offset in range(0, CHUNK, BLOCK):
         cols = split * CHUNK + offset + lanes
         inside = cols < V
-        bits = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32).to(tl.uint32, bitcast=True)
-        key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000) >> SHIFT
+        x = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+        key = (_key(x, 0) ^ -2147483648).to(tl.uint32, bitcast=True) >> SHIFT  # the sign bit flipped: unsigned order
         digit = ((key >> DIGIT) & ((1 << BITS) - 1)).to(tl.int32)
         if TOP:
             fixed = inside

@@ -456,23 +456,28 @@ def test_a_diverged_run_exits_1_with_one_line(capsys):
     metrics.check_finite(7, 1.0, 1.0)  # finite: nothing
 
 
-def test_a_diverged_rl_step_is_neither_published_nor_checkpointed(tmp_path, monkeypatch):
-    """RL: step 2's loss NaN ends the run with TrainingDiverged before version 3 reaches the workers or a checkpoint
-    (checkpoint.interval=1 would save every step)."""
-    from services.trainer import metrics
-    from services.trainer.rl import train_rl as rl_module
-
-    steps = 3
+def _rl_run(tmp_path, monkeypatch, rl_module, steps: int, *overrides):
+    """A tiny RL run of `steps` steps against fake services: (config, its data, the steps saved, the publisher)."""
     cfg = load_config("configs/rl_tiny.yaml", [
         f"run.steps={steps}", "rl.groups_per_step=2", "rl.group_size=4", "rl.micro_batch_tokens=48",
-        "optimizer.warmup_steps=1", f"run.metrics_file={tmp_path / 'metrics.jsonl'}", "checkpoint.interval=1",
-        f"checkpoint.dir={tmp_path / 'ckpt'}"])
+        "optimizer.warmup_steps=1", f"run.metrics_file={tmp_path / 'metrics.jsonl'}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}", *overrides])
     data = _Data([rl_micro_batches(g, max_tokens=cfg.rl.micro_batch_tokens)[0] for g in _rl_groups(cfg, steps)],
-                  [0.0] * steps)
+                 [0.0] * steps)
     saved = _services(monkeypatch, rl_module, data)
     publisher = _Publisher()
     monkeypatch.setattr(rl_module, "WeightPublisher", SimpleNamespace(from_config=lambda *a, **k: publisher))
     monkeypatch.setattr(rl_module, "discard_backlog", lambda *a, **k: 0)
+    return cfg, data, saved, publisher
+
+
+def test_a_diverged_rl_step_is_neither_published_nor_checkpointed(tmp_path, monkeypatch):
+    """RL: step 2's gradient norm NaN ends the run with TrainingDiverged before version 3 reaches the workers or a checkpoint
+    (checkpoint.interval=1 would save every step)."""
+    from services.trainer import metrics
+    from services.trainer.rl import train_rl as rl_module
+
+    cfg, data, saved, publisher = _rl_run(tmp_path, monkeypatch, rl_module, 3, "checkpoint.interval=1")
     real = rl_module.rl_train_step
 
     def rl_train_step(*args):
@@ -493,16 +498,7 @@ def test_an_rl_record_takes_the_newest_evaluation_of_the_policy_once(tmp_path, m
     in the next record, once."""
     from services.trainer.rl import train_rl as rl_module
 
-    steps = 3
-    cfg = load_config("configs/rl_tiny.yaml", [
-        f"run.steps={steps}", "rl.groups_per_step=2", "rl.group_size=4", "rl.micro_batch_tokens=48",
-        "optimizer.warmup_steps=1", f"run.metrics_file={tmp_path / 'metrics.jsonl'}", "rl.eval_interval=2",
-        f"checkpoint.dir={tmp_path / 'ckpt'}"])
-    data = _Data([rl_micro_batches(g, max_tokens=cfg.rl.micro_batch_tokens)[0] for g in _rl_groups(cfg, steps)],
-                 [0.0] * steps)
-    _services(monkeypatch, rl_module, data)
-    monkeypatch.setattr(rl_module, "WeightPublisher", SimpleNamespace(from_config=lambda *a, **k: _Publisher()))
-    monkeypatch.setattr(rl_module, "discard_backlog", lambda *a, **k: 0)
+    cfg, *_ = _rl_run(tmp_path, monkeypatch, rl_module, 3, "rl.eval_interval=2")
     monkeypatch.setattr(_Registry, "preset", {"rl_eval": {"version": 0, "reward": 0.25, "prompts": 5, "seconds": 1.0}})
     assert rl_module.train_rl(cfg) == 0
     logged = _records(tmp_path / "metrics.jsonl")

@@ -33,7 +33,7 @@ import json
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 import torch
@@ -132,13 +132,19 @@ class DataClient:
     def _join(self) -> None:
         if self._sock is not None:
             self._sock.close(linger=0)  # micro-batches in flight from before the resume are discarded with it
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTING_ID, f"rank{self.rank}-{uuid.uuid4().hex[:8]}".encode())
-        self._sock.connect(self.zmq_endpoint)
+        self._sock = self._dealer(f"rank{self.rank}-{uuid.uuid4().hex[:8]}".encode())
         wire.send(self._sock, "hello", pb.DataHello(rank=self.rank, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                                     group_size=self.group_size, start_step=self._next_step,
                                                     credits=0 if self.on_demand else self.prefetch), token=self.token)
+
+    def _dealer(self, identity: bytes | None = None) -> zmq.Socket:
+        """A DEALER socket connected to the service, dropping unsent messages when closed."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.connect(self.zmq_endpoint)
+        return sock
 
     def status(self) -> dict[str, Any]:
         reply = self._call(self._control.Status, pb.DataStatusRequest(), "Status")
@@ -159,11 +165,7 @@ class DataClient:
         """The `grad_accum` micro-batches of this rank's next optimizer step."""
         if self._sock is None:
             self.resume(self._state)
-        while True:
-            try:
-                return self._receive_step()
-            except _ServiceLost:
-                self._reconnect()
+        return self._across_restarts(self._receive_step)
 
     def _receive_step(self) -> list[dict[str, torch.Tensor]]:
         out, state_after = [], None
@@ -223,16 +225,10 @@ class DataClient:
         micro-batches at every call), as `next_step`'s dicts. Asked for on a socket of its own, so the training
         stream's prefetched micro-batches stay where they are; a service lost meanwhile is found again as `next_step`
         finds it."""
-        while True:
-            try:
-                return self._receive_eval()
-            except _ServiceLost:
-                self._reconnect()
+        return self._across_restarts(self._receive_eval)
 
     def _receive_eval(self) -> list[dict[str, torch.Tensor]]:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.zmq_endpoint)
+        sock = self._dealer()
         try:
             wire.send(sock, "eval", pb.DataEvalRequest(dp_rank=self.dp_rank, dp_size=self.dp_size), token=self.token)
             out, count = [], 1
@@ -251,6 +247,14 @@ class DataClient:
         wire.send(self._sock, "credit", pb.DataCredit(credits=credits), token=self.token)
 
     # ------------------------------------------------------------ surviving a restart of the service
+
+    def _across_restarts(self, receive: Callable[[], Any]) -> Any:
+        """`receive()`, again after each reconnection while the service is lost meanwhile."""
+        while True:
+            try:
+                return receive()
+            except _ServiceLost:
+                self._reconnect()
 
     def _alive(self) -> bool:
         """The service's gRPC health says SERVING. (Health, not Status: it does not wait for the engine's lock, so a

@@ -62,13 +62,9 @@ class Engine:
         self.make_stream = make_stream or (lambda dp_size: StepStream(datasets, data_cfg, dp_size, self.cp_sizes))
         self.make_stream(1)  # a config the stream cannot serve fails at start, not at a join
         # The evaluation set (heldout.py), built at start for the same reason; None: the run evaluates nothing
-        self.eval_set = None
-        if eval_datasets:
-            self.eval_set = [build_micro_batch(eval_datasets, seqs, data_cfg.seq_len)
-                             for seqs in eval_sequences(eval_datasets, data_cfg, whole=True)]
-        elif datasets and data_cfg.eval_fraction:
-            self.eval_set = [build_micro_batch(datasets, seqs, data_cfg.seq_len)
-                             for seqs in eval_sequences(datasets, data_cfg)]
+        held = eval_datasets or (datasets if data_cfg.eval_fraction else None)
+        self.eval_set = [build_micro_batch(held, seqs, data_cfg.seq_len)
+                         for seqs in eval_sequences(held, data_cfg, whole=bool(eval_datasets))] if held else None
         self.max_buffered = max_buffered or max(2, -(-data_cfg.prefetch // data_cfg.grad_accum) + 1)
         self.lock = threading.Lock()
         self.stream: StepStream | None = None

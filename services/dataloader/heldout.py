@@ -69,7 +69,7 @@ def eval_sequences(datasets: list[IndexedDataset], data_cfg, whole: bool = False
     sequences = [s for s in turns if s is not None]
     if len(sequences) < need:
         more = "add documents to data.eval_corpus" if whole else "raise eval_fraction"
-        raise DataError(f"{source} pack{'s' if whole else ''} into {len(sequences)} sequences of {cfg.seq_len} tokens, fewer than "
-                        f"`data.eval_micro_batches` x `data.micro_batch_size` = {cfg.eval_micro_batches} x {mbs}: "
-                        f"{more} or lower eval_micro_batches")
+        raise DataError(f"{source} pack{'s' if whole else ''} into {len(sequences)} sequences of {cfg.seq_len} "
+                        f"tokens, fewer than `data.eval_micro_batches` x `data.micro_batch_size` = "
+                        f"{cfg.eval_micro_batches} x {mbs}: {more} or lower eval_micro_batches")
     return [sequences[j * mbs:(j + 1) * mbs] for j in range(cfg.eval_micro_batches)]

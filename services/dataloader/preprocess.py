@@ -398,8 +398,9 @@ def main(argv: list[str] | None = None) -> int:
             print("an RL run (rl.enabled) reads no corpus: nothing to preprocess")
             return 0
         d = cfg.data
-        paths = [path for _, path in _builds(cfg)]
-        for entry, path in _builds(cfg):
+        builds = _builds(cfg)
+        paths = [path for _, path in builds]
+        for entry, path in builds:
             preprocess(entry, d.tokenizer, path, workers=args.workers, force=args.force, progress=sys.stderr.isatty())
         ensure_dataset(cfg)  # the vocabulary check; the datasets are up to date by now
     except (ConfigError, DataError) as e:

@@ -347,7 +347,8 @@ def expert_load_summary(loads: torch.Tensor, cfg: Config, data_parallel: int = 1
 
 # Why a rank stops, as one line (the messages name the cause and the fix) instead of a traceback, and its exit code:
 # 2 for what must be fixed before starting again, 1 for a run that started and then lost its dataloader, a checkpoint
-# save or Redis, or diverged. The launcher never restarts the trainer (services/launcher.py): any non-zero code ends the run.
+# save or Redis, or diverged. The launcher never restarts the trainer (services/launcher.py): any non-zero code ends
+# the run.
 USAGE_ERRORS = (ConfigError, RegistryError, checkpointing.CheckpointLoadError)
 RUN_ERRORS = (DataError, SaveError, TimeoutError, RedisError, TrainingDiverged)
 
