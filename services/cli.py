@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                             ("preprocess", "tokenize the corpus into data.dataset_dir (train does this when needed)"),
                             ("status", "show the registered services (health, endpoints), step and latest checkpoint"),
                             ("plot", "draw loss, throughput and expert-load charts of a run as PNG files"),
-                            ("save", "ask the running trainer for a checkpoint now, through the checkpointer")):
+                            ("save", "ask the running trainer for a checkpoint now, through the checkpointer"),
+                            ("generate", "complete prompts with a trained checkpoint (see `foldmoe generate -h`)")):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--config", type=Path, default=None, help="YAML config (default: built-in tiny CPU run)")
         sub.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, later wins")
@@ -241,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.dataloader.preprocess import main as preprocess_main
 
         return preprocess_main(argv[1:])
+    if argv[:1] == ["generate"]:  # its own options (sampling, prompts): services/rl_rollout/generate.py
+        from services.rl_rollout.generate import main as generate_main
+
+        return generate_main(argv[1:])
     args = _parser().parse_args(argv)
     from services.common.embedded_redis import EmbeddedRedisError
     from services.common.registry import RegistryError

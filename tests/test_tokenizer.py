@@ -24,14 +24,14 @@ def test_byte_tokenizer_special_ids_fit_the_default_model_vocab():
     assert tok.decode([*tok.encode("ab"), tok.eos_id, tok.pad_id]) == "ab"  # special ids carry no text
 
 
-def _write_hf_tokenizer(path, specials=("<|endoftext|>", "<pad>")):
+def _write_hf_tokenizer(path, specials=("<|endoftext|>", "<pad>"), vocab_size=300):
     tokenizers = pytest.importorskip("tokenizers", reason="the HF tokenizer path needs the `tokenizers` package")
     from tokenizers import models, pre_tokenizers, trainers, decoders
 
     tok = tokenizers.Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TEXT * 3, "the quick brown fox jumps over the lazy dog"] * 20, trainer)
     tok.save(str(path))

@@ -1,0 +1,238 @@
+"""`foldmoe generate`: completions of prompts by a trained model, with the rollout engine.
+
+    foldmoe generate [--config FILE] [--checkpoint CKPT] [--prompt TEXT ...] [--prompts FILE] [--samples N]
+                     [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--stop TEXT ...] [--seed N]
+                     [--tokenizer SPEC] [--json] [section.key=value ...]
+
+CKPT is a committed checkpoint (a step_NNNNNNNN directory), a `checkpoint.dir` (its newest checkpoint that verifies;
+default: the config's) or a Hugging Face model directory (config.json + *.safetensors, read as `convert import` does).
+The model is the one the checkpoint records; its weights are the fp32 master weights a resume would see, run in bf16
+on a GPU (`run.device`, `run.dtype`) and fp32 on the CPU. The tokenizer is the one the run that wrote the checkpoint
+trained with (its recorded `data.tokenizer`), an HF directory's tokenizer.json, or `--tokenizer`.
+
+Generation is the RL workers' engine (services/rl_rollout/engine.py: KV cache, continuous batching, chunked prefill)
+and sampler: temperature 0 is greedy. An empty prompt starts from the end-of-document token, where every packed
+document of the training stream starts. Completions print in prompt order as they finish, the prompt followed by its
+completion; `--json` prints one JSON object per line instead. Bad input is one line naming the cause and the fix,
+exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from services.checkpointer.convert import ConvertError, find_checkpoint, read_model_state, trained_config
+from services.checkpointer.hf import import_hf
+from services.checkpointer.hf_families import HFError
+from services.checkpointer.layout import CheckpointError, read_manifest
+from services.common import logs
+from services.common.config import Config, ConfigError, load_config
+from services.common.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from services.rl_rollout.engine import Completion, Engine, EngineError, Request
+from services.rl_rollout.sampling import SamplingParams
+from services.rl_rollout.worker import rollout_device, rollout_model_config
+from services.trainer.model.transformer import MoETransformer
+
+EXIT_USAGE = 2
+MAX_BATCH = 64  # sequences decoding together at most (KV cache slots)
+_err = Console(stderr=True)  # progress only
+
+
+class GenerateError(ValueError):
+    """Input generation cannot use; the message names the cause and the fix."""
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _is_hf_directory(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and not (path / "manifest.json").is_file()
+
+
+def _recorded_tokenizer(ckpt: Path) -> str | None:
+    """The `data.tokenizer` of the run that wrote `ckpt` (the trainer records its whole config), if recorded."""
+    extras = read_manifest(ckpt).extras
+    return ((extras[0].get("config") or {}).get("data") or {}).get("tokenizer") if extras else None
+
+
+def _tokenizer(given: str | None, recorded: str | None, fallback: str, source: str) -> Tokenizer:
+    """`given` (--tokenizer), else the one the checkpoint was trained with, else `fallback` (data.tokenizer).
+    A given tokenizer other than the recorded one (by content, where the recorded file can still be read) is
+    refused: ids mean nothing under another vocabulary."""
+    if given is None:
+        spec = recorded or fallback
+        try:
+            return load_tokenizer(spec)
+        except TokenizerError as e:
+            if recorded:
+                raise GenerateError(f"{source} was trained with data.tokenizer={recorded}, which cannot be loaded "
+                                    f"here ({e}); pass the same tokenizer with --tokenizer") from None
+            raise
+    tokenizer = load_tokenizer(given)
+    if recorded and recorded != given:
+        try:
+            trained_with = load_tokenizer(recorded)
+        except TokenizerError:
+            _say(f"warning: {source} was trained with data.tokenizer={recorded}, which cannot be read here to "
+                 f"compare with --tokenizer {given}")
+            return tokenizer
+        if trained_with.identity() != tokenizer.identity():
+            raise GenerateError(f"--tokenizer {given} is not the tokenizer {source} was trained with "
+                                f"(data.tokenizer={recorded}: {trained_with.identity()} against "
+                                f"{tokenizer.identity()}); drop --tokenizer to use the recorded one")
+    return tokenizer
+
+
+def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> tuple[MoETransformer, Tokenizer, str]:
+    """(model on `run.device`, in eval mode; tokenizer; what was loaded, in words) from a foldmoe checkpoint or an HF
+    model directory."""
+    if _is_hf_directory(spec):
+        state, model_cfg = import_hf(spec)
+        source = f"HF model {spec}"
+        bundled = spec / "tokenizer.json"
+        tokenizer = _tokenizer(tokenizer_spec, str(bundled) if bundled.is_file() else None, cfg.data.tokenizer,
+                               source)
+    else:
+        ckpt = find_checkpoint(spec)
+        model_cfg = trained_config(ckpt)
+        source = f"checkpoint {ckpt}"
+        tokenizer = _tokenizer(tokenizer_spec, _recorded_tokenizer(ckpt), cfg.data.tokenizer, source)
+        state = read_model_state(ckpt, model_cfg)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids but the model of {source} has a vocabulary "
+                            f"of {model_cfg.vocab_size}: not the tokenizer it was trained with; pass that one with "
+                            "--tokenizer")
+    device = rollout_device(cfg)
+    dtype = torch.bfloat16 if device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
+    model = MoETransformer(rollout_model_config(model_cfg))
+    model.load_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval(), tokenizer, source
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt values, then --prompts FILE's lines (`-`: standard input); none given: one empty prompt."""
+    prompts = list(args.prompt or [])
+    if args.prompts is not None:
+        try:
+            text = sys.stdin.read() if str(args.prompts) == "-" else Path(args.prompts).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerateError(f"cannot read prompts from {args.prompts}: {e}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    return prompts or [""]
+
+
+def build_requests(prompts: list[str], tokenizer: Tokenizer, params: SamplingParams, samples: int) -> list[Request]:
+    requests = []
+    for i, text in enumerate(prompts):
+        tokens = tokenizer.encode(text) or [tokenizer.eos_id]
+        requests += [Request(tokens, params, tag=(i, j)) for j in range(samples)]
+    return requests
+
+
+def _show(c: Completion, prompt: str, as_json: bool) -> str:
+    i, j = c.tag
+    if as_json:
+        return json.dumps({"prompt_index": i, "sample": j, "prompt": prompt, "completion": c.text,
+                           "tokens": len(c.tokens), "token_ids": c.tokens, "finish_reason": c.finish_reason,
+                           "logprob": round(sum(c.logprobs), 4)})
+    return f"--- prompt {i + 1}, sample {j + 1} ({len(c.tokens)} tokens, {c.finish_reason})\n{prompt}{c.text}"
+
+
+def generate(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config, args.overrides)
+    if args.samples < 1:
+        raise GenerateError(f"--samples must be at least 1, got {args.samples}")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, stop=tuple(args.stop or ()))
+    except ValueError as e:
+        raise GenerateError(f"sampling: {e}") from None
+    prompts = read_prompts(args)
+    spec = Path(args.checkpoint or cfg.checkpoint.dir).expanduser()
+    model, tokenizer, source = load_model(spec, cfg, args.tokenizer)
+    requests = build_requests(prompts, tokenizer, params, args.samples)
+    longest = max(len(r.prompt_tokens) for r in requests)
+    _say(f"generating {len(requests)} completion(s) of up to {params.max_tokens} tokens from {source} "
+         f"({next(model.parameters()).device})")
+    engine = Engine(model, tokenizer, max_batch=min(len(requests), MAX_BATCH), max_seq_len=longest + params.max_tokens,
+                    seed=args.seed if args.seed is not None else random.getrandbits(63),
+                    cuda_graphs=cfg.rl.cuda_graphs, prefill_tokens=cfg.rl.prefill_tokens)
+    finished: dict[tuple[int, int], Completion] = {}
+    order = [r.tag for r in requests]
+    shown = 0
+    start = time.perf_counter()
+    with Progress(console=_err, transient=True, disable=not _err.is_terminal) as progress:
+        task = progress.add_task("generating", total=len(requests))
+
+        def complete(c: Completion) -> None:  # print in prompt order, each as soon as those before it are done
+            nonlocal shown
+            finished[c.tag] = c
+            progress.advance(task)
+            while shown < len(order) and order[shown] in finished:  # rich's live bar keeps below printed lines
+                done = finished.pop(order[shown])
+                print(_show(done, prompts[done.tag[0]], args.json), flush=True)
+                shown += 1
+
+        try:
+            completions = engine.generate(requests, complete)
+        finally:
+            engine.close()
+    seconds = time.perf_counter() - start
+    generated = sum(len(c.tokens) for c in completions)
+    _say(f"{generated} tokens in {seconds:.2f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    doc = __doc__.split("\n")[0].strip("`").replace("`foldmoe generate`: ", "")
+    parser = argparse.ArgumentParser(prog="foldmoe generate", description=doc)
+    parser.add_argument("--config", type=Path, default=None,
+                        help="YAML config: checkpoint.dir, run.device, run.dtype (default: built-in tiny CPU run)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a step_NNNNNNNN directory, a checkpoint.dir or an HF model directory "
+                             "(default: the config's checkpoint.dir)")
+    parser.add_argument("--prompt", action="append", help="a prompt (repeat for more); none: one empty prompt")
+    parser.add_argument("--prompts", default=None, help="a file of prompts, one per line (`-`: standard input)")
+    parser.add_argument("--samples", type=int, default=1, help="completions per prompt (default 1)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per completion at most (default 128)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus: the likeliest tokens reaching p (1: off)")
+    parser.add_argument("--stop", action="append", help="stop once the completion holds this text (repeatable)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="\"byte\" or a tokenizer.json (default: the one the checkpoint was trained with)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per completion")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, later wins")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logs.configure("generate")
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)  # overrides may follow options
+    if any(r.startswith("-") for r in rest):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.overrides += rest
+    try:
+        generate(args)
+    except (GenerateError, ConvertError, HFError, ConfigError, CheckpointError, TokenizerError, EngineError,
+            OSError) as e:
+        print(f"foldmoe generate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
