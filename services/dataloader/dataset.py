@@ -3,6 +3,9 @@
 Layout of a dataset directory (written by `preprocess.py`):
   tokens.bin  every document's token ids back to back (uint16 when the vocabulary fits, else uint32), EOS closing each
   index.npy   int64 offsets into tokens.bin, one per document plus the end: document i is tokens[off[i]:off[i+1]]
+  loss_mask.bin  only for a corpus with prompt/completion records: one uint8 per token, 1 where the token is a
+              training target (a completion's tokens and its EOS), 0 where it only conditions (a prompt's); meta.json's
+              "loss_mask" says it is there
   meta.json   tokenizer identity, counts, dtype and source checksums; written last, so its presence means the other
               two files are complete
 """
@@ -21,6 +24,7 @@ from services.dataloader.errors import DataError
 TOKENS_FILE = "tokens.bin"
 INDEX_FILE = "index.npy"
 META_FILE = "meta.json"
+LOSS_MASK_FILE = "loss_mask.bin"
 FORMAT_VERSION = 1
 
 
@@ -55,7 +59,9 @@ class IndexedDataset:
         self.dtype = np.dtype(self.meta["dtype"])
         self.num_tokens = int(self.meta["num_tokens"])
         self.offsets = self._read_index(int(self.meta["num_docs"]))
-        self.tokens = self._map_tokens()
+        self.tokens = self._map(TOKENS_FILE, self.dtype)
+        # Which tokens are training targets; None: every one (a plain corpus)
+        self.loss_mask = self._map(LOSS_MASK_FILE, np.dtype(np.uint8)) if self.meta.get("loss_mask") else None
 
     def _read_index(self, num_docs: int) -> np.ndarray:
         index_path = self.path / INDEX_FILE
@@ -70,20 +76,33 @@ class IndexedDataset:
                             f"{self.num_tokens} tokens); the dataset is corrupt: preprocess again")
         return offsets
 
-    def _map_tokens(self) -> np.ndarray:
-        tokens_path = self.path / TOKENS_FILE
-        want = self.num_tokens * self.dtype.itemsize
-        have = tokens_path.stat().st_size if tokens_path.is_file() else -1
+    def _map(self, name: str, dtype: np.dtype) -> np.ndarray:
+        """One value per token of file `name`, memory-mapped, after checking its size against meta.json."""
+        path = self.path / name
+        want = self.num_tokens * dtype.itemsize
+        have = path.stat().st_size if path.is_file() else -1
         if have != want:
-            raise DataError(f"token file {tokens_path} has {have} bytes, {META_FILE} promises {want}: "
-                            "it is truncated or was replaced; preprocess again")
-        return np.memmap(tokens_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+            raise DataError(f"{path} has {have} bytes, {META_FILE} promises {want}: it is truncated or was replaced; "
+                            "preprocess again")
+        return np.memmap(path, dtype=dtype, mode="r", shape=(self.num_tokens,))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def doc(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def doc_targets(self, i: int) -> np.ndarray | None:
+        """Document i's loss mask (bool per token: a training target), or None where every token is one."""
+        return None if self.loss_mask is None else self.loss_mask[self.offsets[i]:self.offsets[i + 1]].astype(bool)
+
+    def examples_over(self, seq_len: int) -> int:
+        """Prompt/completion documents longer than a sequence of `seq_len` positions: packing splits them like any
+        document, and a later piece trains without the context of the earlier one (its prompt)."""
+        if self.loss_mask is None:
+            return 0
+        prompted = np.minimum.reduceat(self.loss_mask, self.offsets[:-1]) == 0
+        return int(np.count_nonzero(prompted & (self.doc_lengths - 1 > seq_len)))
 
     @cached_property
     def doc_lengths(self) -> np.ndarray:
@@ -103,5 +122,6 @@ class IndexedDataset:
 
     @property
     def fingerprint(self) -> str:
-        """Content hash of the token file: a stream state is only valid against the same tokens."""
-        return str(self.meta["tokens_sha256"])
+        """Content hash of the token file (and loss mask): a stream state is only valid against the same tokens."""
+        mask = self.meta.get("loss_mask_sha256")
+        return str(self.meta["tokens_sha256"]) + (f"/{mask}" if mask else "")

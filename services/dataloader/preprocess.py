@@ -4,6 +4,11 @@ Inputs: plain text files, directories of them (recursively), `.jsonl` with a "te
 "text" column (needs pyarrow). Files are tokenized in parallel and written in corpus order, so the output does not depend
 on the worker count. Re-running with an unchanged corpus and tokenizer does nothing.
 
+Supervised fine-tuning data: a `.jsonl` record (or `.parquet` row) with string "prompt" and "completion" fields instead
+of "text" is one document, the prompt's tokens then the completion's and EOS, whose prompt tokens are no training
+targets: the dataset's loss mask (dataset.py) marks them, and the dataloader gives them label -100 (the loss is the
+completions' alone). Prompt and completion are tokenized apart, so the boundary is a token boundary.
+
     python -m services.dataloader.preprocess --config FILE [data.corpus=[a,b]] [--force]
 """
 
@@ -27,8 +32,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from services.dataloader.dataset import (FORMAT_VERSION, INDEX_FILE, META_FILE, TOKENS_FILE, IndexedDataset, read_meta,
-                                         token_dtype)
+from services.dataloader.dataset import (FORMAT_VERSION, INDEX_FILE, LOSS_MASK_FILE, META_FILE, TOKENS_FILE,
+                                         IndexedDataset, read_meta, token_dtype)
 from services.dataloader.errors import DataError
 from services.common.tokenizer import TokenizerError, load_tokenizer
 
@@ -91,7 +96,10 @@ def _expand(entry: str) -> list[str]:
 # ---------------------------------------------------------------- reading documents
 
 
-def iter_documents(path: str) -> Iterator[str]:
+Document = str | tuple[str, str]  # a text, or a (prompt, completion) pair whose prompt is not trained on
+
+
+def iter_documents(path: str) -> Iterator[Document]:
     """The documents of one input file; raises `_NotText` for files that are not text."""
     if path.endswith(".jsonl"):
         yield from _jsonl_documents(path)
@@ -130,7 +138,17 @@ def _text_documents(path: str) -> Iterator[str]:
         yield pending
 
 
-def _jsonl_documents(path: str) -> Iterator[str]:
+def _record_document(record: Any, where: str) -> Document | None:
+    """A record's document: its "text", or its ("prompt", "completion"); None when it has nothing to train on."""
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return record["text"] if record["text"].strip() else None
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+        return (record["prompt"], record["completion"]) if record["completion"].strip() else None
+    raise DataError(f"{where} has neither a string \"text\" field nor string \"prompt\" and \"completion\" fields "
+                    f"(keys: {sorted(record) if isinstance(record, dict) else type(record).__name__})")
+
+
+def _jsonl_documents(path: str) -> Iterator[Document]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -139,27 +157,26 @@ def _jsonl_documents(path: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno} is not valid JSON ({e})") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{lineno} has no string \"text\" field (keys: "
-                                f"{sorted(record) if isinstance(record, dict) else type(record).__name__})")
-            if text.strip():
-                yield text
+            if (doc := _record_document(record, f"{path}:{lineno}")) is not None:
+                yield doc
 
 
-def _parquet_documents(path: str) -> Iterator[str]:
+def _parquet_documents(path: str) -> Iterator[Document]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"reading {path} needs pyarrow: `.venv/bin/pip install pyarrow`, "
                         "or convert it to .jsonl") from None
     pf = pq.ParquetFile(path)
-    if "text" not in pf.schema_arrow.names:
-        raise DataError(f"{path} has no \"text\" column (columns: {pf.schema_arrow.names})")
-    for batch in pf.iter_batches(columns=["text"]):
-        for text in batch.column(0).to_pylist():
-            if isinstance(text, str) and text.strip():
-                yield text
+    names = pf.schema_arrow.names
+    columns = ["text"] if "text" in names else ["prompt", "completion"]
+    if not set(columns) <= set(names):
+        raise DataError(f"{path} has neither a \"text\" column nor \"prompt\" and \"completion\" columns "
+                        f"(columns: {names})")
+    for batch in pf.iter_batches(columns=columns):
+        for i, record in enumerate(batch.to_pylist()):
+            if (doc := _record_document(record, f"{path} row {i} of a batch")) is not None:
+                yield doc
 
 
 # ---------------------------------------------------------------- tokenizing one file (runs in a worker)
@@ -179,21 +196,31 @@ def _worker_tokenizer(spec: str):
 
 
 def tokenize_file(path: str, tokenizer_spec: str) -> dict[str, Any]:
-    """Tokens and document lengths of one file, EOS after each document, plus the file's checksum."""
+    """Tokens and document lengths of one file, EOS after each document, plus the file's checksum; and "targets", one
+    uint8 per token (0 on prompt tokens), when the file holds prompt/completion records."""
     tok = _worker_tokenizer(tokenizer_spec)
     dtype = token_dtype(tok.vocab_size)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
+    prompts: list[int] = []  # each document's prompt tokens (0 for a text)
     try:
-        for text in iter_documents(path):
-            ids = tok.encode(text)
-            ids.append(tok.eos_id)
+        for doc in iter_documents(path):
+            prompt = tok.encode(doc[0]) if isinstance(doc, tuple) else []
+            ids = prompt + tok.encode(doc[1] if isinstance(doc, tuple) else doc) + [tok.eos_id]
             chunks.append(np.asarray(ids, dtype=dtype))
             lengths.append(len(ids))
+            prompts.append(len(prompt))
     except _NotText as e:
         return {"path": path, "skipped": str(e), "sha256": _sha256(path)}
     tokens = np.concatenate(chunks) if chunks else np.empty(0, dtype=dtype)
-    return {"path": path, "tokens": tokens, "lengths": np.asarray(lengths, dtype=np.int64), "sha256": _sha256(path)}
+    out = {"path": path, "tokens": tokens, "lengths": np.asarray(lengths, dtype=np.int64), "sha256": _sha256(path)}
+    if any(prompts):
+        targets = np.ones(len(tokens), dtype=np.uint8)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        for start, n in zip(starts, prompts):
+            targets[start:start + n] = 0
+        out["targets"] = targets
+    return out
 
 
 def _sha256(path: str) -> str:
@@ -248,9 +275,11 @@ def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, w
     if workers <= 0:
         workers = min(os.cpu_count() or 1, len(sources)) if total_bytes >= PARALLEL_MIN_BYTES else 1
     t0 = time.monotonic()
-    records, num_tokens, lengths, digest = _write_tokens(sources, tokenizer_spec, out_dir, workers, progress)
+    records, num_tokens, lengths, digest, mask_digest = _write_tokens(sources, tokenizer_spec, out_dir, workers,
+                                                                      progress)
     if num_tokens == 0:
-        (out_dir / (TOKENS_FILE + ".tmp")).unlink(missing_ok=True)
+        for name in (TOKENS_FILE, LOSS_MASK_FILE):
+            (out_dir / (name + ".tmp")).unlink(missing_ok=True)
         skipped = [f"{r['path']} ({r['skipped']})" for r in records if "skipped" in r]
         raise DataError(f"`data.corpus={corpus}` holds no text ({len(sources)} files"
                         + (f"; skipped: {', '.join(skipped[:5])}" if skipped else "") + ")")
@@ -263,6 +292,11 @@ def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, w
     meta = {**_build_params(tok.identity()), "tokenizer_spec": tokenizer_spec,
             "dtype": token_dtype(tok.vocab_size).name, "num_docs": int(len(lengths)), "num_tokens": int(num_tokens),
             "tokens_sha256": digest, "sources": records, "build_seconds": round(time.monotonic() - t0, 3)}
+    if mask_digest is not None:
+        meta.update(loss_mask=True, loss_mask_sha256=mask_digest)
+        os.replace(out_dir / (LOSS_MASK_FILE + ".tmp"), out_dir / LOSS_MASK_FILE)
+    else:
+        (out_dir / LOSS_MASK_FILE).unlink(missing_ok=True)  # an earlier build's
     os.replace(out_dir / (TOKENS_FILE + ".tmp"), out_dir / TOKENS_FILE)
     os.replace(out_dir / (INDEX_FILE + ".tmp"), out_dir / INDEX_FILE)
     _atomic_write_text(out_dir / META_FILE, json.dumps(meta, indent=1))
@@ -296,15 +330,24 @@ def _tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
 
 
 def _write_tokens(sources: list[Source], tokenizer_spec: str, out_dir: Path, workers: int, progress: bool):
-    """Stream each file's tokens into tokens.bin.tmp in corpus order; returns (records, count, lengths, sha256)."""
+    """Stream each file's tokens into tokens.bin.tmp in corpus order, and their loss mask into loss_mask.bin.tmp from
+    the first file that has prompt/completion records on (the tokens before it marked as targets); returns (records,
+    count, lengths, tokens sha256, loss mask sha256 or None without one)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     records: list[dict[str, Any]] = []
     all_lengths: list[np.ndarray] = []
     num_tokens = 0
     digest = hashlib.sha256()
+    mask_digest, mask_file = None, None
     bar = Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                    TextColumn("{task.fields[docs]} docs"), disable=not progress, transient=True)
+
+    def write_targets(targets: np.ndarray) -> None:
+        data = targets.tobytes()
+        mask_file.write(data)
+        mask_digest.update(data)
+
     with _tokenizer_pool(workers) as pool:
         paths = [s.path for s in sources]
         results = (pool.map(tokenize_file, paths, [tokenizer_spec] * len(paths), chunksize=1) if pool
@@ -312,24 +355,36 @@ def _write_tokens(sources: list[Source], tokenizer_spec: str, out_dir: Path, wor
         with bar, open(out_dir / (TOKENS_FILE + ".tmp"), "wb") as out:
             task = bar.add_task("tokenize", total=sum(s.size for s in sources), docs=0)
             ndocs = 0
-            for src, res in zip(sources, results):
-                rec = {"path": src.path, "size": src.size, "mtime_ns": src.mtime_ns, "sha256": res["sha256"]}
-                if "skipped" in res:
-                    rec["skipped"] = res["skipped"]
-                else:
-                    data = res["tokens"].tobytes()
-                    out.write(data)
-                    digest.update(data)
-                    num_tokens += len(res["tokens"])
-                    all_lengths.append(res["lengths"])
-                    ndocs += len(res["lengths"])
-                    rec.update(docs=int(len(res["lengths"])), tokens=int(len(res["tokens"])))
-                records.append(rec)
-                bar.update(task, advance=src.size, docs=ndocs)
+            try:
+                for src, res in zip(sources, results):
+                    rec = {"path": src.path, "size": src.size, "mtime_ns": src.mtime_ns, "sha256": res["sha256"]}
+                    if "skipped" in res:
+                        rec["skipped"] = res["skipped"]
+                    else:
+                        if "targets" in res and mask_file is None:
+                            mask_file, mask_digest = open(out_dir / (LOSS_MASK_FILE + ".tmp"), "wb"), hashlib.sha256()
+                            write_targets(np.ones(num_tokens, dtype=np.uint8))  # the plain texts before this file
+                        if mask_file is not None:
+                            write_targets(res.get("targets", np.ones(len(res["tokens"]), dtype=np.uint8)))
+                        data = res["tokens"].tobytes()
+                        out.write(data)
+                        digest.update(data)
+                        num_tokens += len(res["tokens"])
+                        all_lengths.append(res["lengths"])
+                        ndocs += len(res["lengths"])
+                        rec.update(docs=int(len(res["lengths"])), tokens=int(len(res["tokens"])))
+                    records.append(rec)
+                    bar.update(task, advance=src.size, docs=ndocs)
+                if mask_file is not None:
+                    mask_file.flush()
+                    os.fsync(mask_file.fileno())
+            finally:
+                if mask_file is not None:
+                    mask_file.close()
             out.flush()
             os.fsync(out.fileno())
     lengths = np.concatenate(all_lengths) if all_lengths else np.empty(0, dtype=np.int64)
-    return records, num_tokens, lengths, digest.hexdigest()
+    return records, num_tokens, lengths, digest.hexdigest(), mask_digest.hexdigest() if mask_digest else None
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

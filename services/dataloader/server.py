@@ -90,6 +90,11 @@ class DataLoaderServer:
             self.datasets = [IndexedDataset(p, expect_tokenizer=tokenizer.identity()) for p in dataset_paths(cfg)]
             path = eval_dataset_path(cfg)
             eval_datasets = [IndexedDataset(path, expect_tokenizer=tokenizer.identity())] if path else None
+            for dataset in self.datasets + (eval_datasets or []):
+                if over := dataset.examples_over(cfg.data.seq_len):
+                    log.warning("%s: %d prompt/completion examples are longer than data.seq_len=%d positions; each is "
+                                "split, and its later pieces train without their prompt: raise data.seq_len or "
+                                "shorten them", dataset.path, over, cfg.data.seq_len)
             self.engine = Engine(self.datasets, cfg.data, cp_sizes, replica=replica, eval_datasets=eval_datasets)
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()

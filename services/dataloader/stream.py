@@ -59,7 +59,8 @@ class Step:
 def build_micro_batch(datasets: list[IndexedDataset], sequences: list[Sequence], seq_len: int) -> MicroBatch:
     """Concatenate `sequences` into one micro-batch in the trainer's contract format (T = len(sequences) * seq_len).
 
-    `datasets[piece.source]` holds each piece's tokens; all datasets share one tokenizer, hence one pad id.
+    `datasets[piece.source]` holds each piece's tokens; all datasets share one tokenizer, hence one pad id. A token
+    its dataset's loss mask excludes (a prompt's) is no label: -100, as padding.
     """
     total = len(sequences) * seq_len
     tokens = np.full(total, datasets[0].pad_id, dtype=np.int64)
@@ -70,10 +71,14 @@ def build_micro_batch(datasets: list[IndexedDataset], sequences: list[Sequence],
     for b, seq in enumerate(sequences):
         at, end = b * seq_len, (b + 1) * seq_len
         for piece in seq:
-            toks = datasets[piece.source].doc(piece.doc)[piece.start:piece.end]
+            dataset = datasets[piece.source]
+            toks = dataset.doc(piece.doc)[piece.start:piece.end]
             n = len(toks) - 1
             tokens[at:at + n] = toks[:-1]
             labels[at:at + n] = toks[1:]
+            targets = dataset.doc_targets(piece.doc)
+            if targets is not None:  # a prompt's tokens are no targets (prompt/completion records: preprocess.py)
+                labels[at:at + n][~targets[piece.start + 1:piece.end]] = -100
             # A piece of a split document is a document of its own: attention cannot reach the earlier piece.
             positions[at:at + n] = np.arange(n)
             at += n

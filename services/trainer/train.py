@@ -143,7 +143,8 @@ def train_step(model: MoETransformer, optimizer, micro_batches: list, lr: float,
         set_lr(optimizer, lr)
         step_tokens = count_loss_tokens(micro_batches)
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = forward_backward(model, micro_batches, step_tokens, rt.device, rt.autocast_dtype)
+        # max: a step of prompts alone (prompt/completion data) has no target; its loss is 0, not a division by 0
+        loss_sum = forward_backward(model, micro_batches, max(step_tokens, 1), rt.device, rt.autocast_dtype)
         grad_norm = clip_and_step(optimizer, model.parameters(), cfg.optimizer.clip_grad)
     mtp = {"mtp_loss": mtp_loss_of_step(model, groups, rt.device)} if cfg.model.mtp_num_layers else {}
     return StepValues(loss_sum=loss_sum, step_tokens=torch.as_tensor(step_tokens), grad_norm=torch.as_tensor(grad_norm),
