@@ -7,6 +7,10 @@ config can pick them (`rl.task`).
 Built-in tasks (reward 1.0 for a correct answer, 0.0 otherwise):
 - `arithmetic`: "Compute 482 + 1937." with +, - or x over numbers of `difficulty` digits;
 - `countdown`: reach a target with some of the given numbers, each used at most once, with + - * / and parentheses.
+
+Built-in rewards for prompts of the user's own (`rl.prompts`, prompts.py), whose records carry an "answer":
+- `number`: the completion's number (`extract_number`: after the last "answer:", "####" or "=") equals the answer;
+- `exact`: the completion, stripped of surrounding whitespace, is the answer's text.
 """
 
 from __future__ import annotations
@@ -101,12 +105,27 @@ def arithmetic_prompt(rng: random.Random, difficulty: int) -> tuple[str, dict[st
     return f"{a}{op}{b}=", {"answer": _OPS[op](a, b)}
 
 
-@register_reward("arithmetic")
-def arithmetic_reward(prompt: str, completion: str, meta: dict[str, Any]) -> float:
+def as_number(answer: Any) -> Fraction:
+    """A record's answer as a number: 42, 0.5, "1,234", "-7" (ValueError / TypeError otherwise)."""
+    if isinstance(answer, bool):
+        raise TypeError("a boolean is not a number")
+    if not isinstance(answer, (str, int, float)):
+        raise TypeError(f"{type(answer).__name__} is not a number")
+    return Fraction(re.sub(r"[\s,]", "", str(answer)).replace("−", "-"))  # str: a JSON 0.1 is the decimal 0.1
+
+
+@register_reward("number")
+def number_reward(prompt: str, completion: str, meta: dict[str, Any]) -> float:
     got = extract_number(completion)
-    return 1.0 if got is not None and got == Fraction(meta["answer"]) else 0.0
+    return 1.0 if got is not None and got == as_number(meta["answer"]) else 0.0
 
 
+@register_reward("exact")
+def exact_reward(prompt: str, completion: str, meta: dict[str, Any]) -> float:
+    return 1.0 if completion.strip() == str(meta["answer"]).strip() else 0.0
+
+
+arithmetic_reward = register_reward("arithmetic")(number_reward)
 register_task(Task("arithmetic", arithmetic_prompt, arithmetic_reward))
 
 

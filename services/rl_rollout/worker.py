@@ -41,7 +41,7 @@ from services.common.registry import Registry, RegistryError, redis_url
 from services.common.tokenizer import load_tokenizer
 from services.rl_rollout.engine import Completion, Engine, Request
 from services.rl_rollout.publish import TrajectoryStream, encode_group
-from services.rl_rollout.rewards import get_task
+from services.rl_rollout.prompts import rl_prompts
 from services.rl_rollout.sampling import SamplingParams
 from services.rl_rollout.weights import PolicyWeights
 from services.trainer.model.transformer import MoETransformer
@@ -91,7 +91,10 @@ class RolloutWorker:
         self.cfg, self.registry = cfg, registry
         self.stop = stop or threading.Event()
         rl = cfg.rl
-        self.task = get_task(rl.task)  # KeyError names the registered tasks
+        prompts = rl_prompts(rl, cfg.run.seed)  # ConfigError names a bad task, reward or prompts file
+        self.task = prompts.task
+        # The evaluation's prompts: the same for every worker and every run with this seed (`evaluate_due`)
+        self.eval_set = [_Pending(prompt, meta) for prompt, meta in prompts.eval]
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but `model.vocab_size={cfg.model.vocab_size}`")
@@ -135,10 +138,6 @@ class RolloutWorker:
         self.params = SamplingParams(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                                      max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
         self.policy = PolicyWeights(self.model, None, rl.max_staleness, locate=self._publisher, stop=self.stop)
-        # The evaluation's prompts: the same for every worker and every run with this seed (`evaluate_due`)
-        evaluation_rng = random.Random(f"{cfg.run.seed}:evaluation")
-        self.eval_set = [_Pending(*self.task.make_prompt(evaluation_rng, rl.difficulty))
-                         for _ in range(rl.eval_prompts)]
         self._evaluated = -1  # the last multiple of rl.eval_interval this worker saw a turn for
 
     def room(self) -> int:
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.stop_on_signals(stop)  # first: a malformed stop grace fails before anything is started
         cfg = load_config(args.config, args.overrides)
         worker = RolloutWorker(cfg, Registry(redis_url(), cfg.run.name), args.worker_id, stop=stop)
-    except (ValueError, RegistryError, KeyError) as e:  # ConfigError is a ValueError; KeyError: an unknown rl.task
+    except (ValueError, RegistryError) as e:  # ConfigError is a ValueError
         print(f"rollout: error: {e}", file=sys.stderr)
         return 2
     try:

@@ -94,9 +94,12 @@ class RLStepPrinter(StepPrinter):
     def rl_header(self, cfg: Config, device: torch.device, start_step: int) -> None:
         if self.enabled:
             where = f"resuming at step {start_step}" if start_step else "from scratch"
-            self.console.print(f"trainer: RL run {cfg.run.name} on {device}, {cfg.run.steps} steps {where}; task "
-                               f"{cfg.rl.task}, {cfg.rl.groups_per_step} groups x {cfg.rl.group_size} samples per "
-                               f"step from the dataloader")
+            rl = cfg.rl
+            source = f"prompts {', '.join(rl.prompts)}" if rl.prompts else f"task {rl.task}"
+            reward = f", reward {rl.reward}" if rl.reward else ""
+            self.console.print(f"trainer: RL run {cfg.run.name} on {device}, {cfg.run.steps} steps {where}; {source}"
+                               f"{reward}, {rl.groups_per_step} groups x {rl.group_size} samples per step from the "
+                               "dataloader")
 
     def step(self, r: dict) -> None:
         if not self.enabled:
