@@ -38,7 +38,7 @@ def ckpt(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 def generate(capsys, *argv) -> tuple[int, list[dict], str]:
     """(exit code, the JSON completions printed, standard error) of `foldmoe generate ARGV --json`."""
     capsys.readouterr()
-    code = cli(["generate", *map(str, argv), "--json"])
+    code = cli(["generate", *map(str, argv), "--json", "run.device=cpu"])  # fp32, as the reference (also on a GPU)
     out, err = capsys.readouterr()
     return code, [json.loads(line) for line in out.splitlines()], err
 
@@ -76,7 +76,7 @@ def test_the_text_form_prints_each_prompt_followed_by_its_completion(ckpt, capsy
     prompts.write_text("Copyright\n\nThe\n")  # blank lines are not prompts
     capsys.readouterr()
     assert cli(["generate", "--checkpoint", str(ckpt[0]), "--prompts", str(prompts), "--temperature", "0",
-                "--max-tokens", "8"]) == 0
+                "--max-tokens", "8", "run.device=cpu"]) == 0
     blocks = capsys.readouterr().out.split("--- prompt ")[1:]
     assert [b.split("\n", 1)[0].split(",")[0] for b in blocks] == ["1", "2"]
     assert blocks[0].split("\n", 1)[1].startswith("Copyright") and blocks[1].split("\n", 1)[1].startswith("The")

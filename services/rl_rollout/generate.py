@@ -189,7 +189,8 @@ def generate(args: argparse.Namespace) -> None:
             engine.close()
     seconds = time.perf_counter() - start
     generated = sum(len(c.tokens) for c in completions)
-    _say(f"{generated} tokens in {seconds:.2f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s)")
+    first_use = ", the first forwards' compilation included" if next(model.parameters()).is_cuda else ""
+    _say(f"{generated} tokens in {seconds:.2f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s{first_use})")
 
 
 def _parser() -> argparse.ArgumentParser:
