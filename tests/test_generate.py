@@ -133,3 +133,24 @@ def test_bad_input_is_one_line_naming_the_cause(ckpt, capsys, tmp_path, argv, na
     code, done, err = generate(capsys, *argv)
     lines = [line for line in err.splitlines() if line.startswith("foldmoe generate: error:")]
     assert code == 2 and not done and len(lines) == 1 and names in lines[0], err
+
+
+def test_jsonl_prompts_scored_by_a_reward_give_their_mean(ckpt, capsys, tmp_path, monkeypatch):
+    root, masters = ckpt
+    right = ByteTokenizer().decode(greedy_reference(masters, "Copyright", 6)).strip()
+    records = tmp_path / "eval.jsonl"
+    records.write_text(json.dumps({"prompt": "Copyright", "answer": right}) + "\n"
+                       + json.dumps({"prompt": "Copyright", "answer": right + "x"}) + "\n")
+    args = ["--checkpoint", root, "--prompts", records, "--temperature", "0", "--max-tokens", "6"]
+    code, done, err = generate(capsys, *args, "--reward", "exact")
+    assert code == 0, err
+    assert [d["reward"] for d in done] == [1.0, 0.0] and "mean reward 0.5000 over 2 completions (exact)" in err
+    code, _, err = generate(capsys, "--checkpoint", root, "--prompt", "Copyright", "--reward", "exact")
+    assert code == 2 and "give the prompts as a .jsonl file" in err  # no answer to compare with
+    (tmp_path / "broken_reward.py").write_text("def score(prompt, completion, meta):\n    return meta['missing']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = generate(capsys, *args, "--reward", "broken_reward:score")
+    assert code == 2 and "--reward broken_reward:score failed on prompt 1: KeyError" in err
+    records.write_text('{"prompt": "Copyright"}\n')
+    code, _, err = generate(capsys, *args, "--reward", "number")
+    assert code == 2 and "--prompts: " in err and "eval.jsonl:1 has no \"answer\"" in err

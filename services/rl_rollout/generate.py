@@ -2,7 +2,7 @@
 
     foldmoe generate [--config FILE] [--checkpoint CKPT] [--prompt TEXT ...] [--prompts FILE] [--samples N]
                      [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--stop TEXT ...] [--seed N]
-                     [--tokenizer SPEC] [--json] [section.key=value ...]
+                     [--reward NAME] [--tokenizer SPEC] [--json] [section.key=value ...]
 
 CKPT is a committed checkpoint (a step_NNNNNNNN directory), a `checkpoint.dir` (its newest checkpoint that verifies;
 default: the config's) or a Hugging Face model directory (config.json + *.safetensors, read as `convert import` does).
@@ -15,6 +15,10 @@ and sampler: temperature 0 is greedy. An empty prompt starts from the end-of-doc
 document of the training stream starts. Completions print in prompt order as they finish, the prompt followed by its
 completion; `--json` prints one JSON object per line instead. Bad input is one line naming the cause and the fix,
 exit 2.
+
+Prompts from a `.jsonl` file are records as `rl.prompts` reads them (services/rl_rollout/prompts.py: a "prompt" and
+the reward's fields, e.g. "answer"); `--reward` (a registered reward such as `number` or `exact`, or module:function)
+scores each completion against its record, and the mean reward is printed: a policy's evaluation, offline.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from services.common import logs
 from services.common.config import Config, ConfigError, load_config
 from services.common.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from services.rl_rollout.engine import Completion, Engine, EngineError, Request
+from services.rl_rollout.prompts import ANSWER_CHECKS, Prompt, load_reward, read_records
+from services.rl_rollout.rewards import RewardFn
 from services.rl_rollout.sampling import SamplingParams
 from services.rl_rollout.worker import rollout_device, rollout_model_config
 from services.trainer.model.transformer import MoETransformer
@@ -119,33 +125,50 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> tuple[MoE
     return model.to(device=device, dtype=dtype).eval(), tokenizer, source
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    """--prompt values, then --prompts FILE's lines (`-`: standard input); none given: one empty prompt."""
-    prompts = list(args.prompt or [])
-    if args.prompts is not None:
+def read_prompts(args: argparse.Namespace, reward: RewardFn | None) -> list[Prompt]:
+    """(text, the reward's meta) of the --prompt values, then of --prompts FILE's records (a .jsonl file, read as
+    `rl.prompts` is) or lines (`-`: standard input); none given: one empty prompt."""
+    prompts: list[Prompt] = [(text, {}) for text in args.prompt or []]
+    if args.prompts is not None and str(args.prompts).endswith(".jsonl"):
+        prompts += read_records([str(args.prompts)], reward, key="--prompts")
+    elif args.prompts is not None:
         try:
             text = sys.stdin.read() if str(args.prompts) == "-" else Path(args.prompts).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise GenerateError(f"cannot read prompts from {args.prompts}: {e}") from None
-        prompts += [line for line in text.splitlines() if line.strip()]
-    return prompts or [""]
+        prompts += [(line, {}) for line in text.splitlines() if line.strip()]
+    prompts = prompts or [("", {})]
+    if reward in ANSWER_CHECKS and any("answer" not in meta for _, meta in prompts):
+        raise GenerateError(f"--reward {args.reward} compares each completion with its record's \"answer\": give the "
+                            "prompts as a .jsonl file of records (--prompts FILE.jsonl)")
+    return prompts
 
 
-def build_requests(prompts: list[str], tokenizer: Tokenizer, params: SamplingParams, samples: int) -> list[Request]:
+def build_requests(prompts: list[Prompt], tokenizer: Tokenizer, params: SamplingParams, samples: int
+                   ) -> list[Request]:
     requests = []
-    for i, text in enumerate(prompts):
+    for i, (text, _) in enumerate(prompts):
         tokens = tokenizer.encode(text) or [tokenizer.eos_id]
         requests += [Request(tokens, params, tag=(i, j)) for j in range(samples)]
     return requests
 
 
-def _show(c: Completion, prompt: str, as_json: bool) -> str:
+def _score(reward: RewardFn, spec: str, prompt: str, c: Completion, meta: dict) -> float:
+    try:
+        return float(reward(prompt, c.text, meta))
+    except Exception as e:  # the user's function: whatever it raises is named, not a traceback
+        raise GenerateError(f"--reward {spec} failed on prompt {c.tag[0] + 1}: {type(e).__name__}: {e}") from None
+
+
+def _show(c: Completion, prompt: str, reward: float | None, as_json: bool) -> str:
     i, j = c.tag
     if as_json:
+        scored = {} if reward is None else {"reward": reward}
         return json.dumps({"prompt_index": i, "sample": j, "prompt": prompt, "completion": c.text,
                            "tokens": len(c.tokens), "token_ids": c.tokens, "finish_reason": c.finish_reason,
-                           "logprob": round(sum(c.logprobs), 4)})
-    return f"--- prompt {i + 1}, sample {j + 1} ({len(c.tokens)} tokens, {c.finish_reason})\n{prompt}{c.text}"
+                           "logprob": round(sum(c.logprobs), 4), **scored})
+    scored = "" if reward is None else f", reward {reward:g}"
+    return f"--- prompt {i + 1}, sample {j + 1} ({len(c.tokens)} tokens, {c.finish_reason}{scored})\n{prompt}{c.text}"
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -157,7 +180,8 @@ def generate(args: argparse.Namespace) -> None:
                                 max_tokens=args.max_tokens, stop=tuple(args.stop or ()))
     except ValueError as e:
         raise GenerateError(f"sampling: {e}") from None
-    prompts = read_prompts(args)
+    reward = load_reward(args.reward) if args.reward else None
+    prompts = read_prompts(args, reward)
     spec = Path(args.checkpoint or cfg.checkpoint.dir).expanduser()
     model, tokenizer, source = load_model(spec, cfg, args.tokenizer)
     requests = build_requests(prompts, tokenizer, params, args.samples)
@@ -170,6 +194,7 @@ def generate(args: argparse.Namespace) -> None:
     finished: dict[tuple[int, int], Completion] = {}
     order = [r.tag for r in requests]
     shown = 0
+    rewards: list[float] = []
     start = time.perf_counter()
     with Progress(console=_err, transient=True, disable=not _err.is_terminal) as progress:
         task = progress.add_task("generating", total=len(requests))
@@ -180,7 +205,10 @@ def generate(args: argparse.Namespace) -> None:
             progress.advance(task)
             while shown < len(order) and order[shown] in finished:  # rich's live bar keeps below printed lines
                 done = finished.pop(order[shown])
-                print(_show(done, prompts[done.tag[0]], args.json), flush=True)
+                text, meta = prompts[done.tag[0]]
+                if reward is not None:
+                    rewards.append(_score(reward, args.reward, text, done, meta))
+                print(_show(done, text, rewards[-1] if reward is not None else None, args.json), flush=True)
                 shown += 1
 
         try:
@@ -189,6 +217,8 @@ def generate(args: argparse.Namespace) -> None:
             engine.close()
     seconds = time.perf_counter() - start
     generated = sum(len(c.tokens) for c in completions)
+    if rewards:
+        _say(f"mean reward {sum(rewards) / len(rewards):.4f} over {len(rewards)} completions ({args.reward})")
     first_use = ", the first forwards' compilation included" if next(model.parameters()).is_cuda else ""
     _say(f"{generated} tokens in {seconds:.2f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s{first_use})")
 
@@ -202,7 +232,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a step_NNNNNNNN directory, a checkpoint.dir or an HF model directory "
                              "(default: the config's checkpoint.dir)")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for more); none: one empty prompt")
-    parser.add_argument("--prompts", default=None, help="a file of prompts, one per line (`-`: standard input)")
+    parser.add_argument("--prompts", default=None, help="a file of prompts, one per line (`-`: standard input), or "
+                        "a .jsonl file of records: {\"prompt\": ..., and what --reward reads}")
     parser.add_argument("--samples", type=int, default=1, help="completions per prompt (default 1)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per completion at most (default 128)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1)")
@@ -210,6 +241,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus: the likeliest tokens reaching p (1: off)")
     parser.add_argument("--stop", action="append", help="stop once the completion holds this text (repeatable)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one)")
+    parser.add_argument("--reward", default=None, help="score each completion against its record: a registered reward "
+                        "(number, exact, ...) or module:function; prints the mean")
     parser.add_argument("--tokenizer", default=None,
                         help="\"byte\" or a tokenizer.json (default: the one the checkpoint was trained with)")
     parser.add_argument("--json", action="store_true", help="one JSON object per completion")

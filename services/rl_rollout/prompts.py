@@ -59,34 +59,35 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
-def read_records(paths: list[str], reward: RewardFn) -> list[Prompt]:
-    """Every record of the JSONL files, in file order; a malformed one is refused naming its file and line."""
+def read_records(paths: list[str], reward: RewardFn | None, key: str = "`rl.prompts`") -> list[Prompt]:
+    """Every record of the JSONL files, in file order; a malformed one is refused naming its file and line (and `key`,
+    the option that named the files)."""
     check = ANSWER_CHECKS.get(reward)
     records: list[Prompt] = []
     for path in paths:
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"`rl.prompts`: cannot read {path} ({e})") from None
+            raise ConfigError(f"{key}: cannot read {path} ({e})") from None
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"`rl.prompts`: {path}:{lineno} is not valid JSON ({e})") from None
+                raise ConfigError(f"{key}: {path}:{lineno} is not valid JSON ({e})") from None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-                raise ConfigError(f"`rl.prompts`: {path}:{lineno} has no non-empty string \"prompt\" field")
+                raise ConfigError(f"{key}: {path}:{lineno} has no non-empty string \"prompt\" field")
             meta = {k: v for k, v in record.items() if k != "prompt"}
             if check is not None:
                 try:
                     check(meta["answer"])
                 except (KeyError, TypeError, ValueError, ZeroDivisionError):
-                    raise ConfigError(f"`rl.prompts`: {path}:{lineno} has no \"answer\" the reward can compare with "
+                    raise ConfigError(f"{key}: {path}:{lineno} has no \"answer\" the reward can compare with "
                                       f"(got {meta.get('answer', 'none')!r})") from None
             records.append((record["prompt"], meta))
     if not records:
-        raise ConfigError(f"`rl.prompts={paths}` holds no records")
+        raise ConfigError(f"{key}: {', '.join(paths)} hold(s) no records")
     return records
 
 
