@@ -12,6 +12,7 @@ datasets of the same tokens with different masks are different streams; examples
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -115,3 +116,25 @@ def test_parquet_prompt_completion_rows(tmp_path):
     pq.write_table(pa.Table.from_pylist(kept), tmp_path / "sft.parquet")
     ds = IndexedDataset(preprocess([str(tmp_path / "sft.parquet")], "byte", tmp_path / "ds", progress=False))
     assert [ds.doc_targets(i).tolist() for i in range(len(ds))] == [expected_targets(r) for r in kept]
+
+
+def test_a_step_of_prompts_alone_trains_on_nothing_rather_than_dividing_by_zero():
+    """A step whose every label is -100 (prompts cut from their completions by packing): loss 0, gradients finite."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from services.common.config import load_config
+    from services.trainer.model.transformer import MoETransformer
+    from services.trainer.optim import build_adamw
+    from services.trainer.train import train_step
+
+    cfg = load_config("configs/tiny.yaml", ["model.num_layers=1"])
+    model = MoETransformer(cfg.model)
+    model.init_weights(seed=0)
+    batch = {"tokens": torch.arange(16) % 200, "labels": torch.full((16,), -100), "position_ids": torch.arange(16),
+             "cu_seqlens": torch.tensor([0, 16], dtype=torch.int32)}
+    rt = SimpleNamespace(world_size=1, device=torch.device("cpu"), autocast_dtype=None)
+    values = train_step(model, build_adamw(model, cfg.optimizer), [batch], 1e-3, cfg, rt, groups=None).read()
+    assert int(values["step_tokens"]) == 0 and float(values["loss_sum"]) == 0.0
+    assert math.isfinite(float(values["grad_norm"]))  # the routers' aux loss still has a gradient; no NaN with it
