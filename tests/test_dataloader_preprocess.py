@@ -132,7 +132,8 @@ def test_empty_corpus_directory_is_an_error(tmp_path):
 def test_jsonl_line_without_text_field_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text here"}) + "\n")
-    with pytest.raises(DataError, match=r"bad.jsonl:2 has neither a string \"text\" field nor string \"prompt\" and \"completion\""):
+    with pytest.raises(DataError, match=r"bad.jsonl:2 has neither a string \"text\" field, string \"prompt\" and "
+                                        r"\"completion\" fields, nor \"messages\""):
         preprocess([str(bad)], "byte", tmp_path / "ds", progress=False)
 
 

@@ -104,7 +104,7 @@ def test_examples_longer_than_a_sequence_are_counted(tmp_path):
 
 
 def test_a_record_of_neither_form_names_file_and_line(tmp_path):
-    with pytest.raises(DataError, match=r"sft.jsonl:2 has neither .*keys: \['prompt'\]"):
+    with pytest.raises(DataError, match=r"sft.jsonl:2 has neither .*keys: \[.prompt.\]"):
         build(tmp_path, [RECORDS[0], {"prompt": "no completion"}])
 
 

@@ -190,6 +190,9 @@ class ParallelConfig:
 class DataConfig:
     corpus: list[str] = field(default_factory=lambda: ["/usr/share/common-licenses"])  # files or directories of text
     tokenizer: str = "byte"  # "byte" or a path to a HF tokenizer.json
+    # renders {"messages": [...]} records, whose assistant turns alone are trained on: a Jinja file or an HF
+    # tokenizer_config.json holding "chat_template" (services/dataloader/chat.py); empty: no such records
+    chat_template: str = ""
     dataset_dir: str = "runs/data"  # where the tokenized corpus is written
     seq_len: int = 256  # tokens per packed sequence
     micro_batch_size: int = 4  # sequences per micro-batch

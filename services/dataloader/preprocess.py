@@ -7,7 +7,8 @@ on the worker count. Re-running with an unchanged corpus and tokenizer does noth
 Supervised fine-tuning data: a `.jsonl` record (or `.parquet` row) with string "prompt" and "completion" fields instead
 of "text" is one document, the prompt's tokens then the completion's and EOS, whose prompt tokens are no training
 targets: the dataset's loss mask (dataset.py) marks them, and the dataloader gives them label -100 (the loss is the
-completions' alone). Prompt and completion are tokenized apart, so the boundary is a token boundary.
+completions' alone). Prompt and completion are tokenized apart, so the boundary is a token boundary. A record with
+"messages" (a conversation) is rendered by `data.chat_template` and only its assistant turns are targets (chat.py).
 
     python -m services.dataloader.preprocess --config FILE [data.corpus=[a,b]] [--force]
 """
@@ -34,6 +35,7 @@ import numpy as np
 
 from services.dataloader.dataset import (FORMAT_VERSION, INDEX_FILE, LOSS_MASK_FILE, META_FILE, TOKENS_FILE,
                                          IndexedDataset, read_meta, token_dtype)
+from services.dataloader.chat import ChatTemplate, Segment, check_messages, load_chat_template
 from services.dataloader.errors import DataError
 from services.common.tokenizer import TokenizerError, load_tokenizer
 
@@ -96,15 +98,16 @@ def _expand(entry: str) -> list[str]:
 # ---------------------------------------------------------------- reading documents
 
 
-Document = str | tuple[str, str]  # a text, or a (prompt, completion) pair whose prompt is not trained on
+Document = str | list[Segment]  # a text, or pieces of text each a training target or not (prompt/completion, chat)
 
 
-def iter_documents(path: str) -> Iterator[Document]:
-    """The documents of one input file; raises `_NotText` for files that are not text."""
+def iter_documents(path: str, chat: ChatTemplate | None = None) -> Iterator[Document]:
+    """The documents of one input file; raises `_NotText` for files that are not text. `chat` renders "messages"
+    records."""
     if path.endswith(".jsonl"):
-        yield from _jsonl_documents(path)
+        yield from _jsonl_documents(path, chat)
     elif path.endswith(".parquet"):
-        yield from _parquet_documents(path)
+        yield from _parquet_documents(path, chat)
     else:
         yield from _text_documents(path)
 
@@ -138,17 +141,24 @@ def _text_documents(path: str) -> Iterator[str]:
         yield pending
 
 
-def _record_document(record: Any, where: str) -> Document | None:
-    """A record's document: its "text", or its ("prompt", "completion"); None when it has nothing to train on."""
+def _record_document(record: Any, where: str, chat: ChatTemplate | None) -> Document | None:
+    """A record's document: its "text"; its "prompt" then "completion"; or its "messages" rendered by `chat`. None
+    when it has nothing to train on."""
     if isinstance(record, dict) and isinstance(record.get("text"), str):
         return record["text"] if record["text"].strip() else None
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-        return (record["prompt"], record["completion"]) if record["completion"].strip() else None
-    raise DataError(f"{where} has neither a string \"text\" field nor string \"prompt\" and \"completion\" fields "
-                    f"(keys: {sorted(record) if isinstance(record, dict) else type(record).__name__})")
+        return [(record["prompt"], False), (record["completion"], True)] if record["completion"].strip() else None
+    if isinstance(record, dict) and "messages" in record:
+        if chat is None:
+            raise DataError(f"{where} is a conversation (\"messages\"): set `data.chat_template` to the template "
+                            "that renders it (a Jinja file or a tokenizer_config.json)")
+        segments = chat.segments(check_messages(record["messages"], where), where)
+        return segments if any(target and text.strip() for text, target in segments) else None
+    raise DataError(f"{where} has neither a string \"text\" field, string \"prompt\" and \"completion\" fields, "
+                    f"nor \"messages\" (keys: {sorted(record) if isinstance(record, dict) else type(record).__name__})")
 
 
-def _jsonl_documents(path: str) -> Iterator[Document]:
+def _jsonl_documents(path: str, chat: ChatTemplate | None) -> Iterator[Document]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -157,11 +167,11 @@ def _jsonl_documents(path: str) -> Iterator[Document]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno} is not valid JSON ({e})") from None
-            if (doc := _record_document(record, f"{path}:{lineno}")) is not None:
+            if (doc := _record_document(record, f"{path}:{lineno}", chat)) is not None:
                 yield doc
 
 
-def _parquet_documents(path: str) -> Iterator[Document]:
+def _parquet_documents(path: str, chat: ChatTemplate | None) -> Iterator[Document]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -169,13 +179,13 @@ def _parquet_documents(path: str) -> Iterator[Document]:
                         "or convert it to .jsonl") from None
     pf = pq.ParquetFile(path)
     names = pf.schema_arrow.names
-    columns = ["text"] if "text" in names else ["prompt", "completion"]
-    if not set(columns) <= set(names):
-        raise DataError(f"{path} has neither a \"text\" column nor \"prompt\" and \"completion\" columns "
-                        f"(columns: {names})")
+    columns = next((c for c in (["text"], ["prompt", "completion"], ["messages"]) if set(c) <= set(names)), None)
+    if columns is None:
+        raise DataError(f"{path} has neither a \"text\" column, \"prompt\" and \"completion\" columns, nor "
+                        f"\"messages\" (columns: {names})")
     for batch in pf.iter_batches(columns=columns):
         for i, record in enumerate(batch.to_pylist()):
-            if (doc := _record_document(record, f"{path} row {i} of a batch")) is not None:
+            if (doc := _record_document(record, f"{path} row {i} of a batch", chat)) is not None:
                 yield doc
 
 
@@ -195,31 +205,34 @@ def _worker_tokenizer(spec: str):
     return open_tokenizer(spec)
 
 
-def tokenize_file(path: str, tokenizer_spec: str) -> dict[str, Any]:
+def tokenize_file(path: str, tokenizer_spec: str, chat_template: str = "") -> dict[str, Any]:
     """Tokens and document lengths of one file, EOS after each document, plus the file's checksum; and "targets", one
-    uint8 per token (0 on prompt tokens), when the file holds prompt/completion records."""
+    uint8 per token (0 where a token only conditions: a prompt's, a conversation's but the assistant's), when the file
+    holds such records. `chat_template`: the template of "messages" records (chat.py)."""
     tok = _worker_tokenizer(tokenizer_spec)
+    chat = load_chat_template(chat_template) if chat_template else None
     dtype = token_dtype(tok.vocab_size)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
-    prompts: list[int] = []  # each document's prompt tokens (0 for a text)
+    masks: list[np.ndarray | None] = []  # per document: its targets, or None for a text (every token one)
     try:
-        for doc in iter_documents(path):
-            prompt = tok.encode(doc[0]) if isinstance(doc, tuple) else []
-            ids = prompt + tok.encode(doc[1] if isinstance(doc, tuple) else doc) + [tok.eos_id]
+        for doc in iter_documents(path, chat):
+            if isinstance(doc, str):
+                ids, mask = tok.encode(doc) + [tok.eos_id], None
+            else:
+                pieces = [tok.encode(text) for text, _ in doc]
+                ids = [i for piece in pieces for i in piece] + [tok.eos_id]
+                mask = np.asarray([t for piece, (_, t) in zip(pieces, doc) for _ in piece] + [True], dtype=np.uint8)
             chunks.append(np.asarray(ids, dtype=dtype))
             lengths.append(len(ids))
-            prompts.append(len(prompt))
+            masks.append(mask)
     except _NotText as e:
         return {"path": path, "skipped": str(e), "sha256": _sha256(path)}
     tokens = np.concatenate(chunks) if chunks else np.empty(0, dtype=dtype)
     out = {"path": path, "tokens": tokens, "lengths": np.asarray(lengths, dtype=np.int64), "sha256": _sha256(path)}
-    if any(prompts):
-        targets = np.ones(len(tokens), dtype=np.uint8)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        for start, n in zip(starts, prompts):
-            targets[start:start + n] = 0
-        out["targets"] = targets
+    if any(m is not None and not m.all() for m in masks):
+        out["targets"] = np.concatenate([np.ones(n, dtype=np.uint8) if m is None else m
+                                         for n, m in zip(lengths, masks)])
     return out
 
 
@@ -234,19 +247,21 @@ def _sha256(path: str) -> str:
 # ---------------------------------------------------------------- building the dataset
 
 
-def _build_params(tokenizer_identity: dict[str, Any]) -> dict[str, Any]:
-    """Everything besides the sources that decides the output bytes; a change in any of it means a rebuild."""
+def _build_params(tokenizer_identity: dict[str, Any], chat: ChatTemplate | None) -> dict[str, Any]:
+    """Everything besides the sources that decides the output bytes; a change in any of it means a rebuild. (A build
+    without a chat template records None, as builds from before templates existed read.)"""
     return {"format_version": FORMAT_VERSION, "tokenizer": tokenizer_identity,
-            "split_paragraphs_over": SPLIT_PARAGRAPHS_OVER, "min_paragraph_chars": MIN_PARAGRAPH_CHARS}
+            "split_paragraphs_over": SPLIT_PARAGRAPHS_OVER, "min_paragraph_chars": MIN_PARAGRAPH_CHARS,
+            "chat_template_sha256": chat.sha256 if chat else None}
 
 
-def is_up_to_date(out_dir: Path, sources: list[Source], tokenizer_identity: dict[str, Any]) -> bool:
+def is_up_to_date(out_dir: Path, sources: list[Source], params: dict[str, Any]) -> bool:
     try:
         meta = read_meta(out_dir)
         IndexedDataset(out_dir)  # sizes and index agree with meta.json
     except DataError:
         return False
-    if any(meta.get(k) != v for k, v in _build_params(tokenizer_identity).items()):
+    if any(meta.get(k) != v for k, v in params.items()):
         return False
     recorded = meta.get("sources", [])
     if [r["path"] for r in recorded] != [s.path for s in sources]:
@@ -260,12 +275,14 @@ def is_up_to_date(out_dir: Path, sources: list[Source], tokenizer_identity: dict
 
 
 def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, workers: int = 0, force: bool = False,
-               progress: bool = True) -> Path:
-    """Tokenize `corpus` into `out_dir` unless it already holds exactly that; returns `out_dir`."""
+               progress: bool = True, chat_template: str = "") -> Path:
+    """Tokenize `corpus` into `out_dir` unless it already holds exactly that; returns `out_dir`. `chat_template`:
+    `data.chat_template`, which renders "messages" records (chat.py)."""
     out_dir = Path(out_dir)
     tok = open_tokenizer(tokenizer_spec)
+    params = _build_params(tok.identity(), load_chat_template(chat_template) if chat_template else None)
     sources = discover(corpus)
-    if not force and is_up_to_date(out_dir, sources, tok.identity()):
+    if not force and is_up_to_date(out_dir, sources, params):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     # meta.json goes first: from here until the new one is renamed in, the directory reads as "no dataset", never as
@@ -275,8 +292,8 @@ def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, w
     if workers <= 0:
         workers = min(os.cpu_count() or 1, len(sources)) if total_bytes >= PARALLEL_MIN_BYTES else 1
     t0 = time.monotonic()
-    records, num_tokens, lengths, digest, mask_digest = _write_tokens(sources, tokenizer_spec, out_dir, workers,
-                                                                      progress)
+    records, num_tokens, lengths, digest, mask_digest = _write_tokens(sources, tokenizer_spec, chat_template, out_dir,
+                                                                      workers, progress)
     if num_tokens == 0:
         for name in (TOKENS_FILE, LOSS_MASK_FILE):
             (out_dir / (name + ".tmp")).unlink(missing_ok=True)
@@ -289,7 +306,7 @@ def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, w
         np.save(f, offsets)
         f.flush()
         os.fsync(f.fileno())
-    meta = {**_build_params(tok.identity()), "tokenizer_spec": tokenizer_spec,
+    meta = {**params, "tokenizer_spec": tokenizer_spec,
             "dtype": token_dtype(tok.vocab_size).name, "num_docs": int(len(lengths)), "num_tokens": int(num_tokens),
             "tokens_sha256": digest, "sources": records, "build_seconds": round(time.monotonic() - t0, 3)}
     if mask_digest is not None:
@@ -329,7 +346,8 @@ def _tokenizer_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
             tracker._stop()
 
 
-def _write_tokens(sources: list[Source], tokenizer_spec: str, out_dir: Path, workers: int, progress: bool):
+def _write_tokens(sources: list[Source], tokenizer_spec: str, chat_template: str, out_dir: Path, workers: int,
+                  progress: bool):
     """Stream each file's tokens into tokens.bin.tmp in corpus order, and their loss mask into loss_mask.bin.tmp from
     the first file that has prompt/completion records on (the tokens before it marked as targets); returns (records,
     count, lengths, tokens sha256, loss mask sha256 or None without one)."""
@@ -350,8 +368,9 @@ def _write_tokens(sources: list[Source], tokenizer_spec: str, out_dir: Path, wor
 
     with _tokenizer_pool(workers) as pool:
         paths = [s.path for s in sources]
-        results = (pool.map(tokenize_file, paths, [tokenizer_spec] * len(paths), chunksize=1) if pool
-                   else (tokenize_file(p, tokenizer_spec) for p in paths))
+        specs = [tokenizer_spec] * len(paths), [chat_template] * len(paths)
+        results = (pool.map(tokenize_file, paths, *specs, chunksize=1) if pool
+                   else (tokenize_file(p, tokenizer_spec, chat_template) for p in paths))
         with bar, open(out_dir / (TOKENS_FILE + ".tmp"), "wb") as out:
             task = bar.add_task("tokenize", total=sum(s.size for s in sources), docs=0)
             ndocs = 0
@@ -430,7 +449,7 @@ def ensure_dataset(cfg, *, progress: bool = False) -> Path:
     d = cfg.data
     paths = dataset_paths(cfg)
     for entry, path in _builds(cfg):
-        preprocess(entry, d.tokenizer, path, progress=progress)
+        preprocess(entry, d.tokenizer, path, progress=progress, chat_template=d.chat_template)
     vocab = read_meta(paths[0])["tokenizer"]["vocab_size"]
     if vocab > cfg.model.vocab_size:
         raise DataError(f"tokenizer `{d.tokenizer}` has {vocab} ids but `model.vocab_size={cfg.model.vocab_size}`; "
@@ -456,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         builds = _builds(cfg)
         paths = [path for _, path in builds]
         for entry, path in builds:
-            preprocess(entry, d.tokenizer, path, workers=args.workers, force=args.force, progress=sys.stderr.isatty())
+            preprocess(entry, d.tokenizer, path, workers=args.workers, force=args.force, progress=sys.stderr.isatty(),
+                       chat_template=d.chat_template)
         ensure_dataset(cfg)  # the vocabulary check; the datasets are up to date by now
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,111 @@
+"""Conversations as training documents: a chat template renders a record's "messages", only the assistant's turns
+are training targets.
+
+`data.chat_template` names the template: a Jinja file, or a Hugging Face `tokenizer_config.json` (its "chat_template",
+and its "bos_token" / "eos_token" for templates that use them). A record `{"messages": [{"role": ..., "content":
+...}, ...]}` renders into segments: for each assistant turn, what the template renders before it (with the
+generation prompt, as at inference) is context, and what its own rendering adds is a target (its content and the
+template's end-of-turn text). The template must render a conversation turn by turn (each rendering a prefix of the
+next one's); one that rewrites earlier turns (dropping a reasoning trace, say) is refused naming the record, since no
+mask would match what it trains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from services.dataloader.errors import DataError
+
+Segment = tuple[str, bool]  # (text, whether its tokens are training targets)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, template: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals.update(raise_exception=_raise, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        try:
+            self._template = env.from_string(template)
+        except TemplateError as e:
+            raise DataError(f"chat template {source} does not parse: {e}") from None
+        self.source, self.tokens = source, {"bos_token": bos_token, "eos_token": eos_token}
+        self.sha256 = hashlib.sha256(template.encode()).hexdigest()
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.tokens)
+        except TemplateError as e:
+            raise DataError(f"chat template {self.source} failed: {e}") from None
+
+    def segments(self, messages: list[dict[str, Any]], where: str) -> list[Segment]:
+        """The conversation's text in order, each piece marked a target (an assistant turn) or context."""
+        out: list[Segment] = []
+        done = ""
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[:i + 1], add_generation_prompt=False)
+            if not (before.startswith(done) and through.startswith(before)):
+                raise DataError(f"{where}: chat template {self.source} does not render the conversation turn by turn "
+                                f"(turn {i + 1} changes what it rendered before), so its assistant turns cannot be "
+                                "marked; use a template that does, or prompt/completion records")
+            out += [(before[len(done):], False), (through[len(before):], True)]
+            done = through
+        rest = self.render(messages, add_generation_prompt=False)[len(done):]
+        return [(text, target) for text, target in out + [(rest, False)] if text]
+
+
+def _raise(message: str):
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def load_chat_template(spec: str) -> ChatTemplate:
+    """A Jinja file, or an HF tokenizer_config.json whose "chat_template" it is."""
+    path = Path(spec)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"`data.chat_template={spec}` cannot be read ({e}); name a Jinja file or a "
+                        "tokenizer_config.json") from None
+    if path.suffix != ".json":
+        return ChatTemplate(spec, text)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"`data.chat_template={spec}` is not valid JSON ({e})") from None
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if not isinstance(template, str):
+        raise DataError(f"`data.chat_template={spec}` has no \"chat_template\" string (a tokenizer_config.json "
+                        "holds one where the model has a chat format)")
+    return ChatTemplate(spec, template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+
+def _token_text(token: Any) -> str:
+    """A tokenizer_config.json special token: a string, or an added-token object with its "content"."""
+    return token.get("content", "") if isinstance(token, dict) else token if isinstance(token, str) else ""
+
+
+def check_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """A record's "messages": a list of {"role", "content"} objects with string values."""
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)
+    if not ok:
+        raise DataError(f"{where}: \"messages\" must be a list of {{\"role\": str, \"content\": str}} objects")
+    return messages
