@@ -154,3 +154,28 @@ def test_jsonl_prompts_scored_by_a_reward_give_their_mean(ckpt, capsys, tmp_path
     records.write_text('{"prompt": "Copyright"}\n')
     code, _, err = generate(capsys, *args, "--reward", "number")
     assert code == 2 and "--prompts: " in err and "eval.jsonl:1 has no \"answer\"" in err
+
+
+def test_chat_renders_each_prompt_as_a_user_turn_of_the_trained_template(capsys, tmp_path):
+    from services.dataloader.chat import ChatTemplate
+    from services.rl_rollout.generate import as_chat
+    from test_dataloader_chat import CHATML
+
+    chatml = ChatTemplate("chatml", CHATML)
+    rendered, end = as_chat([("2+2?", {"answer": 4})], chatml)
+    assert rendered == [("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", {"answer": 4})]
+    assert end == "<|im_end|>"  # what ends an assistant turn: the stop string
+    assert as_chat([("q", {})], ChatTemplate("bare", "{% for m in messages %}{{ m.content }}{% endfor %}"))[1] == ""
+
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    root = tmp_path / "ckpt"
+    masters = trained(root, [f"data.chat_template={tmp_path / 'chatml.jinja'}"])  # the run records its template
+    code, done, err = generate(capsys, "--checkpoint", root, "--chat", "--prompt", "2+2?", "--temperature", "0",
+                               "--max-tokens", "24")
+    assert code == 0, err
+    want = greedy_reference(masters, rendered[0][0], 24)
+    assert done[0]["prompt"] == "2+2?" and done[0]["token_ids"] == want[:len(done[0]["token_ids"])]
+    assert done[0]["finish_reason"] == "stop" or len(done[0]["token_ids"]) == len(want)
+    trained(tmp_path / "plain", [])  # a run without a template
+    code, _, err = generate(capsys, "--checkpoint", tmp_path / "plain", "--chat")
+    assert code == 2 and "--chat renders prompts with a chat template" in err

@@ -2,7 +2,7 @@
 
     foldmoe generate [--config FILE] [--checkpoint CKPT] [--prompt TEXT ...] [--prompts FILE] [--samples N]
                      [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--stop TEXT ...] [--seed N]
-                     [--reward NAME] [--tokenizer SPEC] [--json] [section.key=value ...]
+                     [--chat] [--reward NAME] [--tokenizer SPEC] [--json] [section.key=value ...]
 
 CKPT is a committed checkpoint (a step_NNNNNNNN directory), a `checkpoint.dir` (its newest checkpoint that verifies;
 default: the config's) or a Hugging Face model directory (config.json + *.safetensors, read as `convert import` does).
@@ -16,6 +16,10 @@ document of the training stream starts. Completions print in prompt order as the
 completion; `--json` prints one JSON object per line instead. Bad input is one line naming the cause and the fix,
 exit 2.
 
+With `--chat` each prompt is a user turn, rendered by the chat template the model was trained with (its run's
+`data.chat_template`, an HF directory's tokenizer_config.json) with the generation prompt, and a completion stops at
+the text that ends the assistant's turn.
+
 Prompts from a `.jsonl` file are records as `rl.prompts` reads them (services/rl_rollout/prompts.py: a "prompt" and
 the reward's fields, e.g. "answer"); `--reward` (a registered reward such as `number` or `exact`, or module:function)
 scores each completion against its record, and the mean reward is printed: a policy's evaluation, offline.
@@ -24,10 +28,12 @@ scores each completion against its record, and the mean reward is printed: a pol
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +47,8 @@ from services.checkpointer.layout import CheckpointError, read_manifest
 from services.common import logs
 from services.common.config import Config, ConfigError, load_config
 from services.common.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from services.dataloader.chat import ChatTemplate, load_chat_template
+from services.dataloader.errors import DataError
 from services.rl_rollout.engine import Completion, Engine, EngineError, Request
 from services.rl_rollout.prompts import ANSWER_CHECKS, Prompt, load_reward, read_records
 from services.rl_rollout.rewards import RewardFn
@@ -65,10 +73,10 @@ def _is_hf_directory(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and not (path / "manifest.json").is_file()
 
 
-def _recorded_tokenizer(ckpt: Path) -> str | None:
-    """The `data.tokenizer` of the run that wrote `ckpt` (the trainer records its whole config), if recorded."""
+def _recorded_data(ckpt: Path) -> dict:
+    """The `data` section of the run that wrote `ckpt` (the trainer records its whole config); {} if none."""
     extras = read_manifest(ckpt).extras
-    return ((extras[0].get("config") or {}).get("data") or {}).get("tokenizer") if extras else None
+    return ((extras[0].get("config") or {}).get("data") or {}) if extras else {}
 
 
 def _tokenizer(given: str | None, recorded: str | None, fallback: str, source: str) -> Tokenizer:
@@ -99,20 +107,31 @@ def _tokenizer(given: str | None, recorded: str | None, fallback: str, source: s
     return tokenizer
 
 
-def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> tuple[MoETransformer, Tokenizer, str]:
-    """(model on `run.device`, in eval mode; tokenizer; what was loaded, in words) from a foldmoe checkpoint or an HF
-    model directory."""
+@dataclass
+class Loaded:
+    model: MoETransformer  # on `run.device`, in eval mode
+    tokenizer: Tokenizer
+    source: str  # what was loaded, in words
+    chat_template: str  # the chat template the model was trained with (data.chat_template, an HF directory's); ""
+
+
+def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
+    """The model of a foldmoe checkpoint or an HF model directory, with its tokenizer and chat template."""
     if _is_hf_directory(spec):
         state, model_cfg = import_hf(spec)
         source = f"HF model {spec}"
         bundled = spec / "tokenizer.json"
         tokenizer = _tokenizer(tokenizer_spec, str(bundled) if bundled.is_file() else None, cfg.data.tokenizer,
                                source)
+        config = spec / "tokenizer_config.json"
+        chat_template = str(config) if config.is_file() and "chat_template" in config.read_text() else ""
     else:
         ckpt = find_checkpoint(spec)
         model_cfg = trained_config(ckpt)
         source = f"checkpoint {ckpt}"
-        tokenizer = _tokenizer(tokenizer_spec, _recorded_tokenizer(ckpt), cfg.data.tokenizer, source)
+        recorded = _recorded_data(ckpt)
+        tokenizer = _tokenizer(tokenizer_spec, recorded.get("tokenizer"), cfg.data.tokenizer, source)
+        chat_template = recorded.get("chat_template") or ""
         state = read_model_state(ckpt, model_cfg)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids but the model of {source} has a vocabulary "
@@ -122,7 +141,20 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> tuple[MoE
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
     model = MoETransformer(rollout_model_config(model_cfg))
     model.load_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval(), tokenizer, source
+    return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, source, chat_template)
+
+
+def as_chat(prompts: list[Prompt], chat: ChatTemplate) -> tuple[list[Prompt], str]:
+    """Each prompt as a user turn rendered with the generation prompt, and the text that ends an assistant turn (a
+    stop string; "" where the template adds none)."""
+    probe = "\x00"
+    user = [{"role": "user", "content": "?"}]
+    before = chat.render(user, add_generation_prompt=True)
+    turn = chat.render(user + [{"role": "assistant", "content": probe}], add_generation_prompt=False)[len(before):]
+    end = turn.split(probe, 1)[1].strip() if probe in turn else ""
+    rendered = [(chat.render([{"role": "user", "content": text}], add_generation_prompt=True), meta)
+                for text, meta in prompts]
+    return rendered, end
 
 
 def read_prompts(args: argparse.Namespace, reward: RewardFn | None) -> list[Prompt]:
@@ -183,8 +215,17 @@ def generate(args: argparse.Namespace) -> None:
     reward = load_reward(args.reward) if args.reward else None
     prompts = read_prompts(args, reward)
     spec = Path(args.checkpoint or cfg.checkpoint.dir).expanduser()
-    model, tokenizer, source = load_model(spec, cfg, args.tokenizer)
-    requests = build_requests(prompts, tokenizer, params, args.samples)
+    loaded = load_model(spec, cfg, args.tokenizer)
+    model, tokenizer, source = loaded.model, loaded.tokenizer, loaded.source
+    fed = prompts
+    if args.chat:
+        template = loaded.chat_template or cfg.data.chat_template
+        if not template:
+            raise GenerateError(f"--chat renders prompts with a chat template, but {source} was trained with none "
+                                "(data.chat_template); set data.chat_template=FILE")
+        fed, end = as_chat(prompts, load_chat_template(template))
+        params = dataclasses.replace(params, stop=params.stop + ((end,) if end else ()))
+    requests = build_requests(fed, tokenizer, params, args.samples)
     longest = max(len(r.prompt_tokens) for r in requests)
     _say(f"generating {len(requests)} completion(s) of up to {params.max_tokens} tokens from {source} "
          f"({next(model.parameters()).device})")
@@ -241,6 +282,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus: the likeliest tokens reaching p (1: off)")
     parser.add_argument("--stop", action="append", help="stop once the completion holds this text (repeatable)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one)")
+    parser.add_argument("--chat", action="store_true", help="each prompt a user turn, rendered by the chat template "
+                        "the model was trained with (data.chat_template); stops at the end of the assistant's turn")
     parser.add_argument("--reward", default=None, help="score each completion against its record: a registered reward "
                         "(number, exact, ...) or module:function; prints the mean")
     parser.add_argument("--tokenizer", default=None,
@@ -259,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides += rest
     try:
         generate(args)
-    except (GenerateError, ConvertError, HFError, ConfigError, CheckpointError, TokenizerError, EngineError,
+    except (GenerateError, ConvertError, HFError, ConfigError, CheckpointError, TokenizerError, EngineError, DataError,
             OSError) as e:
         print(f"foldmoe generate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return EXIT_USAGE
