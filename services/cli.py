@@ -98,7 +98,7 @@ def train(cfg: Config) -> int:
         validate_rl(cfg, world_size=cfg.run.nproc)  # the ranks the launcher is about to start
         from services.rl_rollout.prompts import rl_prompts
 
-        rl_prompts(cfg.rl, cfg.run.seed)  # the workers' task, reward and prompt files: refused before any process starts
+        rl_prompts(cfg.rl, cfg.run.seed)  # the workers' task, reward and prompts: refused before any process starts
     _check_redis(cfg)  # cheap checks first: an unreachable Redis should not wait for a corpus to be tokenized
     if not cfg.rl.enabled:  # an RL run's data is the rollout workers' trajectories, not a corpus
         _ensure_dataset(cfg)

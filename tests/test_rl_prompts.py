@@ -58,7 +58,8 @@ def test_records_split_into_evaluation_and_training_prompts(tmp_path):
 
 @pytest.mark.parametrize("reward, answer, completion, score", [
     (number_reward, "1,234", "so the answer is 1234.", 1.0), (number_reward, 0.1, "#### 0.1", 1.0),
-    (number_reward, 7, "Answer: 8", 0.0), (exact_reward, "Paris", "  Paris\n", 1.0), (exact_reward, "Paris", "paris", 0.0),
+    (number_reward, 7, "Answer: 8", 0.0), (exact_reward, "Paris", "  Paris\n", 1.0),
+    (exact_reward, "Paris", "paris", 0.0),
 ])
 def test_the_answer_rewards(reward, answer, completion, score):
     assert reward("q", completion, {"answer": answer}) == score
@@ -91,19 +92,18 @@ def test_a_builtin_task_gives_the_prompts_it_gave_before(tmp_path):
     (['{"question": "a"}'], "number", r"prompts.jsonl:1 has no non-empty string \"prompt\""),
     (['{"prompt": "a"}'], "number", r"prompts.jsonl:1 has no \"answer\" the reward can compare with \(got 'none'\)"),
     (['{"prompt": "a", "answer": "seven"}'], "number", r"prompts.jsonl:1 has no \"answer\".*'seven'"),
-    (['{"prompt": "a", "answer": [1]}'], "exact", None),  # exact compares text: any answer has one
     ([""], "number", r"hold\(s\) no records"),
-    (['{"prompt": "a", "answer": 1}'] * 3, "number", "holds 3 records.*rl.eval_prompts=3"),
 ])
 def test_bad_records_are_refused_naming_file_and_line(tmp_path, lines, reward, names):
-    rl = RLConfig(prompts=[write(tmp_path, lines)], reward=reward, eval_interval=1, eval_prompts=3 if len(lines) == 3
-                  else 1)
-    if names is None:
-        with pytest.raises(ConfigError, match="holds 1 records"):  # it reads, but one record is all evaluation's
-            rl_prompts(rl, seed=0)
-        return
     with pytest.raises(ConfigError, match=names):
-        rl_prompts(rl, seed=0)
+        rl_prompts(RLConfig(prompts=[write(tmp_path, lines)], reward=reward), seed=0)
+
+
+def test_exact_reads_any_answer_and_the_evaluation_must_leave_records_to_train_on(tmp_path):
+    rl = RLConfig(prompts=[write(tmp_path, ['{"prompt": "a", "answer": [1]}'] * 3)], reward="exact")
+    assert len(rl_prompts(rl, seed=0).eval) == 0  # exact compares text: any answer has one
+    with pytest.raises(ConfigError, match="holds 3 records.*rl.eval_prompts=3"):
+        rl_prompts(RLConfig(prompts=rl.prompts, reward="exact", eval_interval=1, eval_prompts=3), seed=0)
 
 
 def test_foldmoe_train_refuses_a_bad_prompts_file_before_starting_anything(tmp_path, capsys):
