@@ -102,6 +102,17 @@ def test_an_hf_directory_exported_from_the_checkpoint_generates_the_same(ckpt, c
     code, theirs, err = generate(capsys, "--checkpoint", hf, *args)  # no tokenizer.json: data.tokenizer (byte)
     assert code == 0, err
     assert theirs == ours and f"HF model {hf}" in err
+    from test_dataloader_chat import CHATML
+    chat = ["--chat", "--max-tokens", "4"]
+    (hf / "tokenizer_config.json").write_text("{not json")
+    code, _, err = generate(capsys, "--checkpoint", hf, *chat)
+    assert code == 2 and "tokenizer_config.json cannot be read as JSON" in err
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "comment": "no chat_template here"}))
+    code, _, err = generate(capsys, "--checkpoint", hf, *chat)
+    assert code == 2 and "--chat renders prompts with a chat template" in err
+    (hf / "chat_template.jinja").write_text(CHATML)  # where newer transformers save it
+    code, done, err = generate(capsys, "--checkpoint", hf, *chat, "--prompt", "2+2?")
+    assert code == 0 and done[0]["prompt"] == "2+2?", err
     pytest.importorskip("tokenizers", reason="HF tokenizers need the `tokenizers` package (in the test extras)")
     _write_hf_tokenizer(hf / "tokenizer.json")  # the directory's own tokenizer, of 300 ids: not this model's
     code, _, err = generate(capsys, "--checkpoint", hf, *args)

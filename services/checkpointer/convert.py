@@ -72,10 +72,15 @@ def find_checkpoint(spec: str | Path) -> Path:
                            "holds some") from None
 
 
-def recorded_model(ckpt: Path) -> dict[str, Any] | None:
-    """The model config of the run that wrote `ckpt` (the trainer and this tool record it), if any."""
+def recorded_config(ckpt: Path) -> dict[str, Any]:
+    """The config of the run that wrote `ckpt` as a dict (the trainer records all of it, this tool the model); {}."""
     extras = read_manifest(ckpt).extras
-    return ((extras[0].get("config") or {}).get("model") if extras else None) or None
+    return (extras[0].get("config") or {}) if extras else {}
+
+
+def recorded_model(ckpt: Path) -> dict[str, Any] | None:
+    """The model config of the run that wrote `ckpt`, if it records one."""
+    return recorded_config(ckpt).get("model") or None
 
 
 def trained_config(ckpt: Path) -> ModelConfig:

@@ -37,6 +37,7 @@ from services.dataloader.dataset import (FORMAT_VERSION, INDEX_FILE, LOSS_MASK_F
                                          IndexedDataset, read_meta, token_dtype)
 from services.dataloader.chat import ChatTemplate, Segment, check_messages, load_chat_template
 from services.dataloader.errors import DataError
+from services.common.jsonl import JSONLError, jsonl_records
 from services.common.tokenizer import TokenizerError, load_tokenizer
 
 # Plain-text files longer than this become one document per paragraph: a license or a source file is hundreds of
@@ -159,16 +160,12 @@ def _record_document(record: Any, where: str, chat: ChatTemplate | None) -> Docu
 
 
 def _jsonl_documents(path: str, chat: ChatTemplate | None) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno} is not valid JSON ({e})") from None
+    try:
+        for lineno, record in jsonl_records(path):
             if (doc := _record_document(record, f"{path}:{lineno}", chat)) is not None:
                 yield doc
+    except JSONLError as e:
+        raise DataError(str(e)) from None
 
 
 def _parquet_documents(path: str, chat: ChatTemplate | None) -> Iterator[Document]:

@@ -17,8 +17,8 @@ completion; `--json` prints one JSON object per line instead. Bad input is one l
 exit 2.
 
 With `--chat` each prompt is a user turn, rendered by the chat template the model was trained with (its run's
-`data.chat_template`, an HF directory's tokenizer_config.json) with the generation prompt, and a completion stops at
-the text that ends the assistant's turn.
+`data.chat_template`, an HF directory's tokenizer_config.json or chat_template.jinja) with the generation prompt, and a
+completion stops at the text that ends the assistant's turn.
 
 Prompts from a `.jsonl` file are records as `rl.prompts` reads them (services/rl_rollout/prompts.py: a "prompt" and
 the reward's fields, e.g. "answer"); `--reward` (a registered reward such as `number` or `exact`, or module:function)
@@ -40,10 +40,11 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from services.checkpointer.convert import ConvertError, find_checkpoint, read_model_state, trained_config
+from services.checkpointer.convert import (ConvertError, find_checkpoint, read_model_state, recorded_config, say,
+                                           trained_config)
 from services.checkpointer.hf import import_hf
 from services.checkpointer.hf_families import HFError
-from services.checkpointer.layout import CheckpointError, read_manifest
+from services.checkpointer.layout import CheckpointError
 from services.common import logs
 from services.common.config import Config, ConfigError, load_config
 from services.common.tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -65,18 +66,8 @@ class GenerateError(ValueError):
     """Input generation cannot use; the message names the cause and the fix."""
 
 
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _is_hf_directory(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file() and not (path / "manifest.json").is_file()
-
-
-def _recorded_data(ckpt: Path) -> dict:
-    """The `data` section of the run that wrote `ckpt` (the trainer records its whole config); {} if none."""
-    extras = read_manifest(ckpt).extras
-    return ((extras[0].get("config") or {}).get("data") or {}) if extras else {}
 
 
 def _tokenizer(given: str | None, recorded: str | None, fallback: str, source: str) -> Tokenizer:
@@ -97,7 +88,7 @@ def _tokenizer(given: str | None, recorded: str | None, fallback: str, source: s
         try:
             trained_with = load_tokenizer(recorded)
         except TokenizerError:
-            _say(f"warning: {source} was trained with data.tokenizer={recorded}, which cannot be read here to "
+            say(f"warning: {source} was trained with data.tokenizer={recorded}, which cannot be read here to "
                  f"compare with --tokenizer {given}")
             return tokenizer
         if trained_with.identity() != tokenizer.identity():
@@ -105,6 +96,21 @@ def _tokenizer(given: str | None, recorded: str | None, fallback: str, source: s
                                 f"(data.tokenizer={recorded}: {trained_with.identity()} against "
                                 f"{tokenizer.identity()}); drop --tokenizer to use the recorded one")
     return tokenizer
+
+
+def _hf_chat_template(directory: Path) -> str:
+    """An HF model directory's chat template: its tokenizer_config.json where that holds one ("chat_template"), else
+    its chat_template.jinja (where newer `transformers` save it), else ""."""
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            parsed = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise GenerateError(f"{config} cannot be read as JSON ({e})") from None
+        if isinstance(parsed, dict) and parsed.get("chat_template"):
+            return str(config)
+    jinja = directory / "chat_template.jinja"
+    return str(jinja) if jinja.is_file() else ""
 
 
 @dataclass
@@ -123,13 +129,12 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
         bundled = spec / "tokenizer.json"
         tokenizer = _tokenizer(tokenizer_spec, str(bundled) if bundled.is_file() else None, cfg.data.tokenizer,
                                source)
-        config = spec / "tokenizer_config.json"
-        chat_template = str(config) if config.is_file() and "chat_template" in config.read_text() else ""
+        chat_template = _hf_chat_template(spec)
     else:
         ckpt = find_checkpoint(spec)
         model_cfg = trained_config(ckpt)
         source = f"checkpoint {ckpt}"
-        recorded = _recorded_data(ckpt)
+        recorded = recorded_config(ckpt).get("data") or {}
         tokenizer = _tokenizer(tokenizer_spec, recorded.get("tokenizer"), cfg.data.tokenizer, source)
         chat_template = recorded.get("chat_template") or ""
         state = read_model_state(ckpt, model_cfg)
@@ -227,7 +232,7 @@ def generate(args: argparse.Namespace) -> None:
         params = dataclasses.replace(params, stop=params.stop + ((end,) if end else ()))
     requests = build_requests(fed, tokenizer, params, args.samples)
     longest = max(len(r.prompt_tokens) for r in requests)
-    _say(f"generating {len(requests)} completion(s) of up to {params.max_tokens} tokens from {source} "
+    say(f"generating {len(requests)} completion(s) of up to {params.max_tokens} tokens from {source} "
          f"({next(model.parameters()).device})")
     engine = Engine(model, tokenizer, max_batch=min(len(requests), MAX_BATCH), max_seq_len=longest + params.max_tokens,
                     seed=args.seed if args.seed is not None else random.getrandbits(63),
@@ -259,9 +264,9 @@ def generate(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     generated = sum(len(c.tokens) for c in completions)
     if rewards:
-        _say(f"mean reward {sum(rewards) / len(rewards):.4f} over {len(rewards)} completions ({args.reward})")
+        say(f"mean reward {sum(rewards) / len(rewards):.4f} over {len(rewards)} completions ({args.reward})")
     first_use = ", the first forwards' compilation included" if next(model.parameters()).is_cuda else ""
-    _say(f"{generated} tokens in {seconds:.2f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s{first_use})")
+    say(f"{generated} tokens in {seconds:.2f} s ({generated / max(seconds, 1e-9):,.0f} tokens/s{first_use})")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,13 +13,13 @@ seed (as it draws a generator task's).
 from __future__ import annotations
 
 import importlib
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.config import ConfigError, RLConfig
+from services.common.jsonl import JSONLError, jsonl_records
 from services.rl_rollout.rewards import REWARDS, RewardFn, Task, as_number, exact_reward, get_task, number_reward
 
 Prompt = tuple[str, dict[str, Any]]  # (prompt text, the reward's meta)
@@ -66,26 +66,21 @@ def read_records(paths: list[str], reward: RewardFn | None, key: str = "`rl.prom
     records: list[Prompt] = []
     for path in paths:
         try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
+            for lineno, record in jsonl_records(path):
+                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+                    raise ConfigError(f"{key}: {path}:{lineno} has no non-empty string \"prompt\" field")
+                meta = {k: v for k, v in record.items() if k != "prompt"}
+                if check is not None:
+                    try:
+                        check(meta["answer"])
+                    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                        raise ConfigError(f"{key}: {path}:{lineno} has no \"answer\" the reward can compare with "
+                                          f"(got {meta.get('answer', 'none')!r})") from None
+                records.append((record["prompt"], meta))
+        except JSONLError as e:
+            raise ConfigError(f"{key}: {e}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{key}: cannot read {path} ({e})") from None
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{key}: {path}:{lineno} is not valid JSON ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-                raise ConfigError(f"{key}: {path}:{lineno} has no non-empty string \"prompt\" field")
-            meta = {k: v for k, v in record.items() if k != "prompt"}
-            if check is not None:
-                try:
-                    check(meta["answer"])
-                except (KeyError, TypeError, ValueError, ZeroDivisionError):
-                    raise ConfigError(f"{key}: {path}:{lineno} has no \"answer\" the reward can compare with "
-                                      f"(got {meta.get('answer', 'none')!r})") from None
-            records.append((record["prompt"], meta))
     if not records:
         raise ConfigError(f"{key}: {', '.join(paths)} hold(s) no records")
     return records
