@@ -251,6 +251,39 @@ def test_only_groups_fresh_enough_for_the_step_are_used_and_the_others_are_count
         again.next_step()
 
 
+def test_the_position_keeps_the_last_prompt_place_asked_and_a_starting_trainer_resumes_the_workers_there(stream_key):
+    from services.common.registry import Registry
+    from services.trainer.rl.train_rl import data_position, discard_backlog
+
+    rng = np.random.default_rng(7)
+    cfg = rl_cfg(stream_key, "rl.groups_per_step=2")
+    # rl.prompts groups of 8 records an epoch, finished out of order; g2 is a previous incarnation's (dropped as
+    # foreign at step 1, but its place was asked)
+    groups = [make_group(rng, f"g{i}", version=v) for i, v in enumerate([0, 0, 3, 1, 1])]
+    for g, seq in zip(groups, [2, 1, 9, 4, 3]):
+        g.prompt_seq, g.prompt_records = seq, 8
+    publish(stream_key, groups)
+    stream = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
+    first = stream.next_step().state_after["stream"]
+    assert (first["prompts_next"], first["prompt_records"]) == (2, 8)
+    assert data_position({"stream": first})["prompt_epochs"] == 0.25
+    stream.reset({**stream.state(), "step": 1, "stream": first})  # a resume goes on from the position
+    second = stream.next_step().state_after["stream"]
+    assert second["dropped_foreign"] == 1 and second["prompts_next"] == 9 and data_position({"stream": second})["prompt_epochs"] == 9 / 8
+    assert "prompt_epochs" not in data_position({"stream": {"after": "0-0"}})  # a built-in task's run: no epochs
+
+    run = f"test-dl-{uuid.uuid4().hex[:10]}"
+    registry = Registry(REDIS_URL, run)
+    beat = registry.register("rollout", {"stream": stream_key, "worker": "w"}, instance="w")
+    try:
+        registry.client.set(rollout_stream.prompt_cursor_key(stream_key), 40)  # a previous incarnation's asks
+        assert discard_backlog(registry, 5.0, second["prompts_next"]) == 5
+        assert int(registry.client.get(rollout_stream.prompt_cursor_key(stream_key))) == 9
+    finally:
+        beat.stop()
+        registry.client.delete(rollout_stream.prompt_cursor_key(stream_key))
+
+
 def test_the_workers_room_leaves_out_groups_too_stale_for_the_steps_that_would_read_them(stream_key):
     """Otherwise a backlog of stale groups, which the dataloader will only drop, would stop the workers while the
     dataloader waits for fresh groups: the run would stall (seen in an RL chaos run)."""

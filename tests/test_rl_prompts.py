@@ -1,8 +1,10 @@
 """Prompts and rewards of an RL run: a built-in task's generator, or JSONL records of the user's own.
 
 Specification: `rl.prompts` records become (prompt, meta) pairs, meta being every other field; shuffled once by
-run.seed, the first `rl.eval_prompts` are the evaluation's when `rl.eval_interval` is set and no training draw ever
-returns one; each worker's draws are a function of its seed; `rl.reward` names a registered reward or a
+run.seed, the first `rl.eval_prompts` are the evaluation's when `rl.eval_interval` is set and never trained on; the
+rest are asked in epochs, each a new permutation of all of them by place in the run's order, the workers claiming
+places from one shared counter (so no record twice in an epoch, whichever worker asks), which a starting trainer sets
+to where its data position left off; `rl.reward` names a registered reward or a
 `module:function`; the built-in `number` and `exact` rewards compare the completion with the record's answer, which is
 checked for every record when read; a built-in task without `rl.prompts` gives the prompts it gave before; a rollout
 worker trains and evaluates on the records; bad input (unreadable file, a line that is not JSON or has no prompt, an
@@ -34,25 +36,26 @@ def write(tmp_path, records, name="prompts.jsonl"):
     return str(path)
 
 
-def test_records_split_into_evaluation_and_training_prompts(tmp_path):
+def test_records_split_into_evaluation_and_training_prompts_asked_in_epochs(tmp_path):
     rl = RLConfig(prompts=[write(tmp_path, RECORDS)], reward="number", eval_interval=5, eval_prompts=4)
     run = rl_prompts(rl, seed=7)
     assert len(run.eval) == 4 and run.eval == rl_prompts(rl, seed=7).eval != rl_prompts(rl, seed=8).eval
     assert all(meta == {"answer": str(r["id"] ** 2), "id": r["id"]} for (prompt, meta), r in
                ((e, RECORDS[e[1]["id"]]) for e in run.eval))
     held = {p for p, _ in run.eval}
-    def draws(worker: str) -> list:
-        rng = random.Random(worker)
-        return [run.task.make_prompt(rng, 2) for _ in range(200)]
-
-    drawn = draws("worker0") + draws("worker1")
-    assert held.isdisjoint(p for p, _ in drawn)
-    assert {p for p, _ in drawn} == {r["prompt"] for r in RECORDS} - held  # every other record is drawn
-    assert draws("worker0") == drawn[:200] != drawn[200:]  # a worker's draws follow its seed
-    assert run.task.reward is number_reward and run.task.name == "prompts.jsonl"
+    order = run.records
+    assert len(order) == 16
+    epochs = [[order.at(place) for place in range(e * 16, (e + 1) * 16)] for e in range(3)]
+    for epoch in epochs:  # each epoch asks every training record once, and no evaluation record
+        assert sorted(p for p, _ in epoch) == sorted({r["prompt"] for r in RECORDS} - held)
+    assert [p for p, _ in epochs[0]] != [p for p, _ in epochs[1]] != [p for p, _ in epochs[2]]  # a new order each
+    again = rl_prompts(rl, seed=7).records
+    assert [again.at(place) for place in (40, 3, 17)] == [epochs[2][8], epochs[0][3], epochs[1][1]]  # by place alone
+    epochs[0][0][1]["answer"] = "changed"
+    assert order.at(0)[1]["answer"] != "changed"  # each ask is its own copy of the meta
+    assert run.reward is number_reward and run.name == "prompts.jsonl" and run.generate is None
     no_eval = rl_prompts(RLConfig(prompts=rl.prompts, reward="number"), seed=7)
-    rng = random.Random(0)
-    assert no_eval.eval == [] and {no_eval.task.make_prompt(rng, 2)[0] for _ in range(400)} == \
+    assert no_eval.eval == [] and {no_eval.records.at(i)[0] for i in range(20)} == \
         {r["prompt"] for r in RECORDS}  # without evaluations every record trains
 
 
@@ -71,7 +74,7 @@ def test_a_reward_by_module_and_function(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_reward("my_rewards:length")("p", "abc", {}) == 3.0
     rl = RLConfig(prompts=[write(tmp_path, [{"prompt": "free-form"}])], reward="my_rewards:length")
-    assert rl_prompts(rl, seed=0).task.reward("p", "ab", {}) == 2.0  # no answer needed by this reward
+    assert rl_prompts(rl, seed=0).reward("p", "ab", {}) == 2.0  # no answer needed by this reward
     for spec, names in (("my_rewards:nope", "has no 'nope'"), ("my_rewards:NOT_CALLABLE", "not a function"),
                         ("no_such_module_xyz:f", "cannot import no_such_module_xyz"), ("nope", "no registered reward")):
         with pytest.raises(ConfigError, match=names):
@@ -82,7 +85,8 @@ def test_a_builtin_task_gives_the_prompts_it_gave_before(tmp_path):
     rl = RLConfig(task="arithmetic", eval_interval=2, eval_prompts=5)
     evaluation_rng = random.Random("3:evaluation")
     assert rl_prompts(rl, seed=3).eval == [arithmetic_prompt(evaluation_rng, rl.difficulty) for _ in range(5)]
-    assert rl_prompts(RLConfig(task="arithmetic", reward="exact"), seed=3).task.reward is exact_reward
+    assert rl_prompts(rl, seed=3).records is None and rl_prompts(rl, seed=3).generate is arithmetic_prompt
+    assert rl_prompts(RLConfig(task="arithmetic", reward="exact"), seed=3).reward is exact_reward
     with pytest.raises(ConfigError, match="unknown task 'nope'"):
         rl_prompts(RLConfig(task="nope"), seed=3)
 
@@ -114,7 +118,8 @@ def test_foldmoe_train_refuses_a_bad_prompts_file_before_starting_anything(tmp_p
     assert not (tmp_path / "run").exists()  # no process was started, no run directory made
 
 
-def test_a_rollout_worker_trains_and_evaluates_on_the_records(tmp_path):
+def test_rollout_workers_share_the_records_in_epochs(tmp_path):
+    from services.common import rollout_stream
     from services.common.registry import Registry
     from services.common.config import load_config
     from services.rl_rollout.worker import RolloutWorker
@@ -124,12 +129,22 @@ def test_a_rollout_worker_trains_and_evaluates_on_the_records(tmp_path):
     run = f"rl-prompts-{uuid.uuid4().hex[:8]}"
     cfg = load_config("configs/rl_tiny.yaml", [f"run.name={run}", *TINY, f"rl.prompts=[{path}]", "rl.reward=number",
                                                "rl.eval_interval=2", "rl.eval_prompts=3"])
-    worker = RolloutWorker(cfg, Registry(REDIS_URL, run), worker_id="rollout0")
+    registry = Registry(REDIS_URL, run)
+    worker = RolloutWorker(cfg, registry, worker_id="rollout0")
+    other = RolloutWorker(cfg, registry, worker_id="rollout1")
     try:
         held = [p.prompt for p in worker.eval_set]
         assert [p for p, _ in rl_prompts(cfg.rl, cfg.run.seed).eval] == held and len(held) == 3
-        trained = {p.prompt: p.meta for p in worker.next_prompts(50)}
-        assert set(trained) <= {r["prompt"] for r in RECORDS} - set(held)
-        assert all(meta["answer"] == str(meta["id"] ** 2) for meta in trained.values())
+        training = {r["prompt"] for r in RECORDS} - set(held)
+        asked = worker.next_prompts(5) + other.next_prompts(7) + worker.next_prompts(5)  # one epoch: 17 records
+        assert sorted(p.prompt for p in asked) == sorted(training)  # each once, across both workers
+        assert sorted(p.seq for p in asked) == list(range(1, 18))
+        assert all(p.meta["answer"] == str(p.meta["id"] ** 2) for p in asked)
+        second = other.next_prompts(17)
+        assert sorted(p.prompt for p in second) == sorted(training) and [p.seq for p in second] == list(range(18, 35))
+        assert [p.prompt for p in second] != [p.prompt for p in asked]  # the next epoch, in another order
+        registry.client.set(rollout_stream.prompt_cursor_key(worker.stream.key), 3)  # a trainer resumed after place 3
+        assert [(p.prompt, p.seq) for p in worker.next_prompts(2)] == [(p.prompt, p.seq) for p in asked[3:5]]
     finally:
         worker.close()
+        other.close()

@@ -302,7 +302,7 @@ def test_one_worker_evaluates_each_multiple_of_the_interval_greedily_on_a_fixed_
         greedy = SamplingParams(temperature=0.0, max_tokens=cfg.rl.max_new_tokens, stop=tuple(cfg.rl.stop))
         texts = [c.text for c in worker.engine.generate([Request(worker.tokenizer.encode(p.prompt), greedy, tag=i)
                                                          for i, p in enumerate(worker.eval_set)])]
-        rewards = [worker.task.reward(p.prompt, t, p.meta) for p, t in zip(worker.eval_set, texts)]
+        rewards = [worker.prompts.reward(p.prompt, t, p.meta) for p, t in zip(worker.eval_set, texts)]
         assert result["reward"] == pytest.approx(sum(rewards) / 5)
         assert worker.evaluate_due() is None  # the multiple 2 is done
         other = RolloutWorker(cfg, registry, worker_id="rollout1")

@@ -284,7 +284,7 @@ class RLConfig:
     task: str = "arithmetic"  # prompt generator + reward, by name (services/rl_rollout/rewards.py)
     difficulty: int = 2  # task knob: digits per operand (arithmetic), numbers minus one (countdown)
     # prompts of your own instead of the task's generator: JSONL files of {"prompt": ..., and what the reward reads,
-    # e.g. "answer"} per line (services/rl_rollout/prompts.py)
+    # e.g. "answer"} per line, asked in epochs shared by the workers (services/rl_rollout/prompts.py)
     prompts: list[str] = field(default_factory=list)
     reward: str = ""  # a registered reward (number, exact, arithmetic, countdown) or module:function; empty: rl.task's
     group_size: int = 8  # samples per prompt; GRPO normalises rewards within a group

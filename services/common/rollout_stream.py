@@ -36,6 +36,12 @@ def step_key(stream: str) -> str:
     return f"{stream}:step"
 
 
+def prompt_cursor_key(stream: str) -> str:
+    """The counter of `rl.prompts` places the workers have claimed (services/rl_rollout/prompts.py `RecordOrder`);
+    a starting trainer sets it to where its checkpoint's data position left off."""
+    return f"{stream}:prompts"
+
+
 def mark_read(client: redis.Redis, stream: str, entry_id: str, next_step: int | None = None) -> None:
     """Record that every entry up to `entry_id` has been consumed (and, if given, which step is built next)."""
     client.set(read_position_key(stream), entry_id)

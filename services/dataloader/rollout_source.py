@@ -183,6 +183,9 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
         st = initial_state or {"after": START, "step": 0, "dropped_stale": 0, "dropped_foreign": 0}
         self.after, self.step = str(st["after"]), int(st["step"])
         self.dropped_stale, self.dropped_foreign = int(st["dropped_stale"]), int(st["dropped_foreign"])
+        # rl.prompts: the largest place consumed in the run's order of records (`prompt_seq`), and how many records
+        # an epoch asks; a resumed trainer has the workers go on after it. 0, 0: a built-in task (or an older state)
+        self.prompts_next, self.prompt_records = int(st.get("prompts_next", 0)), int(st.get("prompt_records", 0))
         self._read: list[tuple[str, rollout_pb2.TrajectoryGroup]] = []  # entries after `after`, read so far
 
     def _fresh(self, group: rollout_pb2.TrajectoryGroup) -> bool | None:
@@ -219,6 +222,8 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
             else:
                 self.dropped_foreign += 1
             self.after = entry_id
+            if group.prompt_seq > self.prompts_next:  # dropped or taken, its prompt was asked
+                self.prompts_next, self.prompt_records = group.prompt_seq, group.prompt_records
             if len(taken) == self.groups_per_step:
                 break
         del self._read[:used]
@@ -227,7 +232,8 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
 
     def get_state(self) -> dict[str, Any]:
         return {"after": self.after, "step": self.step, "dropped_stale": self.dropped_stale,
-                "dropped_foreign": self.dropped_foreign}
+                "dropped_foreign": self.dropped_foreign, "prompts_next": self.prompts_next,
+                "prompt_records": self.prompt_records}
 
 
 Plan = list[list[tuple[list[RLSample], int]]]  # [dp rank][micro-batch] -> (its samples, its CP size)

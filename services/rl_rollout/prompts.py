@@ -3,8 +3,12 @@
 `rl.prompts` names JSONL files, one object per line with a string "prompt"; the record's other fields are the
 reward's `meta` (an "answer" for the built-in `number` and `exact` rewards, checked here for every record). The records
 are shuffled once by `run.seed`; with `rl.eval_interval`, the first `rl.eval_prompts` of them are the policy
-evaluation's and are never trained on; each worker draws its training prompts from the rest at random, by its own
-seed (as it draws a generator task's).
+evaluation's and are never trained on. The rest are asked in epochs: each epoch a permutation of all of them (by
+`run.seed` and the epoch), its places claimed in turn by the workers from one counter in Redis, so that no record is
+asked twice in an epoch however many workers share it. Each group records its place (`prompt_seq`); the dataloader's
+position keeps the largest it consumed, and a run resumed from a checkpoint asks the records after it (the few that
+were in flight when the checkpoint was saved are skipped, not asked twice). A built-in task's prompts are generated
+by each worker from its own seed.
 
 `rl.reward` names the reward: a registered one (rewards.py) or `module:function`, a callable
 `(prompt, completion, meta) -> float` that every rollout worker can import; empty: `rl.task`'s own.
@@ -20,17 +24,44 @@ from typing import Any
 
 from services.common.config import ConfigError, RLConfig
 from services.common.jsonl import JSONLError, jsonl_records
-from services.rl_rollout.rewards import REWARDS, RewardFn, Task, as_number, exact_reward, get_task, number_reward
+from services.rl_rollout.rewards import (REWARDS, PromptSource, RewardFn, Task, as_number, exact_reward, get_task,
+                                         number_reward)
 
 Prompt = tuple[str, dict[str, Any]]  # (prompt text, the reward's meta)
 # What a built-in reward reads of a record, checked when the records are read: an "answer" it can compare with
 ANSWER_CHECKS = {number_reward: as_number, exact_reward: str}
 
 
+class RecordOrder:
+    """`rl.prompts`' training records in the run's order: epoch after epoch, each a permutation of all of them by the
+    run's seed. The workers claim places in this order from one counter (`rollout_stream.prompt_cursor_key`), so no
+    record is asked twice within an epoch and every record is asked once before any is asked again."""
+
+    def __init__(self, records: list[Prompt], seed: int):
+        self.records, self.seed = records, seed
+        self._epoch, self._order = -1, list[int]()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def at(self, place: int) -> Prompt:
+        """The record at `place` (0-based over the whole run), as the worker's own copy."""
+        epoch, i = divmod(place, len(self.records))
+        if epoch != self._epoch:  # places are claimed in increasing order: one permutation is built per epoch
+            self._order = list(range(len(self.records)))
+            random.Random(f"{self.seed}:epoch{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        prompt, meta = self.records[self._order[i]]
+        return prompt, dict(meta)
+
+
 @dataclass(frozen=True)
 class RLPrompts:
-    task: Task  # its make_prompt draws the training prompts, its reward scores completions
+    name: str  # what each trajectory group records as its task
+    reward: RewardFn
     eval: list[Prompt]  # the policy evaluation's prompts (rl.eval_prompts of them), the same for every worker
+    generate: PromptSource | None = None  # a built-in task: (rng, difficulty) -> prompt, drawn by each worker's rng
+    records: RecordOrder | None = None  # rl.prompts: the training records, asked in this order
 
 
 def _builtin(name: str) -> Task:
@@ -87,14 +118,14 @@ def read_records(paths: list[str], reward: RewardFn | None, key: str = "`rl.prom
 
 
 def rl_prompts(rl: RLConfig, seed: int) -> RLPrompts:
-    """The run's task (training prompts and reward) and evaluation prompts; the same for every worker."""
+    """The run's training prompts, reward and evaluation prompts; the same for every worker."""
     reward = load_reward(rl.reward) if rl.reward else _builtin(rl.task).reward
     evaluating = rl.eval_interval > 0
     if not rl.prompts:
         builtin = _builtin(rl.task)
         evaluation_rng = random.Random(f"{seed}:evaluation")
         evaluation = [builtin.make_prompt(evaluation_rng, rl.difficulty) for _ in range(rl.eval_prompts)]
-        return RLPrompts(Task(builtin.name, builtin.make_prompt, reward), evaluation if evaluating else [])
+        return RLPrompts(builtin.name, reward, evaluation if evaluating else [], generate=builtin.make_prompt)
     records = read_records(rl.prompts, reward)
     random.Random(f"{seed}:prompts").shuffle(records)
     held = rl.eval_prompts if evaluating else 0
@@ -102,11 +133,5 @@ def rl_prompts(rl: RLConfig, seed: int) -> RLPrompts:
         raise ConfigError(f"`rl.prompts` holds {len(records)} records, and `rl.eval_prompts={rl.eval_prompts}` of them "
                           "are the evaluation's: none would be left to train on; add records or lower "
                           "rl.eval_prompts")
-    training = records[held:]
-
-    def draw(rng: random.Random, difficulty: int) -> Prompt:
-        prompt, meta = rng.choice(training)
-        return prompt, dict(meta)  # the worker's copy
-
     name = "+".join(Path(p).name for p in rl.prompts)
-    return RLPrompts(Task(name, draw, reward), records[:held])
+    return RLPrompts(name, reward, records[:held], records=RecordOrder(records[held:], seed))

@@ -22,13 +22,14 @@ def stream_key(run: str) -> str:
 
 
 def encode_group(group_id: str, worker: str, version: int, task: str, prompt: str, meta: dict[str, Any],
-                 temperature: float, completions: list[Completion], rewards: list[float]) -> pb.TrajectoryGroup:
+                 temperature: float, completions: list[Completion], rewards: list[float], prompt_seq: int = 0,
+                 prompt_records: int = 0) -> pb.TrajectoryGroup:
     first = completions[0]
     group = pb.TrajectoryGroup(
         group_id=group_id, worker=worker, policy_version=version, task=task, prompt=prompt,
         prompt_tokens=first.prompt_tokens, meta_json=json.dumps(meta), temperature=temperature,
         moe_layers=first.routing.shape[0], top_k=first.routing.shape[2] if first.routing.ndim == 3 else 0,
-        created_unix=time.time())
+        created_unix=time.time(), prompt_seq=prompt_seq, prompt_records=prompt_records)
     for c, r in zip(completions, rewards):
         group.samples.add(tokens=c.tokens, logprobs=c.logprobs, routing=c.routing.reshape(-1).tolist(), reward=r,
                           finish_reason=c.finish_reason, text=c.text)

@@ -53,6 +53,7 @@ log = logs.logger("rollout")
 class _Pending:
     prompt: str
     meta: dict
+    seq: int = 0  # rl.prompts: 1 + the record's place in the run's order (prompt_seq); 0: a generated prompt
     done: list[Completion | None] = field(default_factory=list)
 
 
@@ -91,10 +92,9 @@ class RolloutWorker:
         self.cfg, self.registry = cfg, registry
         self.stop = stop or threading.Event()
         rl = cfg.rl
-        prompts = rl_prompts(rl, cfg.run.seed)  # ConfigError names a bad task, reward or prompts file
-        self.task = prompts.task
+        self.prompts = rl_prompts(rl, cfg.run.seed)  # ConfigError names a bad task, reward or prompts file
         # The evaluation's prompts: the same for every worker and every run with this seed (`evaluate_due`)
-        self.eval_set = [_Pending(prompt, meta) for prompt, meta in prompts.eval]
+        self.eval_set = [_Pending(prompt, meta) for prompt, meta in self.prompts.eval]
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"tokenizer has {self.tokenizer.vocab_size} ids but `model.vocab_size={cfg.model.vocab_size}`")
@@ -125,8 +125,9 @@ class RolloutWorker:
         else:
             self._heartbeat = registry.register("rollout", {**info, "worker": worker_id}, instance=worker_id)
         self.worker_id = worker_id
-        # Prompts and samples are drawn from `run.seed` and the worker id alone: a worker started again under the same
-        # id asks the same questions in the same order; workers with different ids ask different ones and sample apart.
+        # A built-in task's prompts, and every worker's samples, are drawn from `run.seed` and the worker id alone: a
+        # worker started again under the same id asks the same questions in the same order; workers with different ids
+        # ask different ones and sample apart. (`rl.prompts` records are claimed in the run's order: `next_prompts`.)
         self.rng = random.Random(f"{cfg.run.seed}:{self.worker_id}")
         self.device = rollout_device(cfg)
         # bf16 on GPU is the rollout precision; CPU runs fp32 (as training does there).
@@ -246,7 +247,7 @@ class RolloutWorker:
         params = SamplingParams(temperature=0.0, max_tokens=rl.max_new_tokens, stop=tuple(rl.stop))
         completions = self.engine.generate([Request(self.tokenizer.encode(p.prompt), params, tag=i)
                                             for i, p in enumerate(self.eval_set)])
-        rewards = [float(self.task.reward(p.prompt, c.text, p.meta)) for p, c in zip(self.eval_set, completions)]
+        rewards = [float(self.prompts.reward(p.prompt, c.text, p.meta)) for p, c in zip(self.eval_set, completions)]
         result = {"version": version, "reward": sum(rewards) / len(rewards), "prompts": len(rewards),
                   "seconds": time.perf_counter() - t0}
         self.registry.set_state(rollout_stream.EVAL_STATE, result)
@@ -255,14 +256,24 @@ class RolloutWorker:
         return result
 
     def next_prompts(self, count: int | None = None) -> list[_Pending]:
-        """The next `count` (default `rl.prompts_per_batch`) prompts (and their reward metadata)."""
-        return [_Pending(*self.task.make_prompt(self.rng, self.cfg.rl.difficulty))
-                for _ in range(count or self.cfg.rl.prompts_per_batch)]
+        """The next `count` (default `rl.prompts_per_batch`) prompts (and their reward metadata): `rl.prompts`' next
+        places in the run's order, claimed atomically from the counter every worker shares; a built-in task's,
+        generated from this worker's seed."""
+        count = count or self.cfg.rl.prompts_per_batch
+        order = self.prompts.records
+        if order is None:
+            return [_Pending(*self.prompts.generate(self.rng, self.cfg.rl.difficulty)) for _ in range(count)]
+        end = self.stream.client.incrby(rollout_stream.prompt_cursor_key(self.stream.key), count)
+        for place in range(end - count, end):
+            if place % len(order) == 0:
+                log.info("prompt epoch %d begins: %d records", place // len(order), len(order))
+        return [_Pending(*order.at(place), seq=place + 1) for place in range(end - count, end)]
 
     def _publish(self, group: _Pending, version: int) -> list[float]:
-        rewards = [float(self.task.reward(group.prompt, c.text, group.meta)) for c in group.done]
-        msg = encode_group(f"{self.worker_id}:{self.groups_published}", self.worker_id, version, self.task.name,
-                           group.prompt, group.meta, self.params.temperature, group.done, rewards)
+        rewards = [float(self.prompts.reward(group.prompt, c.text, group.meta)) for c in group.done]
+        msg = encode_group(f"{self.worker_id}:{self.groups_published}", self.worker_id, version, self.prompts.name,
+                           group.prompt, group.meta, self.params.temperature, group.done, rewards, group.seq,
+                           len(self.prompts.records or ()))
         self.stream.publish(msg)
         self.groups_published += 1
         if self._reserved > 0:

@@ -111,7 +111,8 @@ class RLStepPrinter(StepPrinter):
             f"clip {100 * r['clip_frac']:.1f}% kl {r['kl']:.4f} mismatch {r['logprob_mismatch']:.4f} "
             f"stale {r['staleness_max']} (v{min(r['policy_versions'])}-{max(r['policy_versions'])}) "
             f"loss {r['loss']:+.4f} gnorm {r['grad_norm']:.2f} wait {1000 * r['rollout_wait_s']:.0f}ms "
-            f"({100 * r['rollout_wait_frac']:.0f}% of the step) eta {eta:.0f}s")
+            f"({100 * r['rollout_wait_frac']:.0f}% of the step)"
+            + (f" epochs {r['prompt_epochs']:.2f}" if "prompt_epochs" in r else "") + f" eta {eta:.0f}s")
         if "eval_reward" in r:
             self.console.print(f"eval  weights v{r['eval_version']}: greedy reward {r['eval_reward']:.3f} over "
                                f"{r['eval_prompts']} fixed prompts")
@@ -240,7 +241,8 @@ def train_rl(cfg: Config) -> int:
     finally:
         source.close()  # the resume is read (or refused): the checkpointer's channel is not needed again
     if lead:
-        discard_backlog(registry, cfg.rl.rollout_timeout_s)
+        asked = int(data.state().get("stream", {}).get("prompts_next", 0))  # rl.prompts' places the resume consumed
+        discard_backlog(registry, cfg.rl.rollout_timeout_s, asked)
     if parallel:
         torch.distributed.barrier()  # no rank asks for step data before the backlog is gone
     policy = PolicyVersions(model, cfg, groups, registry, lead)
@@ -297,13 +299,15 @@ def train_rl(cfg: Config) -> int:
     return 0
 
 
-def discard_backlog(registry: Registry, timeout: float) -> int:
-    """Delete every entry of the rollout stream (the module docstring says why); returns how many there were. The
-    stream key is in the rollout workers' registry records."""
+def discard_backlog(registry: Registry, timeout: float, prompts_next: int = 0) -> int:
+    """Delete every entry of the rollout stream (the module docstring says why) and set the workers' `rl.prompts`
+    counter to `prompts_next`, the data position's (so the records are asked from where the consumed ones end);
+    returns how many entries there were. The stream key is in the rollout workers' registry records."""
     stream = registry.wait_for("rollout", 1, timeout=timeout)[0]["stream"]
     waiting = int(registry.client.xlen(stream))
     registry.client.xtrim(stream, maxlen=0, approximate=False)
     registry.client.delete(rollout_stream.step_key(stream))  # a previous incarnation's step: the workers' filter
+    registry.client.set(rollout_stream.prompt_cursor_key(stream), prompts_next)
     return waiting
 
 
@@ -313,8 +317,11 @@ def data_position(state: dict) -> dict:
     are part of the position, and the id of the last stream entry the step consumed (each step consumes the entries
     after the previous step's: ids that only grow mean no group was trained on twice)."""
     position = state.get("stream", {})
-    return {"dropped_stale": int(position.get("dropped_stale", 0)),
-            "dropped_foreign": int(position.get("dropped_foreign", 0)), "rollout_position": position.get("after")}
+    record = {"dropped_stale": int(position.get("dropped_stale", 0)),
+              "dropped_foreign": int(position.get("dropped_foreign", 0)), "rollout_position": position.get("after")}
+    if records := int(position.get("prompt_records", 0)):  # rl.prompts: epochs of the records asked so far
+        record["prompt_epochs"] = int(position["prompts_next"]) / records
+    return record
 
 
 def _mean_over_ranks(values: list[float], device: torch.device, parallel: bool) -> StepValues:
