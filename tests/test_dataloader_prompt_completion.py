@@ -5,8 +5,9 @@ tokens then the completion's and EOS; the dataset's loss mask marks the prompt's
 texts, in the same or earlier files, are targets); a micro-batch gives every position whose next token is a prompt
 token label -100, also in the pieces of a document split across sequences, so the step's loss tokens are the
 completions' and EOS's alone; a corpus without such records has no mask, and its stream identity is what it was; two
-datasets of the same tokens with different masks are different streams; examples longer than a sequence are counted
-(the dataloader warns); a record with neither form is refused naming file and line.
+datasets of the same tokens with different masks are different streams; an example longer than a sequence is cut to
+its first seq_len positions (counted, the dataloader warns), never split (its later pieces would lack the prompt),
+while other documents are split as before; a record with neither form is refused naming file and line.
 """
 
 from __future__ import annotations
@@ -96,11 +97,28 @@ def test_the_same_tokens_under_another_mask_are_another_stream(tmp_path):
     assert a.meta["tokens_sha256"] == b.meta["tokens_sha256"] and a.fingerprint != b.fingerprint
 
 
-def test_examples_longer_than_a_sequence_are_counted(tmp_path):
+def test_an_example_longer_than_a_sequence_is_cut_to_its_first_positions_and_other_documents_are_split(tmp_path):
+    from services.common.config import load_config
+    from services.dataloader.heldout import eval_sequences
+    from services.dataloader.stream import StepStream
+
     ds = build(tmp_path, RECORDS)  # documents of 10, 33, 10 and 20 tokens (9, 32, 9 and 19 positions)
-    assert ds.examples_over(64) == 0
+    assert ds.examples_over(64) == 0 and ds.packed_lengths(64).tolist() == [10, 33, 10, 20]
     assert ds.examples_over(9) == 1  # the text (32 positions) is no example; "Translate: chat cat" (19) is
     assert ds.examples_over(8) == 2  # and "Q: 2+2= 4" (9); "no prompt" has none to lose
+    assert ds.packed_lengths(8).tolist() == [9, 33, 10, 9]  # examples cut to 8 positions; the others whole
+    cfg = load_config(None, ["data.seq_len=8", "data.micro_batch_size=1", "data.grad_accum=1",
+                             "data.eval_fraction=0", "run.eval_interval=0"])
+    stream = StepStream([ds], cfg.data, dp_size=1)
+    pieces = set()
+    while stream.epoch == 0:  # a whole epoch (and maybe a sequence of the next)
+        pieces |= {(p.doc, p.start, p.end) for p in stream.sequences.next()}
+    assert {p for p in pieces if p[0] in (0, 3)} == {(0, 0, 9), (3, 0, 9)}  # one piece each, from the prompt on
+    assert {p for p in pieces if p[0] == 1} == {(1, 0, 9), (1, 8, 17), (1, 16, 25), (1, 24, 33)}  # text: split
+    held = eval_sequences([ds], load_config(None, ["data.seq_len=8", "data.micro_batch_size=1", "data.eval_micro_batches=8",
+                                                   "data.eval_fraction=0"]).data, whole=True)
+    assert {(p.doc, p.start, p.end) for seqs in held for seq in seqs for p in seq if p.doc in (0, 3)} == \
+        {(0, 0, 9), (3, 0, 9)}  # held-out evaluation packs the same way
 
 
 def test_a_record_of_neither_form_names_file_and_line(tmp_path):

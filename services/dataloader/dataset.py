@@ -96,13 +96,22 @@ class IndexedDataset:
         """Document i's loss mask (bool per token: a training target), or None where every token is one."""
         return None if self.loss_mask is None else self.loss_mask[self.offsets[i]:self.offsets[i + 1]].astype(bool)
 
+    @cached_property
+    def prompted(self) -> np.ndarray:
+        """Per document, whether it holds a prompt (a token that is no training target): a fine-tuning example."""
+        if self.loss_mask is None or len(self) == 0:
+            return np.zeros(len(self), dtype=bool)
+        return np.minimum.reduceat(self.loss_mask, self.offsets[:-1]) == 0
+
+    def packed_lengths(self, seq_len: int) -> np.ndarray:
+        """The documents' lengths as packing takes them: an example longer than a sequence of `seq_len` positions is
+        cut to its first `seq_len` (split instead, its later pieces would train without its prompt); packing splits
+        any other document that long into consecutive pieces."""
+        return np.where(self.prompted & (self.doc_lengths > seq_len + 1), seq_len + 1, self.doc_lengths)
+
     def examples_over(self, seq_len: int) -> int:
-        """Prompt/completion documents longer than a sequence of `seq_len` positions: packing splits them like any
-        document, and a later piece trains without the context of the earlier one (its prompt)."""
-        if self.loss_mask is None:
-            return 0
-        prompted = np.minimum.reduceat(self.loss_mask, self.offsets[:-1]) == 0
-        return int(np.count_nonzero(prompted & (self.doc_lengths - 1 > seq_len)))
+        """How many examples `packed_lengths` cuts."""
+        return int(np.count_nonzero(self.prompted & (self.doc_lengths > seq_len + 1)))
 
     @cached_property
     def doc_lengths(self) -> np.ndarray:

@@ -61,8 +61,9 @@ def eval_sequences(datasets: list[IndexedDataset], data_cfg, whole: bool = False
     for i, d in enumerate(datasets):
         docs = None if whole else split_documents(len(d), cfg.eval_fraction, cfg.seed)[1]
         try:
-            epochs.append(_first_epoch(PackedSequences(d.doc_lengths, cfg.seq_len, cfg.packing_window, cfg.seed, i,
-                                                       docs=docs), need))
+            packed = PackedSequences(d.packed_lengths(cfg.seq_len), cfg.seq_len, cfg.packing_window, cfg.seed, i,
+                                     docs=docs)
+            epochs.append(_first_epoch(packed, need))
         except ValueError:
             raise DataError(f"{source} ({d.path}): every document is shorter than two tokens") from None
     turns = itertools.chain.from_iterable(itertools.zip_longest(*epochs))

@@ -92,9 +92,9 @@ class DataLoaderServer:
             eval_datasets = [IndexedDataset(path, expect_tokenizer=tokenizer.identity())] if path else None
             for dataset in self.datasets + (eval_datasets or []):
                 if over := dataset.examples_over(cfg.data.seq_len):
-                    log.warning("%s: %d prompt/completion examples are longer than data.seq_len=%d positions; each is "
-                                "split, and its later pieces train without their prompt: raise data.seq_len or "
-                                "shorten them", dataset.path, over, cfg.data.seq_len)
+                    log.warning("%s: %d prompt/completion examples are longer than data.seq_len=%d positions; each "
+                                "is cut to its first %d (the rest is not trained on): raise data.seq_len or shorten "
+                                "them", dataset.path, over, cfg.data.seq_len, cfg.data.seq_len)
             self.engine = Engine(self.datasets, cfg.data, cp_sizes, replica=replica, eval_datasets=eval_datasets)
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()

@@ -118,7 +118,7 @@ class StepStream:
         datasets, cfg = self.datasets, self.cfg
         if len({str(d.meta["tokenizer"]) for d in datasets}) != 1:
             raise DataError("blended datasets were tokenized with different tokenizers; preprocess them with one")
-        self._sources = [PackedSequences(d.doc_lengths, cfg.seq_len, cfg.packing_window, cfg.seed, i,
+        self._sources = [PackedSequences(d.packed_lengths(cfg.seq_len), cfg.seq_len, cfg.packing_window, cfg.seed, i,
                                          docs=split_documents(len(d), cfg.eval_fraction, cfg.seed)[0])
                          for i, d in enumerate(datasets)]
         if cfg.blend_weights:
