@@ -1,4 +1,4 @@
-"""`foldmoe` command line: train, preprocess, status, plot.
+"""`foldmoe` command line: train, preprocess, status, plot, save, generate, evaluate.
 
     foldmoe train      [--config FILE] [section.key=value ...]   start Redis, the services and the trainer ranks
                        (with rl.enabled: rollout workers and the RL trainer, e.g. --config configs/rl_tiny.yaml)
@@ -6,6 +6,9 @@
     foldmoe status     [--config FILE] [section.key=value ...]   services (health, endpoints), step, checkpoint
     foldmoe plot       [--config FILE] [--metrics FILE] [--out DIR] [section.key=value ...]   PNG charts of a run
     foldmoe save       [--config FILE] [--wait] [section.key=value ...]   a checkpoint of the running trainer, now
+    foldmoe generate   [--checkpoint SPEC] [--prompt TEXT ...] ...   complete prompts (services/rl_rollout/generate.py)
+    foldmoe evaluate   [--checkpoint SPEC] [--corpus PATH]... ...   loss and perplexity (services/trainer/
+                       evaluate_checkpoint.py)
 
 A mistake in the config, a missing corpus or an unreachable Redis is reported as one line naming the cause and the fix,
 with a non-zero exit code, before any process is started.
@@ -34,7 +37,9 @@ def _parser() -> argparse.ArgumentParser:
                             ("status", "show the registered services (health, endpoints), step and latest checkpoint"),
                             ("plot", "draw loss, throughput and expert-load charts of a run as PNG files"),
                             ("save", "ask the running trainer for a checkpoint now, through the checkpointer"),
-                            ("generate", "complete prompts with a trained checkpoint (see `foldmoe generate -h`)")):
+                            ("generate", "complete prompts with a trained checkpoint (see `foldmoe generate -h`)"),
+                            ("evaluate", "a checkpoint's loss and perplexity on a corpus or the held-out set (see "
+                             "`foldmoe evaluate -h`)")):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--config", type=Path, default=None, help="YAML config (default: built-in tiny CPU run)")
         sub.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, later wins")
@@ -249,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.rl_rollout.generate import main as generate_main
 
         return generate_main(argv[1:])
+    if argv[:1] == ["evaluate"]:  # its own options (corpus, token cap): services/trainer/evaluate_checkpoint.py
+        from services.trainer.evaluate_checkpoint import main as evaluate_main
+
+        return evaluate_main(argv[1:])
     args = _parser().parse_args(argv)
     from services.common.embedded_redis import EmbeddedRedisError
     from services.common.registry import RegistryError

@@ -1,6 +1,7 @@
 """The whole local topology for real: `foldmoe train` on the tiny config starts Redis, dataloader, checkpointer and a
 trainer rank, trains a few steps, lands checkpoints, evaluates the held-out loss every 4 steps and after the last, and a
-second run resumes exactly after the last one, on the same evaluation set; every process is gone after each run."""
+second run resumes exactly after the last one, on the same evaluation set; every process is gone after each run; and
+`foldmoe evaluate` of the last checkpoint with the run's config reports the trainer's last held-out loss."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ import launcher_harness as harness  # noqa: E402
 from services.checkpointer.store import CheckpointStore  # noqa: E402
 
 
+def overrides(tmp_path: Path, steps: int, metrics: str) -> list[str]:
+    return [f"run.steps={steps}", "checkpoint.interval=3", "optimizer.warmup_steps=2", "run.eval_interval=4",
+            f"run.dir={tmp_path / 'run'}", f"data.dataset_dir={tmp_path / 'data'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", f"run.metrics_file={tmp_path / metrics}", "run.name=e2e"]
+
+
 def train(tmp_path: Path, steps: int, metrics: str) -> harness.Result:
-    overrides = [f"run.steps={steps}", "checkpoint.interval=3", "optimizer.warmup_steps=2", "run.eval_interval=4",
-                 f"run.dir={tmp_path / 'run'}", f"data.dataset_dir={tmp_path / 'data'}",
-                 f"checkpoint.dir={tmp_path / 'ckpt'}", f"run.metrics_file={tmp_path / metrics}", "run.name=e2e"]
-    return harness.run(harness.cli("train", "--config", "configs/tiny.yaml", *overrides), tmp_path, timeout=240)
+    return harness.run(harness.cli("train", "--config", "configs/tiny.yaml", *overrides(tmp_path, steps, metrics)),
+                       tmp_path, timeout=240)
 
 
 def records(path: Path) -> list[dict]:
@@ -52,3 +57,11 @@ def test_train_checkpoints_and_a_second_run_resumes_at_the_right_step(tmp_path):
     assert len({r["eval_tokens"] for r in [*first_evals.values(), *second_evals.values()]}) == 1  # one set
     assert first_evals[4]["eval_loss"] > second_evals[9]["eval_loss"] > 0
     assert "held-out loss" in first.stdout
+
+    # `foldmoe evaluate` with the run's config: the trainer's held-out figure at the last checkpoint's step
+    evaluated = harness.run(harness.cli("evaluate", "--config", "configs/tiny.yaml", "--json",
+                                        *overrides(tmp_path, 9, "second.jsonl")), tmp_path, timeout=120)
+    assert evaluated.rc == 0, evaluated.stderr[-3000:]
+    result = json.loads(evaluated.stdout)
+    assert result["tokens"] == second_evals[9]["eval_tokens"] and "step_00000009" in result["model"]
+    assert abs(result["loss"] - second_evals[9]["eval_loss"]) <= 1e-5 * second_evals[9]["eval_loss"]

@@ -14,6 +14,7 @@ dp rank j % dp_size, and the loss is their token-weighted mean (services/trainer
 from __future__ import annotations
 
 import itertools
+from typing import Iterator
 
 import numpy as np
 
@@ -38,16 +39,14 @@ def split_documents(num_docs: int, fraction: float, seed: int) -> tuple[np.ndarr
     return np.flatnonzero(~chosen), np.flatnonzero(chosen)
 
 
-def _first_epoch(source: PackedSequences, limit: int) -> list[Sequence]:
-    """The first `limit` sequences of the source's first epoch (fewer when the epoch has fewer)."""
+def one_epoch(source: PackedSequences) -> Iterator[Sequence]:
+    """The source's first epoch from its start, sequence by sequence: each of its documents once."""
     source.reset(None)
-    out = []
-    while len(out) < limit:
+    while True:
         seq = source.next()
-        if source.get_state()["epoch"]:  # the next epoch's first sequence: every held-out document is packed
-            break
-        out.append(seq)
-    return out
+        if source.get_state()["epoch"]:  # the next epoch's first sequence: every document is packed
+            return
+        yield seq
 
 
 def eval_sequences(datasets: list[IndexedDataset], data_cfg, whole: bool = False) -> list[list[Sequence]]:
@@ -63,7 +62,7 @@ def eval_sequences(datasets: list[IndexedDataset], data_cfg, whole: bool = False
         try:
             packed = PackedSequences(d.packed_lengths(cfg.seq_len), cfg.seq_len, cfg.packing_window, cfg.seed, i,
                                      docs=docs)
-            epochs.append(_first_epoch(packed, need))
+            epochs.append(list(itertools.islice(one_epoch(packed), need)))
         except ValueError:
             raise DataError(f"{source} ({d.path}): every document is shorter than two tokens") from None
     turns = itertools.chain.from_iterable(itertools.zip_longest(*epochs))

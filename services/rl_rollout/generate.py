@@ -45,7 +45,7 @@ from services.checkpointer.convert import (ConvertError, find_checkpoint, read_m
 from services.checkpointer.hf import import_hf
 from services.checkpointer.hf_families import HFError
 from services.checkpointer.layout import CheckpointError
-from services.common import logs
+from services.common.command import run_command
 from services.common.config import Config, ConfigError, load_config
 from services.common.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from services.dataloader.chat import ChatTemplate, load_chat_template
@@ -57,7 +57,6 @@ from services.rl_rollout.sampling import SamplingParams
 from services.rl_rollout.worker import rollout_device, rollout_model_config
 from services.trainer.model.transformer import MoETransformer
 
-EXIT_USAGE = 2
 MAX_BATCH = 64  # sequences decoding together at most (KV cache slots)
 _err = Console(stderr=True)  # progress only
 
@@ -117,6 +116,7 @@ def _hf_chat_template(directory: Path) -> str:
 class Loaded:
     model: MoETransformer  # on `run.device`, in eval mode
     tokenizer: Tokenizer
+    tokenizer_spec: str  # what `tokenizer` was loaded from ("byte", a tokenizer.json)
     source: str  # what was loaded, in words
     chat_template: str  # the chat template the model was trained with (data.chat_template, an HF directory's); ""
 
@@ -127,26 +127,28 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
         state, model_cfg = import_hf(spec)
         source = f"HF model {spec}"
         bundled = spec / "tokenizer.json"
-        tokenizer = _tokenizer(tokenizer_spec, str(bundled) if bundled.is_file() else None, cfg.data.tokenizer,
-                               source)
+        recorded = str(bundled) if bundled.is_file() else None
         chat_template = _hf_chat_template(spec)
     else:
         ckpt = find_checkpoint(spec)
         model_cfg = trained_config(ckpt)
         source = f"checkpoint {ckpt}"
-        recorded = recorded_config(ckpt).get("data") or {}
-        tokenizer = _tokenizer(tokenizer_spec, recorded.get("tokenizer"), cfg.data.tokenizer, source)
-        chat_template = recorded.get("chat_template") or ""
-        state = read_model_state(ckpt, model_cfg)
+        data = recorded_config(ckpt).get("data") or {}
+        recorded, chat_template = data.get("tokenizer"), data.get("chat_template") or ""
+        state = None  # read once the tokenizer is known to fit
+    tokenizer = _tokenizer(tokenizer_spec, recorded, cfg.data.tokenizer, source)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids but the model of {source} has a vocabulary "
                             f"of {model_cfg.vocab_size}: not the tokenizer it was trained with; pass that one with "
                             "--tokenizer")
+    if state is None:
+        state = read_model_state(ckpt, model_cfg)
     device = rollout_device(cfg)
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
     model = MoETransformer(rollout_model_config(model_cfg))
     model.load_state_dict(state)
-    return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, source, chat_template)
+    return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, tokenizer_spec or recorded or
+                  cfg.data.tokenizer, source, chat_template)
 
 
 def as_chat(prompts: list[Prompt], chat: ChatTemplate) -> tuple[list[Prompt], str]:
@@ -270,13 +272,9 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    doc = __doc__.split("\n")[0].strip("`").replace("`foldmoe generate`: ", "")
+    doc = __doc__.split("\n")[0].split(": ", 1)[1]
     parser = argparse.ArgumentParser(prog="foldmoe generate", description=doc)
-    parser.add_argument("--config", type=Path, default=None,
-                        help="YAML config: checkpoint.dir, run.device, run.dtype (default: built-in tiny CPU run)")
-    parser.add_argument("--checkpoint", default=None,
-                        help="a step_NNNNNNNN directory, a checkpoint.dir or an HF model directory "
-                             "(default: the config's checkpoint.dir)")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for more); none: one empty prompt")
     parser.add_argument("--prompts", default=None, help="a file of prompts, one per line (`-`: standard input), or "
                         "a .jsonl file of records: {\"prompt\": ..., and what --reward reads}")
@@ -291,29 +289,26 @@ def _parser() -> argparse.ArgumentParser:
                         "the model was trained with (data.chat_template); stops at the end of the assistant's turn")
     parser.add_argument("--reward", default=None, help="score each completion against its record: a registered reward "
                         "(number, exact, ...) or module:function; prints the mean")
-    parser.add_argument("--tokenizer", default=None,
-                        help="\"byte\" or a tokenizer.json (default: the one the checkpoint was trained with)")
     parser.add_argument("--json", action="store_true", help="one JSON object per completion")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, later wins")
     return parser
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `load_model` reads (--config, --checkpoint, --tokenizer) and the config overrides."""
+    parser.add_argument("--config", type=Path, default=None,
+                        help="YAML config: checkpoint.dir, run.device, run.dtype (default: built-in tiny CPU run)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a step_NNNNNNNN directory, a checkpoint.dir or an HF model directory "
+                             "(default: the config's checkpoint.dir)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="\"byte\" or a tokenizer.json (default: the one the checkpoint was trained with)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, later wins")
+
+
 def main(argv: list[str] | None = None) -> int:
-    logs.configure("generate")
-    parser = _parser()
-    args, rest = parser.parse_known_args(argv)  # overrides may follow options
-    if any(r.startswith("-") for r in rest):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.overrides += rest
-    try:
-        generate(args)
-    except (GenerateError, ConvertError, HFError, ConfigError, CheckpointError, TokenizerError, EngineError, DataError,
-            OSError) as e:
-        print(f"foldmoe generate: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_command("foldmoe generate", _parser(), argv, generate,
+                       (GenerateError, ConvertError, HFError, ConfigError, CheckpointError, TokenizerError,
+                        EngineError, DataError, OSError))
 
 
 if __name__ == "__main__":
