@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import autotune_configs, next_power_of_2
+from kernels._triton import autotune, next_power_of_2
 
 _ROW_CONFIGS = [
     triton.Config({"BLOCK_H": 1024}, num_warps=4),
@@ -35,7 +35,7 @@ _ROW_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["h", "K"])
+@autotune(_ROW_CONFIGS, key=["h", "K"])
 @triton.jit
 def _scatter_rows_kernel(src_ptr, row_id_map_ptr, weights_ptr, dot_src_ptr, out_ptr, dots_ptr, h: tl.constexpr,
                          K: tl.constexpr, K_PAD: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_DOT: tl.constexpr,
@@ -66,7 +66,7 @@ def _scatter_rows_kernel(src_ptr, row_id_map_ptr, weights_ptr, dot_src_ptr, out_
         tl.store(dots_ptr + t * K + slots, dots.to(dots_ptr.dtype.element_ty), mask=slots < K)
 
 
-@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["h", "K"])
+@autotune(_ROW_CONFIGS, key=["h", "K"])
 @triton.jit
 def _gather_rows_kernel(src_ptr, row_id_map_ptr, weights_ptr, out_ptr, h: tl.constexpr,
                         K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):

@@ -44,5 +44,13 @@ def autotune_configs(configs: Sequence[triton.Config]) -> list[triton.Config]:
     return list(configs[:1]) if TRITON_INTERPRETED else list(configs)
 
 
+def autotune(configs: Sequence[triton.Config], key: list[str], **kwargs):
+    """`triton.autotune` over `autotune_configs(configs)`, its choice kept in Triton's cache on disk (keyed by the
+    kernel's source, the GPU, Triton's version and the tuning key), so that a new process (`foldmoe generate`,
+    `foldmoe evaluate`, a restarted trainer) reads it instead of timing every config again: seconds a process
+    (bench/RESULTS.md). Configs with a pre-hook are timed every time (Triton cannot store them)."""
+    return triton.autotune(configs=autotune_configs(configs), key=key, cache_results=True, **kwargs)
+
+
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels._triton import autotune_configs, use_triton
+from kernels._triton import autotune, use_triton
 
 IGNORE_INDEX = -100  # as services/trainer/model/loss.py
 
@@ -103,7 +103,7 @@ def _row_max_sumexp(row_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 # restore_value: the kernel overwrites the block, so each config tried must start from the same logits.
-@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V", "WRITE_GRAD"], restore_value=["logits_ptr"])
+@autotune(_ROW_CONFIGS, key=["V", "WRITE_GRAD"], restore_value=["logits_ptr"])
 @triton.jit
 def _ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, V: tl.constexpr, WRITE_GRAD: tl.constexpr,
                     IGNORE: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -158,7 +158,7 @@ def ce_slice_grad_reference(logits: torch.Tensor, local_labels: torch.Tensor, ls
     logits.copy_(x)
 
 
-@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V"])
+@autotune(_ROW_CONFIGS, key=["V"])
 @triton.jit
 def _ce_slice_stats_kernel(logits_ptr, local_labels_ptr, stats_ptr, C, V: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -172,7 +172,7 @@ def _ce_slice_stats_kernel(logits_ptr, local_labels_ptr, stats_ptr, C, V: tl.con
 
 
 # restore_value: the kernel overwrites the block, so each config tried must start from the same logits.
-@triton.autotune(configs=autotune_configs(_ROW_CONFIGS), key=["V"], restore_value=["logits_ptr"])
+@autotune(_ROW_CONFIGS, key=["V"], restore_value=["logits_ptr"])
 @triton.jit
 def _ce_slice_grad_kernel(logits_ptr, local_labels_ptr, lse_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

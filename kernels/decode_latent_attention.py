@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import autotune_configs, use_triton
+from kernels._triton import autotune, use_triton
 from kernels.decode_attention import combine_splits, online_softmax_step, split_positions, store_split
 
 # (heads, positions) per block, warps, stages. 64 x 64 on 8 warps was the fastest of 60 on an H200 (within 1%) at
@@ -71,7 +71,7 @@ def decode_latent_attention_reference(q_latent: torch.Tensor, q_rope: torch.Tens
     return bmm_fp32(weights.to(latent.dtype), latent).to(q_latent.dtype)
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["H", "R", "DR"])
+@autotune(_CONFIGS, key=["H", "R", "DR"])
 @triton.jit
 def _decode_latent_attention_kernel(ql_ptr, qr_ptr, lat_ptr, rope_ptr, slot_ptr, pos_ptr, out_ptr, part_ptr, ml_ptr,
                                     scale, H, split_len, ql_sb, ql_sh, qr_sb, qr_sh, lat_ss, lat_sl, rope_ss, rope_sl,

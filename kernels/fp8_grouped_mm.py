@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels._triton import autotune_configs, next_power_of_2, use_triton
+from kernels._triton import autotune, next_power_of_2, use_triton
 from kernels.fp8_quantize import (FP8, SCALE_BLOCK, Recipe, _check_recipe, _unblocks, _weight_scale_shape,
                                   quantize_rows, quantize_weight)
 
@@ -155,7 +155,7 @@ def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> 
     return [c for c in configs if c.kwargs["BLOCK_N"] <= SCALE_BLOCK]
 
 
-@triton.autotune(configs=autotune_configs(_MM_CONFIGS), key=["N", "K", "E", "BLOCKWISE", "FAST_ACCUM"],
+@autotune(_MM_CONFIGS, key=["N", "K", "E", "BLOCKWISE", "FAST_ACCUM"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _fp8_grouped_mm_kernel(a_ptr, a_desc, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, offs_ptr, out_ptr, M, N,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import autotune_configs, use_triton
+from kernels._triton import autotune, use_triton
 
 FEW_ROWS = 16  # mean rows per expert up to which the experts' no-grad GEMMs take this kernel (bench/RESULTS.md)
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
@@ -46,7 +46,7 @@ def grouped_mm_small_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Ten
     return out
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["N", "K"])
+@autotune(_CONFIGS, key=["N", "K"])
 @triton.jit
 def _grouped_mm_small_kernel(a_ptr, b_ptr, offs_ptr, out_ptr, N, K: tl.constexpr, stride_am, stride_be, stride_bk,
                              stride_om, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

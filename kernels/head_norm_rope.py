@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels._triton import TRITON_INTERPRETED, autotune_configs, use_triton
+from kernels._triton import TRITON_INTERPRETED, autotune, use_triton
 
 # The interpreter runs tl.* in numpy but has no libdevice; compiled, tl.cos / tl.sin may lower to the approximate
 # hardware instructions, whose error grows with the angle, so the GPU takes libdevice's (as torch's CUDA cos does).
@@ -159,7 +159,7 @@ def _fwd_heads(x_ptr, out_ptr, scale_ptr, rows, rmask, cos, sin, H: tl.constexpr
         tl.store(out_ptr + offs + HALF, _to(x2 * cos + x1 * sin, dtype), mask=mask)
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["HQ", "HK", "HALF", "HAS_SCALE"])
+@autotune(_CONFIGS, key=["HQ", "HK", "HALF", "HAS_SCALE"])
 @triton.jit
 def _head_norm_rope_fwd_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_scale_ptr, k_scale_ptr, pos_ptr, inv_freq_ptr,
                                T, eps, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -209,7 +209,7 @@ def _bwd_heads(x_ptr, grad_ptr, dx_ptr, scale_ptr, dscale_partial_ptr, rows, rma
         tl.store(partial + HALF + cols, tl.sum(tl.sum(dw2, axis=1), axis=0))
 
 
-@triton.autotune(configs=autotune_configs(_CONFIGS), key=["HQ", "HK", "HALF", "HAS_SCALE"],
+@autotune(_CONFIGS, key=["HQ", "HK", "HALF", "HAS_SCALE"],
                  reset_to_zero=["dq_scale_partial_ptr", "dk_scale_partial_ptr"])  # configs run different grids
 @triton.jit
 def _head_norm_rope_bwd_kernel(q_ptr, k_ptr, dq_out_ptr, dk_out_ptr, dq_ptr, dk_ptr, q_scale_ptr, k_scale_ptr,

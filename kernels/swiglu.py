@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import autotune_configs, use_triton
+from kernels._triton import autotune, use_triton
 
 _FWD_CONFIGS = [
     triton.Config({"BLOCK_N": 8, "BLOCK_F": 256}, num_warps=4),
@@ -50,7 +50,7 @@ def swiglu_prob_reference(x: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(a) * b * prob.float().unsqueeze(1)).to(x.dtype)
 
 
-@triton.autotune(configs=autotune_configs(_FWD_CONFIGS), key=["f"])
+@autotune(_FWD_CONFIGS, key=["f"])
 @triton.jit
 def _swiglu_prob_fwd_kernel(x_ptr, prob_ptr, out_ptr, N, f: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -65,7 +65,7 @@ def _swiglu_prob_fwd_kernel(x_ptr, prob_ptr, out_ptr, N, f: tl.constexpr,
     tl.store(out_ptr + rows[:, None].to(tl.int64) * f + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=autotune_configs(_BWD_CONFIGS), key=["f"])
+@autotune(_BWD_CONFIGS, key=["f"])
 @triton.jit
 def _swiglu_prob_bwd_kernel(x_ptr, prob_ptr, grad_out_ptr, grad_x_ptr, grad_prob_ptr, N, f: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):

@@ -81,7 +81,7 @@ def heldout_set(cfg: Config, loaded: Loaded) -> tuple[list[IndexedDataset], list
     if not d.eval_corpus and d.eval_fraction <= 0:
         raise EvaluateError("the config holds no documents out (data.eval_fraction=0 and no data.eval_corpus): name "
                             "what to evaluate on with --corpus FILE ...")
-    ensure_dataset(cfg)
+    ensure_dataset(cfg, progress=_err.is_terminal)  # tokenizes the corpus where the run has not
     identity = loaded.tokenizer.identity()
     whole = bool(d.eval_corpus)
     paths = [eval_dataset_path(cfg)] if whole else dataset_paths(cfg)
