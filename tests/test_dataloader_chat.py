@@ -5,8 +5,10 @@ targets are exactly what each assistant turn adds after the generation prompt (i
 text); preprocessing a JSONL of conversations with `data.chat_template` gives documents of that text and EOS, with
 the loss mask on those tokens alone, and the dataloader's labels follow it; a tokenizer_config.json's template (a named
 default one too) and its bos/eos tokens work; a changed template rebuilds the dataset; a template that rewrites earlier
-turns, one that raises, a conversation without a template, and malformed messages are refused naming the record or
-template; a conversation with no assistant turn has nothing to train and is left out.
+turns (drops a reasoning trace) gives one document per assistant turn, each with the conversation before it as the
+template renders it then; a template whose assistant turns do not follow its generation prompt, one that raises, a
+conversation without a template, and malformed messages are refused naming the record or template; a conversation
+with no assistant turn has nothing to train and is left out.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ TALK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 def test_the_targets_are_what_each_assistant_turn_adds():
     chat = ChatTemplate("chatml", CHATML)
-    segments = chat.segments(TALK, "record")
+    [segments] = chat.documents(TALK, "record")  # one document: the template renders turn by turn
     assert "".join(text for text, _ in segments) == chat.render(TALK, add_generation_prompt=False)
     assert [text for text, target in segments if target] == ["4<|im_end|>\n", "6<|im_end|>\n"]
     assert segments[0] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
@@ -73,12 +75,41 @@ def test_a_tokenizer_config_template_with_its_special_tokens(tmp_path):
                                   "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
     chat = load_chat_template(str(config))
     assert chat.render(TALK[:1], add_generation_prompt=False) == "<s><|im_start|>system\nBe brief.</s>\n"
-    assert [text for text, target in chat.segments(TALK, "r") if target] == ["4</s>\n", "6</s>\n"]
+    assert [text for text, target in chat.documents(TALK, "r")[0] if target] == ["4</s>\n", "6</s>\n"]
+
+
+# Qwen3's way: an assistant turn's reasoning trace ("<think>...</think>") is dropped once a later user message follows
+THINKING = ("{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = "
+            "loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == "
+            "'assistant' and loop.index0 < ns.last %}{{ m.content.split('</think>')[-1] }}{% else %}{{ m.content }}"
+            "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+THOUGHTS = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>add</think>4"},
+            {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": "<think>add again</think>6"}]
+
+
+def test_a_template_that_rewrites_earlier_turns_gives_a_document_per_assistant_turn(tmp_path):
+    chat = ChatTemplate("thinking", THINKING)
+    first, second = chat.documents(THOUGHTS, "record")
+    assert first == [("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", False),
+                     ("<think>add</think>4<|im_end|>\n", True)]
+    assert second == [("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\n"
+                       "and 3+3?<|im_end|>\n<|im_start|>assistant\n", False),  # the first turn as inference sees it
+                      ("<think>add again</think>6<|im_end|>\n", True)]
+    (tmp_path / "thinking.jinja").write_text(THINKING)
+    corpus = tmp_path / "talk.jsonl"
+    corpus.write_text(json.dumps({"messages": THOUGHTS}) + "\n")
+    ds = IndexedDataset(preprocess([str(corpus)], "byte", tmp_path / "ds", progress=False,
+                                   chat_template=str(tmp_path / "thinking.jinja")))
+    assert len(ds) == 2
+    for i, doc in enumerate((first, second)):
+        assert bytes(ds.doc(i)[:-1].tolist()).decode() == "".join(text for text, _ in doc)
+        trained = bytes(int(t) for t, m in zip(ds.doc(i)[:-1], ds.doc_targets(i)[:-1]) if m).decode()
+        assert trained == doc[1][0]
 
 
 @pytest.mark.parametrize("template, names", [
-    ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}{% endfor %}",
-     "does not render the conversation turn by turn"),  # drops earlier assistant turns
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}",
+     "does not render assistant turn 3 after its generation prompt"),  # the prompt is not how a turn begins
     ("{{ raise_exception('only user and assistant roles') }}", "failed: only user and assistant roles"),
     ("{% for m in messages %}", "does not parse"),
 ])

@@ -5,9 +5,11 @@ are training targets.
 and its "bos_token" / "eos_token" for templates that use them). A record `{"messages": [{"role": ..., "content":
 ...}, ...]}` renders into segments: for each assistant turn, what the template renders before it (with the
 generation prompt, as at inference) is context, and what its own rendering adds is a target (its content and the
-template's end-of-turn text). The template must render a conversation turn by turn (each rendering a prefix of the
-next one's); one that rewrites earlier turns (dropping a reasoning trace, say) is refused naming the record, since no
-mask would match what it trains.
+template's end-of-turn text). A template that renders a conversation turn by turn (each rendering a prefix of the
+next one's) gives one document a conversation; one that rewrites earlier turns when later ones follow (Qwen3's drops
+the reasoning trace of turns before the last user message) gives one document per assistant turn, each with the
+conversation before it as the template renders it at that turn (what the model sees at inference), so every target
+is trained in the context it will be generated in (at the cost of the repeated prefixes).
 """
 
 from __future__ import annotations
@@ -47,23 +49,33 @@ class ChatTemplate:
         except TemplateError as e:
             raise DataError(f"chat template {self.source} failed: {e}") from None
 
-    def segments(self, messages: list[dict[str, Any]], where: str) -> list[Segment]:
-        """The conversation's text in order, each piece marked a target (an assistant turn) or context."""
-        out: list[Segment] = []
-        done = ""
+    def documents(self, messages: list[dict[str, Any]], where: str) -> list[list[Segment]]:
+        """The conversation as training documents, each its text in order with the pieces marked targets (what an
+        assistant turn adds) or context: one document where the template renders the conversation turn by turn
+        (each assistant turn's rendering a prefix of the next one's); else one per assistant turn, the conversation
+        before it as the template renders it then (as at inference: a template that drops an earlier turn's
+        reasoning trace drops it here too) and the turn a target."""
+        turns = []  # (rendered before the turn with the generation prompt, rendered through the turn)
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:i], add_generation_prompt=True)
             through = self.render(messages[:i + 1], add_generation_prompt=False)
-            if not (before.startswith(done) and through.startswith(before)):
-                raise DataError(f"{where}: chat template {self.source} does not render the conversation turn by turn "
-                                f"(turn {i + 1} changes what it rendered before), so its assistant turns cannot be "
-                                "marked; use a template that does, or prompt/completion records")
-            out += [(before[len(done):], False), (through[len(before):], True)]
-            done = through
-        rest = self.render(messages, add_generation_prompt=False)[len(done):]
-        return [(text, target) for text, target in out + [(rest, False)] if text]
+            if not through.startswith(before):
+                raise DataError(f"{where}: chat template {self.source} does not render assistant turn {i + 1} after "
+                                "its generation prompt, so the turn cannot be marked; use a template that does, or "
+                                "prompt/completion records")
+            turns.append((before, through))
+        done = [""] + [through for _, through in turns]
+        if all(before.startswith(prior) for (before, _), prior in zip(turns, done)):  # turn by turn: one document
+            out: list[Segment] = []
+            for (before, through), prior in zip(turns, done):
+                out += [(before[len(prior):], False), (through[len(before):], True)]
+            out.append((self.render(messages, add_generation_prompt=False)[len(done[-1]):], False))
+            docs = [[(text, target) for text, target in out if text]]
+        else:
+            docs = [[(before, False), (through[len(before):], True)] for before, through in turns]
+        return [doc for doc in docs if any(target and text.strip() for text, target in doc)]
 
 
 def _raise(message: str):

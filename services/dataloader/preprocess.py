@@ -142,19 +142,18 @@ def _text_documents(path: str) -> Iterator[str]:
         yield pending
 
 
-def _record_document(record: Any, where: str, chat: ChatTemplate | None) -> Document | None:
-    """A record's document: its "text"; its "prompt" then "completion"; or its "messages" rendered by `chat`. None
-    when it has nothing to train on."""
+def _record_documents(record: Any, where: str, chat: ChatTemplate | None) -> list[Document]:
+    """A record's documents: its "text"; its "prompt" then "completion"; or its "messages" rendered by `chat` (one
+    document, or one per assistant turn: chat.py). Empty where it has nothing to train on."""
     if isinstance(record, dict) and isinstance(record.get("text"), str):
-        return record["text"] if record["text"].strip() else None
+        return [record["text"]] if record["text"].strip() else []
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
-        return [(record["prompt"], False), (record["completion"], True)] if record["completion"].strip() else None
+        return [[(record["prompt"], False), (record["completion"], True)]] if record["completion"].strip() else []
     if isinstance(record, dict) and "messages" in record:
         if chat is None:
             raise DataError(f"{where} is a conversation (\"messages\"): set `data.chat_template` to the template "
                             "that renders it (a Jinja file or a tokenizer_config.json)")
-        segments = chat.segments(check_messages(record["messages"], where), where)
-        return segments if any(target and text.strip() for text, target in segments) else None
+        return list(chat.documents(check_messages(record["messages"], where), where))
     raise DataError(f"{where} has neither a string \"text\" field, string \"prompt\" and \"completion\" fields, "
                     f"nor \"messages\" (keys: {sorted(record) if isinstance(record, dict) else type(record).__name__})")
 
@@ -162,8 +161,7 @@ def _record_document(record: Any, where: str, chat: ChatTemplate | None) -> Docu
 def _jsonl_documents(path: str, chat: ChatTemplate | None) -> Iterator[Document]:
     try:
         for lineno, record in jsonl_records(path):
-            if (doc := _record_document(record, f"{path}:{lineno}", chat)) is not None:
-                yield doc
+            yield from _record_documents(record, f"{path}:{lineno}", chat)
     except JSONLError as e:
         raise DataError(str(e)) from None
 
@@ -182,8 +180,7 @@ def _parquet_documents(path: str, chat: ChatTemplate | None) -> Iterator[Documen
                         f"\"messages\" (columns: {names})")
     for batch in pf.iter_batches(columns=columns):
         for i, record in enumerate(batch.to_pylist()):
-            if (doc := _record_document(record, f"{path} row {i} of a batch", chat)) is not None:
-                yield doc
+            yield from _record_documents(record, f"{path} row {i} of a batch", chat)
 
 
 # ---------------------------------------------------------------- tokenizing one file (runs in a worker)
