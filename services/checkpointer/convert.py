@@ -26,7 +26,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import yaml
@@ -109,15 +109,21 @@ def check_fits(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, what: str, 
     return expected
 
 
-def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The model weights of a verified checkpoint, whole, after checking they are `cfg`'s model."""
+def iter_model_state(ckpt: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model weights of a verified checkpoint, whole, one tensor at a time (a reader that copies each where it
+    goes holds one in memory, not the model), after checking they are `cfg`'s model."""
     hint = diff_hint(recorded_model(ckpt), dataclasses.asdict(cfg))
     with load_checkpoint(ckpt, checksums=False) as c:
         names = set(c.names())
         saved = {n.removeprefix("model/"): c.global_shape(n) for n in names if n.startswith("model/")}
         expected = check_fits(saved, cfg, f"checkpoint {ckpt}", hint)
-        return {k: saved_value(lambda n, s=shape: c.read(n).reshape(s), k, names)
-                for k, shape in progress(expected.items(), "reading")}
+        for k, shape in progress(expected.items(), "reading"):
+            yield k, saved_value(lambda n, s=shape: c.read(n).reshape(s), k, names)
+
+
+def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """`iter_model_state`, as one dict."""
+    return dict(iter_model_state(ckpt, cfg))
 
 
 def write_checkpoint(root: Path, state: dict[str, torch.Tensor], cfg: ModelConfig, run: str, source: str,

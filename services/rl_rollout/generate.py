@@ -40,7 +40,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from services.checkpointer.convert import (ConvertError, find_checkpoint, read_model_state, recorded_config, say,
+from services.checkpointer.convert import (ConvertError, find_checkpoint, iter_model_state, recorded_config, say,
                                            trained_config)
 from services.checkpointer.hf import import_hf
 from services.checkpointer.hf_families import HFError
@@ -55,6 +55,7 @@ from services.rl_rollout.prompts import ANSWER_CHECKS, Prompt, load_reward, read
 from services.rl_rollout.rewards import RewardFn
 from services.rl_rollout.sampling import SamplingParams
 from services.rl_rollout.worker import rollout_device, rollout_model_config
+from services.trainer.model.initial_weights import materialize, parameters_on_meta
 from services.trainer.model.transformer import MoETransformer
 
 MAX_BATCH = 64  # sequences decoding together at most (KV cache slots)
@@ -122,33 +123,45 @@ class Loaded:
 
 
 def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
-    """The model of a foldmoe checkpoint or an HF model directory, with its tokenizer and chat template."""
+    """The model of a foldmoe checkpoint or an HF model directory, with its tokenizer and chat template. A checkpoint's
+    weights are read one tensor at a time into a model built in the target dtype on the target device: host memory
+    holds one tensor, not a copy of the model (a Qwen3-30B-A3B-sized one in bf16 on one GPU, from a host smaller
+    than its fp32 weights)."""
     if _is_hf_directory(spec):
-        state, model_cfg = import_hf(spec)
+        hf_state, model_cfg = import_hf(spec)
         source = f"HF model {spec}"
         bundled = spec / "tokenizer.json"
         recorded = str(bundled) if bundled.is_file() else None
         chat_template = _hf_chat_template(spec)
+        state = iter(hf_state.items())
     else:
         ckpt = find_checkpoint(spec)
         model_cfg = trained_config(ckpt)
         source = f"checkpoint {ckpt}"
         data = recorded_config(ckpt).get("data") or {}
         recorded, chat_template = data.get("tokenizer"), data.get("chat_template") or ""
-        state = None  # read once the tokenizer is known to fit
+        state = iter_model_state(ckpt, model_cfg)  # read once the tokenizer is known to fit
     tokenizer = _tokenizer(tokenizer_spec, recorded, cfg.data.tokenizer, source)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids but the model of {source} has a vocabulary "
                             f"of {model_cfg.vocab_size}: not the tokenizer it was trained with; pass that one with "
                             "--tokenizer")
-    if state is None:
-        state = read_model_state(ckpt, model_cfg)
     device = rollout_device(cfg)
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
-    model = MoETransformer(rollout_model_config(model_cfg))
-    model.load_state_dict(state)
-    return Loaded(model.to(device=device, dtype=dtype).eval(), tokenizer, tokenizer_spec or recorded or
-                  cfg.data.tokenizer, source, chat_template)
+    with parameters_on_meta():
+        model = MoETransformer(rollout_model_config(model_cfg))
+    model.to(dtype=dtype)  # the meta parameters and the buffers
+    materialize(model, device)
+    model.to(device)  # the buffers
+    targets = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, value in state:
+            if name not in targets:
+                raise GenerateError(f"{source} holds {name}, which its model config's model has not")
+            targets.pop(name).copy_(value)
+    if missing := [n for n in targets if n in dict(model.named_parameters())]:
+        raise GenerateError(f"{source} holds no value for {', '.join(missing[:5])}")  # check_fits refuses first
+    return Loaded(model.eval(), tokenizer, tokenizer_spec or recorded or cfg.data.tokenizer, source, chat_template)
 
 
 def as_chat(prompts: list[Prompt], chat: ChatTemplate) -> tuple[list[Prompt], str]:
