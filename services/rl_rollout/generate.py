@@ -125,8 +125,7 @@ class Loaded:
 def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
     """The model of a foldmoe checkpoint or an HF model directory, with its tokenizer and chat template. A checkpoint's
     weights are read one tensor at a time into a model built in the target dtype on the target device: host memory
-    holds one tensor, not a copy of the model (a Qwen3-30B-A3B-sized one in bf16 on one GPU, from a host smaller
-    than its fp32 weights)."""
+    holds one tensor, not a copy of the model (bench/bench_model_load.py)."""
     if _is_hf_directory(spec):
         hf_state, model_cfg = import_hf(spec)
         source = f"HF model {spec}"
