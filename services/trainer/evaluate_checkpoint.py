@@ -116,7 +116,8 @@ def evaluate_loss(loaded: Loaded, datasets: list[IndexedDataset], sequences: Ite
     """The model's mean loss over `sequences`, `batch` sequences a forward; stops once `max_tokens` (> 0) loss tokens
     are counted. `total`: how many sequences there are, for the progress bar (None: unknown)."""
     device = next(loaded.model.parameters()).device
-    loss, tokens, count = torch.zeros((), dtype=torch.float64), 0, 0
+    # summed on the device and read once at the end: the host builds the next micro-batch while the device runs
+    loss, tokens, count = torch.zeros((), dtype=torch.float64, device=device), 0, 0
     start = time.perf_counter()
     it = iter(sequences)
     with Progress(console=_err, transient=True, disable=not _err.is_terminal) as progress:
@@ -124,7 +125,7 @@ def evaluate_loss(loaded: Loaded, datasets: list[IndexedDataset], sequences: Ite
         while chunk := list(itertools.islice(it, batch)):
             mb = build_micro_batch(datasets, chunk, seq_len).tensors
             with torch.no_grad():
-                loss += loss_forward_pipeline(loaded.model, [mb], device, None, None).double().cpu()
+                loss += loss_forward_pipeline(loaded.model, [mb], device, None, None).double()
             tokens += count_loss_tokens([mb])
             count += len(chunk)
             progress.advance(task, len(chunk))
