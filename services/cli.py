@@ -22,9 +22,9 @@ import os
 import sys
 from pathlib import Path
 
+from services.common.command import EXIT_USAGE  # a config or data problem the user must fix
 from services.common.config import Config, ConfigError, load_config, validate
 
-EXIT_USAGE = 2  # a config or data problem the user must fix
 EXIT_FAILED = 1  # the run started and something failed
 
 

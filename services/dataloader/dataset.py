@@ -111,7 +111,7 @@ class IndexedDataset:
 
     def examples_over(self, seq_len: int) -> int:
         """How many examples `packed_lengths` cuts."""
-        return int(np.count_nonzero(self.prompted & (self.doc_lengths > seq_len + 1)))
+        return int(np.count_nonzero(self.packed_lengths(seq_len) != self.doc_lengths))
 
     @cached_property
     def doc_lengths(self) -> np.ndarray:

@@ -153,7 +153,7 @@ def _record_documents(record: Any, where: str, chat: ChatTemplate | None) -> lis
         if chat is None:
             raise DataError(f"{where} is a conversation (\"messages\"): set `data.chat_template` to the template "
                             "that renders it (a Jinja file or a tokenizer_config.json)")
-        return list(chat.documents(check_messages(record["messages"], where), where))
+        return chat.documents(check_messages(record["messages"], where), where)
     raise DataError(f"{where} has neither a string \"text\" field, string \"prompt\" and \"completion\" fields, "
                     f"nor \"messages\" (keys: {sorted(record) if isinstance(record, dict) else type(record).__name__})")
 

@@ -158,8 +158,8 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
             if name not in targets:
                 raise GenerateError(f"{source} holds {name}, which its model config's model has not")
             targets.pop(name).copy_(value)
-    if missing := [n for n in targets if n in dict(model.named_parameters())]:
-        raise GenerateError(f"{source} holds no value for {', '.join(missing[:5])}")  # check_fits refuses first
+    if targets:  # every parameter and saved buffer gets a value, as a strict load_state_dict asks
+        raise GenerateError(f"{source} holds no value for {', '.join(list(targets)[:5])}")
     return Loaded(model.eval(), tokenizer, tokenizer_spec or recorded or cfg.data.tokenizer, source, chat_template)
 
 
