@@ -44,12 +44,12 @@ if sys.argv[1] == "streamed":
     from services.rl_rollout.generate import load_model
     model = load_model(ckpt, cfg, None).model
 else:
-    from services.checkpointer.convert import find_checkpoint, read_model_state, trained_config
+    from services.checkpointer.convert import find_checkpoint, iter_model_state, trained_config
     from services.rl_rollout.worker import rollout_model_config
     from services.trainer.model.transformer import MoETransformer
     step = find_checkpoint(ckpt)
     model_cfg = trained_config(step)
-    state = read_model_state(step, model_cfg)
+    state = dict(iter_model_state(step, model_cfg))
     from services.rl_rollout.worker import rollout_device
     model = MoETransformer(rollout_model_config(model_cfg))
     model.load_state_dict(state)
@@ -75,9 +75,10 @@ def write_checkpoint_once(config: str | None, overrides: list[str], root: Path) 
     from services.trainer.model.transformer import MoETransformer
 
     cfg = load_config(config, overrides).model
-    model = MoETransformer(cfg)
-    write_checkpoint(root, model.state_dict(), cfg, "bench-load", "bench_model_load.py (random weights)", "")
-    del model
+    state = MoETransformer(cfg).state_dict()
+    write_checkpoint(root, state.items(), {k: tuple(t.shape) for k, t in state.items()}, cfg, "bench-load",
+                     "bench_model_load.py (random weights)", "")
+    del state
     print(f"wrote {root} ({dataclasses.asdict(cfg)['num_layers']} layers)", file=sys.stderr)
 
 

@@ -87,7 +87,12 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family, fir
             if p.ndim == 1:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
     ours.eval()
-    out = export_hf(ours.state_dict(), cfg, family, tmp_path / "hf", dtype=torch.float32)
+    sharded = family == "mixtral"  # one case in files of at most 256 KiB, with the index transformers reads
+    out = export_hf(ours.state_dict(), cfg, family, tmp_path / "hf", dtype=torch.float32,
+                    **({"shard_bytes": 256 << 10} if sharded else {}))
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert (out / "model.safetensors.index.json").is_file() == sharded
+    assert len(files) > 1 if sharded else files == ["model.safetensors"]
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == family and config["tie_word_embeddings"] is False
@@ -120,7 +125,11 @@ def test_transformers_checkpoint_imports_with_the_same_logits(tmp_path, family, 
         for p in hf.parameters():
             p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if p.ndim == 1 else
                     0.1 * torch.randn(p.shape, generator=gen))
-    hf.save_pretrained(tmp_path / "hf", save_original_format=original_format)
+    # transformers' own shards (several files and their index) in one layout, one file in the other
+    hf.save_pretrained(tmp_path / "hf", save_original_format=original_format,
+                       max_shard_size="200KB" if original_format else "1GB")
+    files = list((tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 1 if original_format else len(files) == 1
 
     state, cfg = import_hf(tmp_path / "hf")
     assert (cfg.qk_norm, cfg.norm_topk_prob, cfg.first_k_dense) == (family == "qwen3_moe", norm_topk_prob,

@@ -182,10 +182,12 @@ def test_the_initial_values_are_drawn_only_when_nothing_is_loaded_over_them(init
     source = MoETransformer(cfg.model)
     source.init_weights(99)  # not the run's seed
     state = source.state_dict()
+    shapes = {k: tuple(t.shape) for k, t in state.items()}
     if init_from:
-        cfg.checkpoint.init_from = str(write_checkpoint(tmp_path / "init", state, cfg.model, "init", "test", ""))
+        cfg.checkpoint.init_from = str(write_checkpoint(tmp_path / "init", state.items(), shapes, cfg.model, "init",
+                                                        "test", ""))
     if resume_from:
-        write_checkpoint(tmp_path / "ckpt", state, cfg.model, "resume", "test", "")
+        write_checkpoint(tmp_path / "ckpt", state.items(), shapes, cfg.model, "resume", "test", "")
     draws, scans = [], []
     monkeypatch.setattr(train, "SeededInit", lambda *a: draws.append(a) or SeededInit(*a))
     newest = DirectorySource.newest

@@ -10,9 +10,12 @@ HF_DIR may hold a published FP8 checkpoint (DeepSeek-V3's block-quantised weight
 become the model's multi-token prediction depths, model.mtp_num_layers).
 CKPT is a committed checkpoint (a step_NNNNNNNN directory) or a `checkpoint.dir` (its newest one that verifies); its
 model config is the one the checkpoint records, unless `--config`/overrides give one (which must fit its weights).
-`import` and `upcycle` write OUT as a `checkpoint.dir` holding one checkpoint (step 0, model weights only) for `checkpoint.init_from=OUT`, and OUT/model.yaml:
-the `model:` section a run starting from it needs. Every output is built beside OUT and renamed into place when
-complete; an existing OUT is replaced only with --force. Bad input is one line naming the cause and the fix, exit 2.
+`export` writes OUT/config.json and OUT/model.safetensors, or past 4 GiB of weights, shards of it with their index.
+`import` and `upcycle` write OUT as a `checkpoint.dir` holding one checkpoint (step 0, model weights only) for
+`checkpoint.init_from=OUT`, and OUT/model.yaml: the `model:` section a run starting from it needs. Export and import
+read and convert a layer at a time: host memory holds a layer and the file (export) or part (import) being written.
+Every output is built beside OUT and renamed into place when complete; an existing OUT is replaced only with --force.
+Bad input is one line naming the cause and the fix, exit 2.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -34,7 +37,7 @@ from rich.console import Console
 from rich.progress import track
 
 from services.checkpointer.fit import config_diff, diff_hint, state_mismatch
-from services.checkpointer.hf import HFError, export_hf, hf_config, import_hf, upcycle
+from services.checkpointer.hf import HFError, export_hf, hf_config, open_hf, pieces, upcycle_pieces
 from services.checkpointer.hf_families import FAMILIES
 from services.checkpointer.layout import CheckpointError, fsync_dir, read_manifest
 from services.checkpointer.load import load_checkpoint, resolve_checkpoint
@@ -50,6 +53,7 @@ EXIT_USAGE = 2
 PART_BYTES = 1 << 30  # tensors per shard file of an imported checkpoint (the writer streams each file)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _err = Console(stderr=True)  # progress bars only
+T = TypeVar("T")
 
 
 class ConvertError(Exception):
@@ -93,9 +97,10 @@ def trained_config(ckpt: Path) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in recorded.items() if k in fields})
 
 
-def progress(items: Any, what: str) -> Any:
-    """`items`, with a progress bar on a terminal (nothing in logs and pipes)."""
-    return track(list(items), what, console=_err, transient=True, disable=not _err.is_terminal)
+def progress(items: Iterable[T], what: str, total: int | None = None) -> Iterable[T]:
+    """`items` (`total` of them, where they have no len()), with a progress bar on a terminal (nothing in logs and
+    pipes)."""
+    return track(items, what, total=total, console=_err, transient=True, disable=not _err.is_terminal)
 
 
 def check_fits(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, what: str, hint: str = "") -> dict[str, tuple]:
@@ -109,39 +114,67 @@ def check_fits(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, what: str, 
     return expected
 
 
-def iter_model_state(ckpt: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model weights of a verified checkpoint, whole, one tensor at a time (a reader that copies each where it
-    goes holds one in memory, not the model), after checking they are `cfg`'s model."""
+class SavedState(Mapping[str, torch.Tensor]):
+    """A checkpoint's model weights by name, each read when asked for (as the trainer reads it back: bf16 values
+    joined with their saved fp32 remainders), in `cfg`'s shapes."""
+
+    def __init__(self, reader: Any, names: set[str], shapes: dict[str, tuple]):
+        self._reader, self._names, self.shapes = reader, names, shapes
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        return saved_value(lambda n: self._reader.read(n).reshape(shape), name, self._names)
+
+
+@contextmanager
+def model_state(ckpt: Path, cfg: ModelConfig) -> Iterator[SavedState]:
+    """The model weights of a verified checkpoint, read on demand while the context is open, after checking they are
+    `cfg`'s model (a reader that converts or copies each where it goes holds one in memory, not the model)."""
     hint = diff_hint(recorded_model(ckpt), dataclasses.asdict(cfg))
     with load_checkpoint(ckpt, checksums=False) as c:
         names = set(c.names())
         saved = {n.removeprefix("model/"): c.global_shape(n) for n in names if n.startswith("model/")}
-        expected = check_fits(saved, cfg, f"checkpoint {ckpt}", hint)
-        for k, shape in progress(expected.items(), "reading"):
-            yield k, saved_value(lambda n, s=shape: c.read(n).reshape(s), k, names)
+        yield SavedState(c, names, check_fits(saved, cfg, f"checkpoint {ckpt}", hint))
 
 
-def read_model_state(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """`iter_model_state`, as one dict."""
-    return dict(iter_model_state(ckpt, cfg))
+def iter_model_state(ckpt: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model_state`'s weights, whole, one tensor at a time."""
+    with model_state(ckpt, cfg) as state:
+        for name in progress(state, "reading"):
+            yield name, state[name]
 
 
-def write_checkpoint(root: Path, state: dict[str, torch.Tensor], cfg: ModelConfig, run: str, source: str,
-                     hint: str) -> Path:
-    """`state` as a committed step-0 checkpoint under `root`, through the writer's own store (manifest, sha256),
-    and root/model.yaml: the `model:` section of a run that starts from it. `hint`: the fix when `state` is not
-    `cfg`'s model."""
-    check_fits({k: tuple(t.shape) for k, t in state.items()}, cfg, source, hint)
+def write_checkpoint(root: Path, state: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
+                     cfg: ModelConfig, run: str, source: str, hint: str) -> Path:
+    """`state` (of `shapes`, checked first) as a committed step-0 checkpoint under `root`, through the writer's own
+    store (manifest, sha256), written a part at a time as it comes; and root/model.yaml: the `model:` section of a
+    run that starts from it. `hint`: the fix when `state` is not `cfg`'s model."""
+    check_fits(shapes, cfg, source, hint)
     store = CheckpointStore(root, keep_last=0)
-    parts: list[dict[str, torch.Tensor]] = [{}]
+    entries: list[dict[str, Any]] = []
+    part: dict[str, torch.Tensor] = {}
     size = 0
-    for name, t in state.items():
+
+    def flush() -> None:
+        entries.append(store.write_part(0, 0, len(entries), part,
+                                        {n: (list(t.shape), [0] * t.ndim) for n, t in part.items()}))
+
+    for name, t in state:
         if size and size + t.nbytes > PART_BYTES:
-            parts, size = parts + [{}], 0
-        parts[-1][f"model/{name}"] = t.detach().cpu().contiguous()
+            flush()
+            part, size = {}, 0
+        part[f"model/{name}"] = t.detach().cpu().contiguous()
         size += t.nbytes
-    entries = [store.write_part(0, 0, i, part, {n: (list(t.shape), [0] * t.ndim) for n, t in part.items()})
-               for i, part in progress(enumerate(parts), "writing")]
+    flush()
     extra = {"step": 0, "config": {"model": dataclasses.asdict(cfg)}, "converted_from": source}
     store.write_rank_record(0, 0, entries, extra)
     path = store.commit(run, 0, 1)
@@ -184,12 +217,14 @@ def export_cmd(args: argparse.Namespace) -> None:
     hf_config(cfg, args.family)  # refuse a family that cannot express this model before reading any weight
     with staged(args.out, args.force, ckpt) as tmp:
         say(f"exporting {ckpt} as {args.family} ({args.dtype})")
-        state = read_model_state(ckpt, cfg)  # refuses another model's weights, naming the config differences
-        diff = config_diff(recorded_model(ckpt), dataclasses.asdict(cfg))  # the same shapes, but maybe not the same function
-        if diff:
-            say(f"warning: the config differs from the one {ckpt} was trained with: {', '.join(diff)}")
-        export_hf(state, cfg, args.family, tmp, dtype=DTYPES[args.dtype])
-    say(f"wrote {args.out}/model.safetensors and config.json")
+        with model_state(ckpt, cfg) as state:  # refuses another model's weights, naming the config differences
+            diff = config_diff(recorded_model(ckpt), dataclasses.asdict(cfg))  # the same shapes, maybe not the function
+            if diff:
+                say(f"warning: the config differs from the one {ckpt} was trained with: {', '.join(diff)}")
+            export_hf(state, cfg, args.family, tmp, dtype=DTYPES[args.dtype],
+                      track=lambda blocks: progress(blocks, "exporting", pieces(cfg)))
+    files = sorted(p.name for p in args.out.glob("*.safetensors"))
+    say(f"wrote {args.out}/config.json and {files[0] if len(files) == 1 else f'{len(files)} safetensors files'}")
 
 
 def import_cmd(args: argparse.Namespace) -> None:
@@ -198,8 +233,10 @@ def import_cmd(args: argparse.Namespace) -> None:
         raise ConvertError(f"{src}: no such directory; point at an HF model directory (config.json + *.safetensors)")
     with staged(args.out, args.force, src) as tmp:
         say(f"importing {src}")
-        state, cfg = import_hf(src)
-        path = write_checkpoint(tmp, state, cfg, "hf-import", f"HF model {src.resolve()}",
+        model = open_hf(src)
+        state = progress(model.state(), "importing", pieces(model.cfg))
+        path = write_checkpoint(tmp, (item for piece in state for item in piece.items()), model.shapes(), model.cfg,
+                                "hf-import", f"HF model {src.resolve()}",
                                 "; its config.json does not describe the tensors beside it")
     say(f"wrote {args.out / path.name}; start a run from it with checkpoint.init_from={args.out} and the model "
         f"section of {args.out / 'model.yaml'}")
@@ -212,13 +249,16 @@ def upcycle_cmd(args: argparse.Namespace) -> None:
     if dense.first_k_dense < dense.num_layers:
         raise ConvertError(f"{ckpt} is an MoE model (model.first_k_dense={dense.first_k_dense} of num_layers="
                            f"{dense.num_layers}); upcycle starts from a dense one (model.first_k_dense=num_layers)")
-    with staged(args.out, args.force, ckpt) as tmp:
+    with staged(args.out, args.force, ckpt) as tmp, model_state(ckpt, dense) as state:
         say(f"upcycling {ckpt} to {moe.num_experts} experts (top-{moe.top_k})")
-        state = upcycle(read_model_state(ckpt, dense), dense, moe, seed=args.seed)
+        meta = {k: torch.empty(shape, device="meta") for k, shape in state.shapes.items()}
+        shapes = {k: tuple(t.shape) for piece in upcycle_pieces(meta, dense, moe) for k, t in piece.items()}
+        pieces = progress(upcycle_pieces(state, dense, moe, seed=args.seed), "upcycling", 1 + moe.num_layers)
         copied = ("head_dim", "qk_norm") + (("ffn_hidden_size",) if moe.first_k_dense else ())
         keep = [f"model.{k}={json.dumps(getattr(dense, k))}" for k in copied
                 if getattr(dense, k) != getattr(moe, k)]  # what upcycle copies but does not check
-        path = write_checkpoint(tmp, state, moe, "upcycle", f"upcycled dense checkpoint {ckpt.resolve()}",
+        path = write_checkpoint(tmp, (item for piece in pieces for item in piece.items()), shapes, moe, "upcycle",
+                                f"upcycled dense checkpoint {ckpt.resolve()}",
                                 f"; the MoE model keeps the dense model's {', '.join(keep) or 'attention and MLPs'}")
     say(f"wrote {args.out / path.name}; start a run from it with checkpoint.init_from={args.out}")
 

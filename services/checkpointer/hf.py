@@ -30,16 +30,21 @@ and tests/test_checkpointer_hf_deepseek_transformers.py check that transformers 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services.checkpointer.hf_deepseek import dequantize_blocks, mla_from_hf, mla_to_hf
+from services.checkpointer.hf_deepseek import check_block_scales, dequantize_blocks, mla_from_hf, mla_to_hf
 from services.checkpointer.hf_families import Family, HFError, check_family, config_from_hf, hf_config
 from services.common import logs
 from services.common.config import ModelConfig
@@ -52,26 +57,45 @@ _QK_NORM = ("q_norm", "k_norm")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _MTP = ("enorm", "hnorm", "eh_proj")  # an MTP depth's own weights beside its decoder block and shared_head.norm
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # a non-persistent buffer some older HF checkpoints still hold
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SHARD_BYTES = 4 << 30  # an export's weights per safetensors file (each file is built in host memory)
+INDEX = "model.safetensors.index.json"  # a sharded export's map of tensor names to files
 log = logs.logger("checkpointer")
 
 
 # ---------------------------------------------------------------- weights
 
 
-def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:
+def pieces(cfg: ModelConfig) -> int:
+    """How many pieces `to_hf_pieces` and `from_hf_pieces` yield: the embedding, final norm and output layer, then
+    each layer, then each multi-token-prediction depth."""
+    return 1 + cfg.num_layers + cfg.mtp_num_layers
+
+
+def to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:
     """Our full state dict -> HF names and layouts (the per-expert layout every transformers version reads)."""
+    return {k: t for piece in to_hf_pieces(state, cfg, family) for k, t in piece.items()}
+
+
+def to_hf_pieces(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                 family: Family) -> Iterator[dict[str, torch.Tensor]]:
+    """`to_hf` a piece at a time (`pieces(cfg)` of them), reading `state` as it goes: with a `state` that reads each
+    tensor when asked for (a checkpoint's, convert.py), host memory holds one layer, not the model."""
     check_family(cfg, family)
-    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
+    if family != "deepseek_v3":  # checked before anything is yielded: an export fails before it writes
+        for name in (n for n in state if n.endswith("mlp.router.expert_bias")):
+            bias = state[name]
+            if not bias.is_meta and bool(torch.any(bias != 0)):
+                raise HFError(f"{name} is not zero (aux-loss-free balancing): {family} routes without a selection "
+                              "bias, so the exported model would pick other experts")
+    yield {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
            "lm_head.weight": state["output.weight"]}
     for i in range(cfg.num_layers):
-        out.update(_block_to_hf(state, cfg, family, f"layers.{i}.", f"model.layers.{i}.", i))
+        yield _block_to_hf(state, cfg, family, f"layers.{i}.", f"model.layers.{i}.", i)
     for k in range(cfg.mtp_num_layers):
-        out.update(_mtp_to_hf(state, cfg, k))
-    return out
+        yield _mtp_to_hf(state, cfg, k)
 
 
-def _block_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, ours: str, hf: str,
+def _block_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family, ours: str, hf: str,
                  layer_id: int) -> dict[str, torch.Tensor]:
     out = {hf + "input_layernorm.weight": state[ours + "attn_norm.weight"],
            hf + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"]}
@@ -86,7 +110,7 @@ def _block_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Famil
     return out
 
 
-def _mtp_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, k: int) -> dict[str, torch.Tensor]:
+def _mtp_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, k: int) -> dict[str, torch.Tensor]:
     """MTP depth k as DeepSeek-V3 stores it: `model.layers.{L + k}`, a decoder layer with enorm, hnorm, eh_proj,
     shared_head.norm, and copies of the embedding and output layer it shares (embed_tokens, shared_head.head)."""
     ours, hf, layer_id = f"mtp.{k}.", f"model.layers.{cfg.num_layers + k}.", cfg.num_layers + k
@@ -104,13 +128,9 @@ def _moe_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
     block, gate_name, (w_gate, w_up, w_down) = _MOE[family]
     f, gate = cfg.moe_ffn_hidden_size, f"{hf}{block}.{gate_name}."
     out = {gate + "weight": state[ours + "mlp.router.weight"]}
-    bias = state.get(ours + "mlp.router.expert_bias")
-    if family == "deepseek_v3":  # the same role: added to the scores for selection only
-        out[gate + "e_score_correction_bias"] = bias
+    if family == "deepseek_v3":  # the same role: added to the scores for selection only (the others have none)
+        out[gate + "e_score_correction_bias"] = state[ours + "mlp.router.expert_bias"]
         out.update({f"{hf}mlp.shared_experts.{p}.weight": state[f"{ours}mlp.shared_expert.{p}.weight"] for p in _MLP})
-    elif bias is not None and bool(torch.any(bias != 0)):
-        raise HFError(f"{ours}mlp.router.expert_bias is not zero (aux-loss-free balancing): {family} routes "
-                      "without a selection bias, so the exported model would pick other experts")
     w13, w2 = state[ours + "mlp.experts.w13"], state[ours + "mlp.experts.w2"]
     for e in range(cfg.num_experts):
         prefix = f"{hf}{block}.experts.{e}."
@@ -121,18 +141,22 @@ def _moe_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
 
 
 class _Reader:
-    """An HF state dict read name by name; what was read is remembered, so import can refuse to drop the rest."""
+    """HF tensors read name by name; what was read is remembered, so import can refuse to drop the rest."""
 
-    def __init__(self, hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, rope_interleave: bool = True):
+    def __init__(self, hf: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family, rope_interleave: bool = True):
         self.hf, self.cfg, self.family, self.used = hf, cfg, family, set()
         self.rope_interleave = rope_interleave  # deepseek_v3: whether the rope rows are interleaved pairs
 
-    def __call__(self, *names: str) -> torch.Tensor:
-        """The first of `names` the checkpoint has (alternative spellings of one tensor)."""
+    def __call__(self, *names: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The first of `names` the checkpoint has (alternative spellings of one tensor), of `shape` where given."""
         for name in names:
             if name in self.hf:
                 self.used.add(name)
-                return self.hf[name]
+                t = self.hf[name]
+                if shape is not None and tuple(t.shape) != shape:
+                    raise HFError(f"{name} is {list(t.shape)}, where a {self.family} model of this config has "
+                                  f"{list(shape)}; config.json does not describe the tensors beside it")
+                return t
         raise HFError(f"HF checkpoint has no {names[0]!r}; is it a {self.family} model with {self.cfg.num_layers} "
                       f"layers and {self.cfg.num_experts} experts?")
 
@@ -146,7 +170,7 @@ class _Reader:
                           f"use (e.g. {unused[:3]}); converting would drop them")
 
 
-def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
+def from_hf(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family,
             rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """HF names and layouts -> our full state dict (expert bias from deepseek_v3's e_score_correction_bias, zero for
     the families that have none).
@@ -155,16 +179,22 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
     tensor must be used, so nothing the family computes with is dropped. `rope_interleave`: deepseek_v3's config
     field of that name (whether its rope rows are interleaved pairs).
     """
+    return {k: t for piece in from_hf_pieces(hf, cfg, family, rope_interleave) for k, t in piece.items()}
+
+
+def from_hf_pieces(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family,
+                   rope_interleave: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+    """`from_hf` a piece at a time (`pieces(cfg)` of them), reading `hf` as it goes (an `HFTensors`: host memory holds
+    one layer, not the model); the unused tensors are refused after the last piece."""
     check_family(cfg, family)
     take = _Reader(hf, cfg, family, rope_interleave)
-    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight"),
+    yield {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight"),
            "output.weight": take("lm_head.weight")}
     for i in range(cfg.num_layers):
-        out.update(_block_from_hf(take, cfg, family, f"layers.{i}.", f"model.layers.{i}.", i))
+        yield _block_from_hf(take, cfg, family, f"layers.{i}.", f"model.layers.{i}.", i)
     for k in range(cfg.mtp_num_layers):
-        out.update(_mtp_from_hf(take, cfg, k, out))
+        yield _mtp_from_hf(take, cfg, k)
     take.refuse_unused()
-    return out
 
 
 def _block_from_hf(take: _Reader, cfg: ModelConfig, family: Family, ours: str, pre: str,
@@ -182,15 +212,16 @@ def _block_from_hf(take: _Reader, cfg: ModelConfig, family: Family, ours: str, p
     return out
 
 
-def _mtp_from_hf(take: _Reader, cfg: ModelConfig, k: int, main: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _mtp_from_hf(take: _Reader, cfg: ModelConfig, k: int) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's `model.layers.{L + k}` -> our MTP depth k. Its copies of the embedding and output layer, where the
     checkpoint has them, must be the main model's: ours are shared."""
     ours, pre, layer_id = f"mtp.{k}.", f"model.layers.{cfg.num_layers + k}.", cfg.num_layers + k
     out = _block_from_hf(take, cfg, "deepseek_v3", ours + "block.", pre, layer_id)
     out.update({f"{ours}{n}.weight": take(f"{pre}{n}.weight") for n in _MTP})
     out[ours + "norm.weight"] = take(pre + "shared_head.norm.weight")
-    for copy, shared in (("embed_tokens.weight", "embed.weight"), ("shared_head.head.weight", "output.weight")):
-        if take.has(pre + copy) and not torch.equal(take(pre + copy), main[shared]):
+    for copy, main, shared in (("embed_tokens.weight", "model.embed_tokens.weight", "embed.weight"),
+                               ("shared_head.head.weight", "lm_head.weight", "output.weight")):
+        if take.has(pre + copy) and not take(pre + copy).is_meta and not torch.equal(take(pre + copy), take(main)):
             raise HFError(f"{pre}{copy} differs from the main model's {shared}: our multi-token prediction shares "
                           "the embedding and output layer, as DeepSeek-V3 does")
     return out
@@ -209,33 +240,172 @@ def _moe_from_hf(take: _Reader, cfg: ModelConfig, family: Family, ours: str, pre
         out[ours + "mlp.experts.w13"] = take(fused + "gate_up_proj").transpose(1, 2).contiguous()
         out[ours + "mlp.experts.w2"] = take(fused + "down_proj").transpose(1, 2).contiguous()
         return out
-    experts = [f"{pre}{block}.experts.{e}." for e in range(cfg.num_experts)]
-    out[ours + "mlp.experts.w13"] = torch.stack([
-        torch.cat([take(p + f"{w_gate}.weight").T, take(p + f"{w_up}.weight").T], dim=1) for p in experts])
-    out[ours + "mlp.experts.w2"] = torch.stack([take(p + f"{w_down}.weight").T for p in experts])
+    h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size
+    w13 = w2 = None  # filled expert by expert: the layer's experts are held once, not also as a list of them
+    for e in range(cfg.num_experts):
+        p = f"{pre}{block}.experts.{e}."
+        gate, up = (take(p + f"{w}.weight", shape=(f, h)) for w in (w_gate, w_up))
+        down = take(p + f"{w_down}.weight", shape=(h, f))
+        if w13 is None:
+            w13, w2 = gate.new_empty(cfg.num_experts, h, 2 * f), down.new_empty(cfg.num_experts, f, h)
+        w13[e, :, :f], w13[e, :, f:], w2[e] = gate.T, up.T, down.T
+    out[ours + "mlp.experts.w13"], out[ours + "mlp.experts.w2"] = w13, w2
     return out
 
 
 # ---------------------------------------------------------------- files
 
 
-def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family, out_dir: str | Path,
-              dtype: torch.dtype = torch.bfloat16, max_positions: int = 4096) -> Path:
-    """Write `model.safetensors` and `config.json` loadable by transformers' {Mixtral,Qwen3Moe,DeepseekV3}ForCausalLM.
-    DeepSeek-V3's expert bias stays fp32, as transformers keeps it: a rounded bias would pick other experts."""
-    tensors = {k: v.detach().to("cpu", torch.float32 if k.endswith("e_score_correction_bias") else dtype).contiguous()
-               for k, v in to_hf(state, cfg, family).items()}
+def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family, out_dir: str | Path,
+              dtype: torch.dtype = torch.bfloat16, max_positions: int = 4096, shard_bytes: int = SHARD_BYTES,
+              track: Callable[[Iterator[dict[str, torch.Tensor]]], Iterable[dict[str, torch.Tensor]]] = iter) -> Path:
+    """Write `config.json` and the weights, loadable by transformers' {Mixtral,Qwen3Moe,DeepseekV3}ForCausalLM:
+    `model.safetensors`, or where they pass `shard_bytes`, `model-0000i-of-0000n.safetensors` files and the
+    `model.safetensors.index.json` that maps names to them (as transformers shards). `state` is read a layer at a
+    time and a shard is held at a time (with a `state` that reads on demand, convert.py's, host memory holds that, not
+    the model). DeepSeek-V3's expert bias stays fp32, as transformers keeps it: a rounded bias would pick other
+    experts. `track` wraps the pieces (convert.py's progress bar)."""
     config = hf_config(cfg, family, str(dtype).removeprefix("torch."), max_positions)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    written: list[tuple[Path, list[str]]] = []  # the files so far (under temporary names) and their tensors
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        if not written:  # the directory is made once something is to be written: a refusal leaves none
+            out.mkdir(parents=True, exist_ok=True)
+            for old in (*out.glob("model*.safetensors"), out / INDEX):  # an earlier export's files
+                old.unlink(missing_ok=True)
+        path = out / f".shard-{len(written)}.safetensors.tmp"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard)))
+
+    for piece in track(to_hf_pieces(state, cfg, family)):
+        for name, t in piece.items():
+            t = t.detach().to("cpu", torch.float32 if name.endswith("e_score_correction_bias") else dtype).contiguous()
+            if shard and size + t.nbytes > shard_bytes:
+                flush()
+                shard, size = {}, 0
+            shard[name] = t
+            size, total = size + t.nbytes, total + t.nbytes
+    flush()
+    names = ["model.safetensors"] if len(written) == 1 else [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+                                                              for i in range(len(written))]
+    for (path, _), name in zip(written, names):
+        path.rename(out / name)
+    if len(written) > 1:
+        weight_map = {t: name for (_, tensors), name in zip(written, names) for t in tensors}
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
 
 
-def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Read an HF model directory (config.json + one or more *.safetensors) into our state dict and config.
-    FP8 block-quantised weights are dequantised to `dtype`; DeepSeek-V3's MTP layers become our MTP depths."""
+class HFTensors(Mapping[str, torch.Tensor]):
+    """The tensors of an HF model directory's *.safetensors files, each read from its file when asked for (host memory
+    holds what the caller keeps, not the checkpoint), in `dtype`: routers' selection biases in fp32 (the dtype our
+    routers keep), FP8 block-quantised weights dequantised (their `weight_scale_inv` is not listed). With `meta`,
+    shapes only, on the meta device: a pass over them reads nothing. A tied output layer (`tie_word_embeddings`
+    without `lm_head.weight`) reads the embedding. What cannot be read or dequantised is refused when opened."""
+
+    def __init__(self, src: Path, dtype: torch.dtype, block: tuple[int, int] | None, tied: bool):
+        files = sorted(src.glob("*.safetensors"))
+        if not files:
+            raise HFError(f"no *.safetensors files in {src}; point at an HF model directory")
+        self.dtype, self.block, self.meta = dtype, block, False
+        self._files: dict[str, tuple[Path, Any]] = {}  # name -> (its file, the open file)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        fp8 = []
+        for file in files:
+            with _reading(file):
+                handle = safe_open(str(file), framework="pt")
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    self._files[key], self._shapes[key] = (file, handle), tuple(piece.get_shape())
+                    if piece.get_dtype().startswith("F8"):
+                        fp8.append(key)
+        scales = [k for k in self._shapes if k.endswith(".weight_scale_inv")]
+        if scales and block is None:
+            raise HFError(f"{scales[0]}: block scales but config.json has no quantization_config naming their block "
+                          "size")
+        for key in scales:
+            name = key.removesuffix("_scale_inv")
+            if name not in self._shapes:
+                raise HFError(f"HF checkpoint has {key} but no {name} to scale")
+            try:
+                check_block_scales(self._shapes[name], self._shapes[key], block)
+            except ValueError as e:
+                raise HFError(f"{name}: {e}") from None
+        raw = [k for k in fp8 if k + "_scale_inv" not in self._shapes]
+        if raw:
+            raise HFError(f"{raw[:3]} are FP8 without a weight_scale_inv: cannot recover their values")
+        self._names = [k for k in self._shapes if k not in set(scales)]
+        self._alias = {}
+        if tied and "lm_head.weight" not in self._shapes and "model.embed_tokens.weight" in self._shapes:
+            self._alias["lm_head.weight"] = "model.embed_tokens.weight"  # our output layer gets its own copy
+        self._names += list(self._alias)
+
+    def as_meta(self) -> HFTensors:
+        shapes = copy.copy(self)
+        shapes.meta = True
+        return shapes
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._alias or (name in self._shapes and not str(name).endswith(".weight_scale_inv"))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(name)
+        key = self._alias.get(name, name)
+        dtype = torch.float32 if key.endswith("e_score_correction_bias") else self.dtype
+        if self.meta:
+            return torch.empty(self._shapes[key], dtype=dtype, device="meta")
+        if key + "_scale_inv" in self._shapes:
+            return dequantize_blocks(self._read(key), self._read(key + "_scale_inv"), self.block, dtype)
+        return self._read(key).to(dtype)
+
+    def _read(self, key: str) -> torch.Tensor:
+        file, handle = self._files[key]
+        with _reading(file):
+            return handle.get_tensor(key)
+
+
+@contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types (SafetensorError, OSError)
+        raise HFError(f"{file} cannot be read as safetensors ({e}); the file is corrupt or truncated") from None
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """An HF model directory opened for import: its config as ours, its tensors read as they are converted."""
+    cfg: ModelConfig
+    family: Family
+    tensors: HFTensors
+    rope_interleave: bool  # deepseek_v3's config field: whether its rope rows are interleaved pairs
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Our state's names and shapes, by a pass over the tensors' shapes alone (nothing is read); refuses what the
+        conversion would refuse for want of a value or a tensor it would drop."""
+        return {k: tuple(t.shape) for piece in from_hf_pieces(self.tensors.as_meta(), self.cfg, self.family,
+                                                              self.rope_interleave) for k, t in piece.items()}
+
+    def state(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Our state, a piece at a time (`pieces(cfg)` of them): host memory holds one layer's weights."""
+        return from_hf_pieces(self.tensors, self.cfg, self.family, self.rope_interleave)
+
+
+def open_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> HFModel:
+    """An HF model directory (config.json + one or more *.safetensors) as our config, with its tensors to be read in
+    `dtype` as they are converted; FP8 block-quantised weights are dequantised to `dtype`; DeepSeek-V3's MTP layers
+    become our MTP depths."""
     src = Path(src)
     if not (src / "config.json").is_file():
         raise HFError(f"{src / 'config.json'} is missing; point at an HF model directory")
@@ -249,14 +419,18 @@ def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict
         raise HFError(f"{src / 'config.json'} has no {e} field: not a complete HF model config") from None
     except (TypeError, AttributeError) as e:  # a field of the wrong kind
         raise HFError(f"{src / 'config.json'} is not an HF model config ({type(e).__name__}: {e})") from None
-    hf = dequantize(_read_safetensors(src, dtype), block, dtype)
-    cfg = _mtp_depths_present(cfg, hf, src)
-    if "lm_head.weight" not in hf and config.get("tie_word_embeddings") and "model.embed_tokens.weight" in hf:
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"].clone()  # tied: our output layer gets its own copy
-    return from_hf(hf, cfg, family, rope_interleave=bool(config.get("rope_interleave", True))), cfg
+    tensors = HFTensors(src, dtype, block, tied=bool(config.get("tie_word_embeddings")))
+    return HFModel(_mtp_depths_present(cfg, tensors, src), family, tensors,
+                   rope_interleave=bool(config.get("rope_interleave", True)))
 
 
-def _mtp_depths_present(cfg: ModelConfig, hf: dict[str, torch.Tensor], src: Path) -> ModelConfig:
+def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """`open_hf`'s model, read whole into our state dict, and its config."""
+    model = open_hf(src, dtype)
+    return {k: t for piece in model.state() for k, t in piece.items()}, model.cfg
+
+
+def _mtp_depths_present(cfg: ModelConfig, hf: Mapping[str, torch.Tensor], src: Path) -> ModelConfig:
     """`cfg` with as many MTP depths as the checkpoint holds layers for: transformers writes DeepSeek-V3's
     num_nextn_predict_layers (default 1) into every config.json, also where it saves no MTP weights."""
     depths = 0
@@ -266,25 +440,6 @@ def _mtp_depths_present(cfg: ModelConfig, hf: dict[str, torch.Tensor], src: Path
         log.info("%s: config.json declares %d multi-token-prediction layers, the checkpoint holds %d: imported with "
                  "model.mtp_num_layers=%d", src, cfg.mtp_num_layers, depths, depths)
     return dataclasses.replace(cfg, mtp_num_layers=depths)
-
-
-def _read_safetensors(src: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of src/*.safetensors in `dtype`; FP8 weights and their scales as stored (`dequantize` converts
-    them), routers' selection biases in fp32 (the dtype our routers keep)."""
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise HFError(f"no *.safetensors files in {src}; point at an HF model directory")
-    hf: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    t = f.get_tensor(key)
-                    keep = t.dtype in _FP8 or key.endswith("_scale_inv")
-                    hf[key] = t if keep else t.to(torch.float32 if key.endswith("e_score_correction_bias") else dtype)
-        except Exception as e:  # noqa: BLE001 -- safetensors raises its own error types (SafetensorError, OSError)
-            raise HFError(f"{file} cannot be read as safetensors ({e}); the file is corrupt or truncated") from None
-    return hf
 
 
 def _fp8_block(config: dict) -> tuple[int, int] | None:
@@ -298,30 +453,17 @@ def _fp8_block(config: dict) -> tuple[int, int] | None:
     return tuple(quant["weight_block_size"])
 
 
-def dequantize(hf: dict[str, torch.Tensor], block: tuple[int, int] | None,
-               dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every `X.weight` with an `X.weight_scale_inv` -> fp8 x scale per `block` in `dtype`; the scales go."""
-    scales = [k for k in hf if k.endswith(".weight_scale_inv")]
-    if scales and block is None:
-        raise HFError(f"{scales[0]}: block scales but config.json has no quantization_config naming their block size")
-    for key in scales:
-        name = key.removesuffix("_scale_inv")
-        if name not in hf:
-            raise HFError(f"HF checkpoint has {key} but no {name} to scale")
-        try:
-            hf[name] = dequantize_blocks(hf[name], hf.pop(key), block, dtype)
-        except ValueError as e:
-            raise HFError(f"{name}: {e}") from None
-    raw = [k for k, t in hf.items() if t.dtype in _FP8]
-    if raw:
-        raise HFError(f"{raw[:3]} are FP8 without a weight_scale_inv: cannot recover their values")
-    return hf
-
-
-def upcycle(dense: dict[str, torch.Tensor], dense_cfg: ModelConfig, moe_cfg: ModelConfig,
+def upcycle(dense: Mapping[str, torch.Tensor], dense_cfg: ModelConfig, moe_cfg: ModelConfig,
             seed: int = 0) -> dict[str, torch.Tensor]:
     """A dense model's state -> an MoE model's (sparse upcycling): every expert starts as a copy of the layer's MLP and
     the router is freshly initialised, so the MoE computes the dense function whenever top-k weights sum to 1."""
+    return {k: t for piece in upcycle_pieces(dense, dense_cfg, moe_cfg, seed) for k, t in piece.items()}
+
+
+def upcycle_pieces(dense: Mapping[str, torch.Tensor], dense_cfg: ModelConfig, moe_cfg: ModelConfig,
+                   seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """`upcycle` a piece at a time (1 + num_layers of them: what is outside the layers, then each layer), reading
+    `dense` as it goes: host memory holds one MoE layer, not the model."""
     mismatched = [k for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")
                   if getattr(dense_cfg, k) != getattr(moe_cfg, k)]
     if mismatched:
@@ -330,17 +472,20 @@ def upcycle(dense: dict[str, torch.Tensor], dense_cfg: ModelConfig, moe_cfg: Mod
         raise HFError(f"experts copy the dense MLP: need `model.moe_ffn_hidden_size={dense_cfg.ffn_hidden_size}` "
                       f"(the dense ffn_hidden_size), got {moe_cfg.moe_ffn_hidden_size}")
     g = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    mlp = re.compile(r"^layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight$")
-    for name, t in dense.items():
-        m = mlp.match(name)
-        if m is None or int(m.group(1)) < moe_cfg.first_k_dense:
-            out[name] = t
-    for i in range(moe_cfg.first_k_dense, moe_cfg.num_layers):
+    layers: dict[int, list[str]] = {}  # layer -> its names; -1: those outside the layers
+    for name in dense:
+        m = re.match(r"layers\.(\d+)\.", name)
+        layers.setdefault(int(m.group(1)) if m else -1, []).append(name)
+    yield {name: dense[name] for name in layers.get(-1, [])}
+    for i in range(moe_cfg.num_layers):
         p, E = f"layers.{i}.mlp.", moe_cfg.num_experts
-        gate, up, down = (dense[f"{p}{n}_proj.weight"] for n in ("gate", "up", "down"))
-        out[p + "experts.w13"] = torch.cat([gate.T, up.T], dim=1).unsqueeze(0).repeat(E, 1, 1)
-        out[p + "experts.w2"] = down.T.unsqueeze(0).repeat(E, 1, 1).contiguous()
-        out[p + "router.weight"] = torch.randn(E, moe_cfg.hidden_size, generator=g).to(gate.dtype) * moe_cfg.init_std
-        out[p + "router.expert_bias"] = torch.zeros(E, dtype=torch.float32)
-    return out
+        moe = i >= moe_cfg.first_k_dense
+        out = {name: dense[name] for name in layers.get(i, []) if not (moe and name.startswith(p))}
+        if moe:
+            gate, up, down = (dense[f"{p}{n}_proj.weight"] for n in ("gate", "up", "down"))
+            out[p + "experts.w13"] = torch.cat([gate.T, up.T], dim=1).unsqueeze(0).repeat(E, 1, 1)
+            out[p + "experts.w2"] = down.T.unsqueeze(0).repeat(E, 1, 1).contiguous()
+            out[p + "router.weight"] = (torch.randn(E, moe_cfg.hidden_size, generator=g).to(gate.dtype)
+                                        * moe_cfg.init_std).to(gate.device)
+            out[p + "router.expert_bias"] = torch.zeros(E, dtype=torch.float32, device=gate.device)
+        yield out

@@ -14,7 +14,7 @@ blocks of a row or column cut short): the real weight is fp8 * scale, block by b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -49,7 +49,7 @@ def _rope_rows(cfg: ModelConfig) -> dict[str, int]:
     return {("q_b_proj" if cfg.q_lora_rank else "q_proj"): cfg.num_heads, "kv_a_proj_with_mqa": 1}
 
 
-def mla_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, ours: str, hf: str) -> dict[str, torch.Tensor]:
+def mla_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, ours: str, hf: str) -> dict[str, torch.Tensor]:
     """One layer's MLA weights -> HF's, rope rows interleaved (`rope_interleave=True`, the published layout)."""
     out = {f"{hf}self_attn.{n}.weight": state[f"{ours}attn.{n}.weight"] for n in mla_names(cfg)}
     for name, heads in _rope_rows(cfg).items():
@@ -69,16 +69,21 @@ def mla_from_hf(take: Callable[[str], torch.Tensor], cfg: ModelConfig, ours: str
     return out
 
 
+def check_block_scales(weight: tuple[int, ...], scales: tuple[int, ...], block: tuple[int, int]) -> None:
+    """Raises ValueError unless `scales` (a shape) holds one scale per `block` of a 2-D `weight` (a shape)."""
+    if len(weight) != 2:
+        raise ValueError(f"a block-quantised weight is 2-D, this one is {list(weight)}")
+    (rows, cols), (br, bc) = weight, block
+    expected = (-(-rows // br), -(-cols // bc))
+    if tuple(scales) != expected:
+        raise ValueError(f"weight {list(weight)} in {br}x{bc} blocks needs {list(expected)} scales, got {list(scales)}")
+
+
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype) -> torch.Tensor:
     """fp8 `weight` [R, C] times its per-block `scale_inv` [ceil(R/br), ceil(C/bc)] -> `dtype` (math in fp32).
     Raises ValueError when the scales do not tile the weight."""
-    if weight.ndim != 2:
-        raise ValueError(f"a block-quantised weight is 2-D, this one is {list(weight.shape)}")
+    check_block_scales(tuple(weight.shape), tuple(scale_inv.shape), block)
     (rows, cols), (br, bc) = weight.shape, block
-    expected = (-(-rows // br), -(-cols // bc))
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"weight {list(weight.shape)} in {br}x{bc} blocks needs {list(expected)} scales, "
-                         f"got {list(scale_inv.shape)}")
     scale = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return (weight.float() * scale).to(dtype)

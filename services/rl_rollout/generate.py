@@ -40,9 +40,9 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from services.checkpointer.convert import (ConvertError, find_checkpoint, iter_model_state, recorded_config, say,
-                                           trained_config)
-from services.checkpointer.hf import import_hf
+from services.checkpointer.convert import (ConvertError, check_fits, find_checkpoint, iter_model_state, recorded_config,
+                                           say, trained_config)
+from services.checkpointer.hf import open_hf
 from services.checkpointer.hf_families import HFError
 from services.checkpointer.layout import CheckpointError
 from services.common.command import run_command
@@ -123,16 +123,17 @@ class Loaded:
 
 
 def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
-    """The model of a foldmoe checkpoint or an HF model directory, with its tokenizer and chat template. A checkpoint's
-    weights are read one tensor at a time into a model built in the target dtype on the target device: host memory
-    holds one tensor, not a copy of the model (bench/bench_model_load.py)."""
+    """The model of a foldmoe checkpoint or an HF model directory, with its tokenizer and chat template. The weights
+    are read a tensor (an HF directory's: a layer) at a time into a model built in the target dtype on the target
+    device: host memory holds that, not a copy of the model (bench/bench_model_load.py)."""
     if _is_hf_directory(spec):
-        hf_state, model_cfg = import_hf(spec)
-        source = f"HF model {spec}"
+        hf = open_hf(spec)
+        model_cfg, source = hf.cfg, f"HF model {spec}"
+        check_fits(hf.shapes(), model_cfg, source, "; its config.json does not describe the tensors beside it")
         bundled = spec / "tokenizer.json"
         recorded = str(bundled) if bundled.is_file() else None
         chat_template = _hf_chat_template(spec)
-        state = iter(hf_state.items())
+        state = (item for piece in hf.state() for item in piece.items())
     else:
         ckpt = find_checkpoint(spec)
         model_cfg = trained_config(ckpt)
