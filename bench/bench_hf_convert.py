@@ -21,24 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_model_load import write_checkpoint_once  # noqa: E402
 from bench.record import Table, add_record_argument  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def write_checkpoint_once(config: str | None, overrides: list[str], root: Path) -> None:
-    if (root / "latest").exists():
-        return
-    from services.checkpointer.convert import write_checkpoint
-    from services.common.config import load_config
-    from services.trainer.model.transformer import MoETransformer
-
-    cfg = load_config(config, overrides).model
-    state = MoETransformer(cfg).state_dict()
-    write_checkpoint(root, state.items(), {k: tuple(t.shape) for k, t in state.items()}, cfg, "bench-hf",
-                     "bench_hf_convert.py (random weights)", "")
-    params = sum(t.numel() for t in state.values())
-    print(f"wrote {root} ({cfg.num_layers} layers, {params:,} parameters)", file=sys.stderr)
 
 
 def peak_anon(command: list[str], cwd: Path) -> tuple[float, float, str]:

@@ -66,20 +66,19 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "anon_gib": peak[0] / 2**
 
 
 def write_checkpoint_once(config: str | None, overrides: list[str], root: Path) -> None:
+    """A checkpoint of the config's model with random weights under `root`, unless one is there."""
     if (root / "latest").exists():
         return
-    import dataclasses
-
     from services.checkpointer.convert import write_checkpoint
     from services.common.config import load_config
     from services.trainer.model.transformer import MoETransformer
 
     cfg = load_config(config, overrides).model
     state = MoETransformer(cfg).state_dict()
-    write_checkpoint(root, state.items(), {k: tuple(t.shape) for k, t in state.items()}, cfg, "bench-load",
-                     "bench_model_load.py (random weights)", "")
-    del state
-    print(f"wrote {root} ({dataclasses.asdict(cfg)['num_layers']} layers)", file=sys.stderr)
+    write_checkpoint(root, state.items(), {k: tuple(t.shape) for k, t in state.items()}, cfg, "bench",
+                     "a benchmark's random weights", "")
+    params = sum(t.numel() for t in state.values())
+    print(f"wrote {root} ({cfg.num_layers} layers, {params:,} parameters)", file=sys.stderr)
 
 
 def main() -> int:
