@@ -60,7 +60,8 @@ def stream_key():
     key = f"test-dl-rl-{uuid.uuid4().hex[:10]}"
     yield key
     client = redis.Redis.from_url(REDIS_URL)
-    client.delete(key, rollout_stream.read_position_key(key), rollout_stream.step_key(key))
+    client.delete(key, rollout_stream.read_position_key(key), rollout_stream.step_key(key),
+                  rollout_stream.prompt_again_key(key), *client.keys(rollout_stream.prompt_again_key(key) + ":*"))
 
 
 def publish(key, groups):
@@ -251,25 +252,32 @@ def test_only_groups_fresh_enough_for_the_step_are_used_and_the_others_are_count
         again.next_step()
 
 
-def test_the_position_keeps_the_last_prompt_place_asked_and_a_starting_trainer_resumes_the_workers_there(stream_key):
+def again(key: str) -> list[int]:
+    return [int(p) for p in redis.Redis.from_url(REDIS_URL).lrange(rollout_stream.prompt_again_key(key), 0, -1)]
+
+
+def test_the_position_keeps_the_prompt_places_and_a_starting_trainer_has_the_workers_ask_the_missing_first(stream_key):
     from services.common.registry import Registry
     from services.trainer.rl.train_rl import data_position, discard_backlog
 
     rng = np.random.default_rng(7)
     cfg = rl_cfg(stream_key, "rl.groups_per_step=2")
     # rl.prompts groups of 8 records an epoch, finished out of order; g2 is a previous incarnation's (dropped as
-    # foreign at step 1, but its place was asked)
+    # foreign at step 1: its place, 8, is asked again, and so are the places it passed until they come)
     groups = [make_group(rng, f"g{i}", version=v) for i, v in enumerate([0, 0, 3, 1, 1])]
     for g, seq in zip(groups, [2, 1, 9, 4, 3]):
         g.prompt_seq, g.prompt_records = seq, 8
     publish(stream_key, groups)
     stream = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
     first = stream.next_step().state_after["stream"]
-    assert (first["prompts_next"], first["prompt_records"]) == (2, 8)
+    assert (first["prompts_next"], first["prompts_missing"], first["prompt_records"]) == (2, [], 8)
     assert data_position({"stream": first})["prompt_epochs"] == 0.25
     stream.reset({**stream.state(), "step": 1, "stream": first})  # a resume goes on from the position
     second = stream.next_step().state_after["stream"]
-    assert second["dropped_foreign"] == 1 and second["prompts_next"] == 9 and data_position({"stream": second})["prompt_epochs"] == 9 / 8
+    assert second["dropped_foreign"] == 1
+    assert (second["prompts_next"], second["prompts_missing"]) == (9, [4, 5, 6, 7, 8])
+    assert data_position({"stream": second})["prompt_epochs"] == 4 / 8  # places 0-3 trained on
+    assert again(stream_key) == [8]  # the dropped group's place, at once
     assert "prompt_epochs" not in data_position({"stream": {"after": "0-0"}})  # a built-in task's run: no epochs
 
     run = f"test-dl-{uuid.uuid4().hex[:10]}"
@@ -277,11 +285,54 @@ def test_the_position_keeps_the_last_prompt_place_asked_and_a_starting_trainer_r
     beat = registry.register("rollout", {"stream": stream_key, "worker": "w"}, instance="w")
     try:
         registry.client.set(rollout_stream.prompt_cursor_key(stream_key), 40)  # a previous incarnation's asks
-        assert discard_backlog(registry, 5.0, second["prompts_next"]) == 5
+        assert discard_backlog(registry, 5.0, second) == 5
         assert int(registry.client.get(rollout_stream.prompt_cursor_key(stream_key))) == 9
+        assert again(stream_key) == [4, 5, 6, 7, 8]  # every place the position misses, before the counter's
     finally:
         beat.stop()
         registry.client.delete(rollout_stream.prompt_cursor_key(stream_key))
+
+
+def test_each_prompt_place_is_trained_on_once_and_a_dropped_or_lost_one_is_asked_again(stream_key):
+    rng = np.random.default_rng(3)
+    cfg = rl_cfg(stream_key, "rl.groups_per_step=2", "rl.max_staleness=1", "rl.rollout_timeout_s=0.3")
+    stream = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
+
+    def step(*groups: tuple[str, int, int]) -> tuple[list[str], dict]:
+        """Publish (id, version, prompt_seq) groups, build the next step: its group ids and the position after it."""
+        made = [make_group(rng, gid, version=v) for gid, v, _ in groups]
+        for g, (_, _, seq) in zip(made, groups):
+            g.prompt_seq, g.prompt_records = seq, 100
+        publish(stream_key, made)
+        taken = next(stream.node)
+        return [g.group_id for g in taken], stream.node.get_state()
+
+    ids, st = step(("a", 0, 2), ("b", 0, 4))  # places 1 and 3; 0 and 2 are out
+    assert (st["prompts_next"], st["prompts_missing"]) == (4, [0, 2])
+    # c answers place 0; d is place 3 again (asked again while b was out, say): a duplicate, dropped; e is new
+    ids, st = step(("c", 0, 1), ("d", 1, 4), ("e", 1, 5))
+    assert ids == ["c", "e"] and st["dropped_duplicate"] == 1
+    assert (st["prompts_next"], st["prompts_missing"]) == (5, [2])
+    # place 2's group comes too late (version 0 at step 2 with staleness 1): dropped, asked again at once
+    ids, st = step(("f", 0, 3), ("g", 2, 6), ("h", 2, 3))
+    assert ids == ["g", "h"] and st["dropped_stale"] == 1 and again(stream_key) == [2]
+    assert (st["prompts_next"], st["prompts_missing"]) == (6, [])
+    # a place that never comes (its worker died) is asked again after rl.rollout_timeout_s, by one of the replicas
+    ids, st = step(("i", 3, 8), ("j", 3, 9))
+    assert st["prompts_missing"] == [6]
+    other = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)  # a second replica at the same position
+    other.reset(stream.state())
+    stream.ready(), other.ready()
+    time.sleep(0.4)
+    assert not stream.ready() and not other.ready()  # no group to build step 4 from; place 6 missing too long
+    assert again(stream_key) == [2, 6]  # once, though both replicas found it missing
+    time.sleep(0.4)
+    stream.ready()
+    assert again(stream_key) == [2, 6, 6]  # and again while it stays missing
+    # the position survives a restart: the same ledger from the saved state
+    again_stream = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
+    again_stream.reset(stream.state())
+    assert again_stream.node.get_state() == stream.node.get_state()
 
 
 def test_the_workers_room_leaves_out_groups_too_stale_for_the_steps_that_would_read_them(stream_key):

@@ -145,6 +145,12 @@ def test_rollout_workers_share_the_records_in_epochs(tmp_path):
         assert [p.prompt for p in second] != [p.prompt for p in asked]  # the next epoch, in another order
         registry.client.set(rollout_stream.prompt_cursor_key(worker.stream.key), 3)  # a trainer resumed after place 3
         assert [(p.prompt, p.seq) for p in worker.next_prompts(2)] == [(p.prompt, p.seq) for p in asked[3:5]]
+        # places to be asked again (a dropped or lost group's) come first, each to one worker, then the counter's
+        assert rollout_stream.ask_again(registry.client, worker.stream.key, [1, 0], 5.0) == [1, 0]
+        assert rollout_stream.ask_again(registry.client, worker.stream.key, [1], 5.0) == []  # queued already
+        by_seq = {p.seq: p.prompt for p in asked}
+        assert [(p.prompt, p.seq) for p in worker.next_prompts(1)] == [(by_seq[2], 2)]
+        assert [(p.prompt, p.seq) for p in other.next_prompts(2)] == [(by_seq[1], 1), (by_seq[6], 6)]
     finally:
         worker.close()
         other.close()

@@ -315,7 +315,9 @@ class RLConfig:
 
     # training (services/trainer/rl)
     groups_per_step: int = 4  # trajectory groups per optimizer step
-    rollout_timeout_s: float = 300.0  # seconds the trainer waits for a step's groups before it fails
+    # seconds the trainer waits for a step's groups before it fails; and an rl.prompts place whose group has not come
+    # in this long (its worker died) is asked again
+    rollout_timeout_s: float = 300.0
     # the dataloader packs a step's samples into micro-batches of at most this many tokens and deals them to the dp
     # ranks by work (services/dataloader/rollout_source.py)
     micro_batch_tokens: int = 4096

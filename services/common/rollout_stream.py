@@ -42,6 +42,43 @@ def prompt_cursor_key(stream: str) -> str:
     return f"{stream}:prompts"
 
 
+def prompt_again_key(stream: str) -> str:
+    """The list of `rl.prompts` places to be asked again (claimed before the counter's next ones): those whose group
+    was dropped (too stale to train) or lost (a worker died with it, the backlog a resume discards). The dataloader
+    adds to it (`ask_again`), a starting trainer sets it (`set_prompt_places`)."""
+    return f"{stream}:prompts:again"
+
+
+def claim_places(client: redis.Redis, stream: str, count: int) -> tuple[list[int], list[int]]:
+    """`count` places for a worker to ask, each claimed by it alone: (those to be asked again, oldest first; the
+    counter's next ones)."""
+    again = [int(p) for p in client.lpop(prompt_again_key(stream), count) or []]
+    new = count - len(again)
+    end = client.incrby(prompt_cursor_key(stream), new) if new else 0
+    return again, list(range(end - new, end))
+
+
+def ask_again(client: redis.Redis, stream: str, places: list[int], once_in_s: float) -> list[int]:
+    """Queue `places` to be asked again, each at most once in `once_in_s` seconds however many dataloader replicas
+    ask (the first to ask queues it); returns those queued."""
+    hold = max(1, int(once_in_s * 1000))
+    queued = [p for p in places if client.set(f"{prompt_again_key(stream)}:{p}", 1, nx=True, px=hold)]
+    if queued:
+        client.rpush(prompt_again_key(stream), *queued)
+    return queued
+
+
+def set_prompt_places(client: redis.Redis, stream: str, next_place: int, missing: list[int]) -> None:
+    """Where a starting trainer's workers ask from: the counter at `next_place` and the `missing` places below it (its
+    data position's) to be asked first."""
+    pipe = client.pipeline()
+    pipe.set(prompt_cursor_key(stream), next_place)
+    pipe.delete(prompt_again_key(stream))
+    if missing:
+        pipe.rpush(prompt_again_key(stream), *missing)
+    pipe.execute()
+
+
 def mark_read(client: redis.Redis, stream: str, entry_id: str, next_step: int | None = None) -> None:
     """Record that every entry up to `entry_id` has been consumed (and, if given, which step is built next)."""
     client.set(read_position_key(stream), entry_id)

@@ -7,10 +7,11 @@ A step is `rl.groups_per_step` whole groups, the first ones in stream order that
 count the trainer's optimizer steps (the weights after s steps are version s), and step s is trained by the weights of
 version s, so step s accepts a group of version v only when s - rl.max_staleness <= v <= s. A group older than that is
 dropped and counted (`dropped_stale`); so is one newer than s (`dropped_foreign`), which only an earlier trainer
-incarnation that got further before it died can have made. The filter lives here because the step index is the trainer's
-version (the trainer checks that they agree, and checks every token's version again: `versions` below), and because the
-counters then travel with the stream position: a replayed step re-reads the same entries from the same counters, so a
-group is counted (and trained on) at most once.
+incarnation that got further before it died can have made, and, with `rl.prompts`, one answering a place trained on
+already (`dropped_duplicate`: `PromptPlaces` below; a dropped group's place is asked again). The filter lives here
+because the step index is the trainer's version (the trainer checks that they agree, and checks every token's version
+again: `versions` below), and because the counters then travel with the stream position: a replayed step re-reads the
+same entries from the same counters, so a group is counted (and trained on) at most once.
 
 Read-ahead adds no staleness: the engine builds a step only for a rank that holds credits, and the RL trainer's client
 (`DataClient(on_demand=True)`, which `from_registry` picks in an RL run) grants them inside `next_step` only, for that
@@ -71,6 +72,8 @@ document's token i+1):
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +164,11 @@ class TrajectoryLog:
         if entry_id != START and self._resolve():
             rollout_stream.mark_read(self.client, self.key, entry_id, next_step)
 
+    def ask_again(self, places: list[int], once_in_s: float) -> None:
+        """`rl.prompts` places for the workers to ask again (rollout_stream.ask_again)."""
+        if self._resolve():
+            rollout_stream.ask_again(self.client, self.key, places, once_in_s)
+
     def trim_through(self, entry_id: str) -> None:
         if entry_id == START or not self._resolve():
             return
@@ -168,35 +176,82 @@ class TrajectoryLog:
         self.client.xtrim(self.key, minid=f"{ms}-{int(seq) + 1}", approximate=False)
 
 
+class PromptPlaces:
+    """`rl.prompts`' places (services/rl_rollout/prompts.py) as the consumed groups answered them: every place below
+    `next` has been trained on except the `missing` ones (a group still out, lost with a worker, or dropped as too
+    stale). A group of a place trained on already is a duplicate (its place was asked again while it was out), so each
+    place is trained on once."""
+
+    def __init__(self, next_place: int = 0, missing: list[int] | None = None):
+        self.next, self.missing = next_place, set(missing or ())
+
+    def copy(self) -> PromptPlaces:
+        return PromptPlaces(self.next, list(self.missing))
+
+    def duplicate(self, seq: int) -> bool:
+        """Whether the place of `seq` (a group's prompt_seq: 1 + its place; 0: a built-in task's) was trained on."""
+        return 0 < seq <= self.next and seq - 1 not in self.missing
+
+    def answered(self, seq: int, trained: bool) -> None:
+        """A group of the place of `seq` consumed: trained on, or dropped (the place stays missing)."""
+        if seq == 0:
+            return
+        place = seq - 1
+        if place >= self.next:
+            self.missing.update(range(self.next, place + (not trained)))
+            self.next = place + 1
+        elif trained:
+            self.missing.discard(place)
+
+
 class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
-    """The accepted groups of each step, in stream order (the module docstring's filter).
+    """The accepted groups of each step, in stream order (the module docstring's filter), and what becomes of
+    `rl.prompts`' places: a dropped group's place is asked again at once, a place missing for `lost_after_s` (its
+    group lost with a worker) then, and a group of a place trained on already is dropped (`dropped_duplicate`).
 
-    State: {"after": id of the last consumed entry, "step", "dropped_stale", "dropped_foreign"}. `next` never blocks:
-    callers ask `available()` first; without enough fresh groups it raises DataError."""
+    State: {"after": id of the last consumed entry, "step", "dropped_stale", "dropped_foreign", "dropped_duplicate",
+    "prompts_next", "prompts_missing" (the places, `PromptPlaces`), "prompt_records"}. `next` never blocks: callers ask
+    `available()` first; without enough fresh groups it raises DataError."""
 
-    def __init__(self, log: TrajectoryLog, groups_per_step: int, max_staleness: int):
+    def __init__(self, log: TrajectoryLog, groups_per_step: int, max_staleness: int, lost_after_s: float = 300.0):
         super().__init__()
         self.log, self.groups_per_step, self.max_staleness = log, groups_per_step, max_staleness
+        self.lost_after_s = lost_after_s
+        self._missing_since: dict[int, float] = {}  # a missing place -> when this process last saw it asked
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         st = initial_state or {"after": START, "step": 0, "dropped_stale": 0, "dropped_foreign": 0}
         self.after, self.step = str(st["after"]), int(st["step"])
         self.dropped_stale, self.dropped_foreign = int(st["dropped_stale"]), int(st["dropped_foreign"])
-        # rl.prompts: the largest place consumed in the run's order of records (`prompt_seq`), and how many records
-        # an epoch asks; a resumed trainer has the workers go on after it. 0, 0: a built-in task (or an older state)
-        self.prompts_next, self.prompt_records = int(st.get("prompts_next", 0)), int(st.get("prompt_records", 0))
+        self.dropped_duplicate = int(st.get("dropped_duplicate", 0))
+        # rl.prompts: the places (0, []: a built-in task, or an older state) and how many records an epoch asks
+        self.places = PromptPlaces(int(st.get("prompts_next", 0)), st.get("prompts_missing"))
+        self.prompt_records = int(st.get("prompt_records", 0))
         self._read: list[tuple[str, rollout_pb2.TrajectoryGroup]] = []  # entries after `after`, read so far
+        self._missing_since.clear()
 
     def _fresh(self, group: rollout_pb2.TrajectoryGroup) -> bool | None:
         """True: usable at this step; False: too old (for every later step too); None: newer than this step."""
         v = group.policy_version
         return None if v > self.step else v >= self.step - self.max_staleness
 
+    def _verdicts(self, places: PromptPlaces) -> Iterator[tuple[str, rollout_pb2.TrajectoryGroup, str]]:
+        """(entry id, group, "taken" | "stale" | "foreign" | "duplicate") of the entries read, in stream order, each
+        recorded in `places` as it is judged."""
+        for entry_id, group in self._read:
+            fresh = self._fresh(group)
+            if places.duplicate(group.prompt_seq):
+                yield entry_id, group, "duplicate"
+                continue
+            places.answered(group.prompt_seq, trained=bool(fresh))
+            yield entry_id, group, "taken" if fresh else "stale" if fresh is False else "foreign"
+
     def _accepted(self) -> int:
-        return sum(1 for _, g in self._read if self._fresh(g))
+        return sum(1 for _, _, verdict in self._verdicts(self.places.copy()) if verdict == "taken")
 
     def available(self) -> bool:
+        self._ask_lost_again()
         while self._accepted() < self.groups_per_step:
             entries = self.log.read_after(self._read[-1][0] if self._read else self.after, READ_CHUNK)
             if not entries:
@@ -212,27 +267,45 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
             raise DataError(f"fewer than {self.groups_per_step} trajectory groups fresh enough for step {self.step} "
                             f"after entry {self.after} of the rollout stream {self.log.key!r} (not generated yet)")
         taken: list[rollout_pb2.TrajectoryGroup] = []
+        dropped: list[int] = []  # places whose group was dropped: asked again at once
         used = 0
-        for used, (entry_id, group) in enumerate(self._read, start=1):
-            fresh = self._fresh(group)
-            if fresh:
+        for used, (entry_id, group, verdict) in enumerate(self._verdicts(self.places), start=1):
+            if verdict == "taken":
                 taken.append(group)
-            elif fresh is False:
-                self.dropped_stale += 1
+            elif verdict == "duplicate":
+                self.dropped_duplicate += 1
             else:
-                self.dropped_foreign += 1
+                self.dropped_stale += verdict == "stale"
+                self.dropped_foreign += verdict == "foreign"
+                if group.prompt_seq:
+                    dropped.append(group.prompt_seq - 1)
             self.after = entry_id
-            if group.prompt_seq > self.prompts_next:  # dropped or taken, its prompt was asked
-                self.prompts_next, self.prompt_records = group.prompt_seq, group.prompt_records
+            if group.prompt_seq:
+                self.prompt_records = group.prompt_records
             if len(taken) == self.groups_per_step:
                 break
         del self._read[:used]
         self.step += 1
+        if dropped:
+            self.log.ask_again(dropped, self.lost_after_s)
+            self._missing_since.update(dict.fromkeys(dropped, time.monotonic()))
         return taken
+
+    def _ask_lost_again(self) -> None:
+        """Ask again the places missing for `lost_after_s` since this process first saw them missing (or asked them
+        again): their group was lost with a worker. Should it come after all, it is a duplicate."""
+        now = time.monotonic()
+        read = {g.prompt_seq - 1 for _, g in self._read}  # their groups wait here to be consumed
+        self._missing_since = {p: self._missing_since.get(p, now) for p in self.places.missing - read}
+        lost = sorted(p for p, since in self._missing_since.items() if now - since >= self.lost_after_s)
+        if lost:
+            self.log.ask_again(lost, self.lost_after_s)
+            self._missing_since.update(dict.fromkeys(lost, now))
 
     def get_state(self) -> dict[str, Any]:
         return {"after": self.after, "step": self.step, "dropped_stale": self.dropped_stale,
-                "dropped_foreign": self.dropped_foreign, "prompts_next": self.prompts_next,
+                "dropped_foreign": self.dropped_foreign, "dropped_duplicate": self.dropped_duplicate,
+                "prompts_next": self.places.next, "prompts_missing": sorted(self.places.missing),
                 "prompt_records": self.prompt_records}
 
 
@@ -343,7 +416,7 @@ class RolloutStepStream(StepStream):
         self.cp = cfg.parallel.cp
         self.budget = CPBudget(cfg.data.cp_max_tokens_per_rank, cfg.data.cp_max_attn_per_rank)
         self.layers, self.top_k = cfg.model.num_layers - cfg.model.first_k_dense, cfg.model.top_k
-        self.node = StepGroups(log, cfg.rl.groups_per_step, cfg.rl.max_staleness)
+        self.node = StepGroups(log, cfg.rl.groups_per_step, cfg.rl.max_staleness, cfg.rl.rollout_timeout_s)
         self.node.reset(None)
         self.initial_node_state = self.node.state_dict()
         self.step = 0

@@ -256,18 +256,21 @@ class RolloutWorker:
         return result
 
     def next_prompts(self, count: int | None = None) -> list[_Pending]:
-        """The next `count` (default `rl.prompts_per_batch`) prompts (and their reward metadata): `rl.prompts`' next
-        places in the run's order, claimed atomically from the counter every worker shares; a built-in task's,
+        """The next `count` (default `rl.prompts_per_batch`) prompts (and their reward metadata): `rl.prompts`'
+        places to be asked again (a dropped or lost group's), then the next places in the run's order, each claimed by
+        this worker alone from what every worker shares in Redis (rollout_stream.claim_places); a built-in task's,
         generated from this worker's seed."""
         count = count or self.cfg.rl.prompts_per_batch
         order = self.prompts.records
         if order is None:
             return [_Pending(*self.prompts.generate(self.rng, self.cfg.rl.difficulty)) for _ in range(count)]
-        end = self.stream.client.incrby(rollout_stream.prompt_cursor_key(self.stream.key), count)
-        for place in range(end - count, end):
+        again, new = rollout_stream.claim_places(self.stream.client, self.stream.key, count)
+        if again:
+            log.info("asking %d prompts again (their groups were dropped or lost): places %s", len(again), again)
+        for place in new:
             if place % len(order) == 0:
                 log.info("prompt epoch %d begins: %d records", place // len(order), len(order))
-        return [_Pending(*order.at(place), seq=place + 1) for place in range(end - count, end)]
+        return [_Pending(*order.at(place), seq=place + 1) for place in again + new]
 
     def _publish(self, group: _Pending, version: int) -> list[float]:
         rewards = [float(self.prompts.reward(group.prompt, c.text, group.meta)) for c in group.done]

@@ -241,8 +241,7 @@ def train_rl(cfg: Config) -> int:
     finally:
         source.close()  # the resume is read (or refused): the checkpointer's channel is not needed again
     if lead:
-        asked = int(data.state().get("stream", {}).get("prompts_next", 0))  # rl.prompts' places the resume consumed
-        discard_backlog(registry, cfg.rl.rollout_timeout_s, asked)
+        discard_backlog(registry, cfg.rl.rollout_timeout_s, data.state().get("stream", {}))
     if parallel:
         torch.distributed.barrier()  # no rank asks for step data before the backlog is gone
     policy = PolicyVersions(model, cfg, groups, registry, lead)
@@ -299,28 +298,33 @@ def train_rl(cfg: Config) -> int:
     return 0
 
 
-def discard_backlog(registry: Registry, timeout: float, prompts_next: int = 0) -> int:
-    """Delete every entry of the rollout stream (the module docstring says why) and set the workers' `rl.prompts`
-    counter to `prompts_next`, the data position's (so the records are asked from where the consumed ones end);
-    returns how many entries there were. The stream key is in the rollout workers' registry records."""
+def discard_backlog(registry: Registry, timeout: float, position: dict) -> int:
+    """Delete every entry of the rollout stream (the module docstring says why) and have the workers ask `rl.prompts`
+    from the data `position` on: the places it misses first (those out at the save, the discarded backlog's among
+    them), then from its next place; returns how many entries there were. The stream key is in the rollout workers'
+    registry records."""
     stream = registry.wait_for("rollout", 1, timeout=timeout)[0]["stream"]
     waiting = int(registry.client.xlen(stream))
     registry.client.xtrim(stream, maxlen=0, approximate=False)
     registry.client.delete(rollout_stream.step_key(stream))  # a previous incarnation's step: the workers' filter
-    registry.client.set(rollout_stream.prompt_cursor_key(stream), prompts_next)
+    rollout_stream.set_prompt_places(registry.client, stream, int(position.get("prompts_next", 0)),
+                                     list(position.get("prompts_missing", [])))
     return waiting
 
 
 def data_position(state: dict) -> dict:
     """From the dataloader's position after the step: its counts of trajectory groups dropped over the run (too stale,
-    or from a version the trainer had not reached; rollout_source.py), which a resumed run goes on counting since they
-    are part of the position, and the id of the last stream entry the step consumed (each step consumes the entries
-    after the previous step's: ids that only grow mean no group was trained on twice)."""
+    from a version the trainer had not reached, or of an `rl.prompts` place trained on already; rollout_source.py),
+    which a resumed run goes on counting since they are part of the position, the id of the last stream entry the step
+    consumed (each step consumes the entries after the previous step's: ids that only grow mean no group was trained on
+    twice), and with `rl.prompts` the epochs of its records trained on."""
     position = state.get("stream", {})
     record = {"dropped_stale": int(position.get("dropped_stale", 0)),
-              "dropped_foreign": int(position.get("dropped_foreign", 0)), "rollout_position": position.get("after")}
-    if records := int(position.get("prompt_records", 0)):  # rl.prompts: epochs of the records asked so far
-        record["prompt_epochs"] = int(position["prompts_next"]) / records
+              "dropped_foreign": int(position.get("dropped_foreign", 0)),
+              "dropped_duplicate": int(position.get("dropped_duplicate", 0)), "rollout_position": position.get("after")}
+    if records := int(position.get("prompt_records", 0)):
+        trained = int(position["prompts_next"]) - len(position.get("prompts_missing", []))
+        record["prompt_epochs"] = trained / records
     return record
 
 
