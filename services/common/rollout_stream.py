@@ -60,9 +60,12 @@ def claim_places(client: redis.Redis, stream: str, count: int) -> tuple[list[int
 
 def ask_again(client: redis.Redis, stream: str, places: list[int], once_in_s: float) -> list[int]:
     """Queue `places` to be asked again, each at most once in `once_in_s` seconds however many dataloader replicas
-    ask (the first to ask queues it); returns those queued."""
+    ask (the first to ask queues it), and only where the counter has passed it (it asks the others itself, as after
+    a resume that set it back); returns those queued."""
+    claimed = int(client.get(prompt_cursor_key(stream)) or 0)
     hold = max(1, int(once_in_s * 1000))
-    queued = [p for p in places if client.set(f"{prompt_again_key(stream)}:{p}", 1, nx=True, px=hold)]
+    queued = [p for p in places
+              if p < claimed and client.set(f"{prompt_again_key(stream)}:{p}", 1, nx=True, px=hold)]
     if queued:
         client.rpush(prompt_again_key(stream), *queued)
     return queued

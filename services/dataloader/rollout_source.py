@@ -241,11 +241,13 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
         recorded in `places` as it is judged."""
         for entry_id, group in self._read:
             fresh = self._fresh(group)
-            if places.duplicate(group.prompt_seq):
+            if fresh is None:  # a dead incarnation's: its place is this one's to claim (and the counter's to ask)
+                yield entry_id, group, "foreign"
+            elif places.duplicate(group.prompt_seq):
                 yield entry_id, group, "duplicate"
-                continue
-            places.answered(group.prompt_seq, trained=bool(fresh))
-            yield entry_id, group, "taken" if fresh else "stale" if fresh is False else "foreign"
+            else:
+                places.answered(group.prompt_seq, trained=fresh)
+                yield entry_id, group, "taken" if fresh else "stale"
 
     def _accepted(self) -> int:
         return sum(1 for _, _, verdict in self._verdicts(self.places.copy()) if verdict == "taken")
@@ -267,16 +269,17 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
             raise DataError(f"fewer than {self.groups_per_step} trajectory groups fresh enough for step {self.step} "
                             f"after entry {self.after} of the rollout stream {self.log.key!r} (not generated yet)")
         taken: list[rollout_pb2.TrajectoryGroup] = []
-        dropped: list[int] = []  # places whose group was dropped: asked again at once
+        dropped: list[int] = []  # places whose group came too stale: asked again at once
         used = 0
         for used, (entry_id, group, verdict) in enumerate(self._verdicts(self.places), start=1):
             if verdict == "taken":
                 taken.append(group)
             elif verdict == "duplicate":
                 self.dropped_duplicate += 1
+            elif verdict == "foreign":
+                self.dropped_foreign += 1
             else:
-                self.dropped_stale += verdict == "stale"
-                self.dropped_foreign += verdict == "foreign"
+                self.dropped_stale += 1
                 if group.prompt_seq:
                     dropped.append(group.prompt_seq - 1)
             self.after = entry_id
