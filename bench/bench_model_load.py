@@ -2,14 +2,14 @@
 place, against the whole state read first and then loaded into a model built on the host.
 
     python bench/bench_model_load.py --config configs/qwen3_30b_a3b.yaml --dir /tmp/load model.num_layers=1
-                                     [--record bench/RESULTS.md]
+                                     [--hf FAMILY] [--record bench/RESULTS.md]
 
-Writes a checkpoint of the config's model (random weights) under --dir once, then loads it in a fresh process each
-way and prints that process's peak anonymous resident memory (RssAnon, sampled every 5 ms: the checkpoint's files
+Writes a checkpoint of the config's model (random weights) under --dir once, then loads it (or, with --hf FAMILY, an
+HF export of it, made once in bf16) in a fresh process each way and prints that process's peak anonymous resident memory (RssAnon, sampled every 5 ms: the checkpoint's files
 are memory-mapped, and their pages, which the kernel can drop, would count in the resident total) and time:
 `streamed` is services/rl_rollout/generate.py `load_model` (run.device and run.dtype decide where the model goes, in
-what dtype); `whole` reads every tensor into a dict, builds the model on the host in fp32, loads the dict and moves
-the model there, as load_model did before.
+what dtype); `whole` reads every tensor into a dict (an HF directory: `import_hf`), builds the model on the host in
+fp32, loads the dict and moves the model there, as load_model did before.
 """
 
 from __future__ import annotations
@@ -45,11 +45,15 @@ if sys.argv[1] == "streamed":
     model = load_model(ckpt, cfg, None).model
 else:
     from services.checkpointer.convert import find_checkpoint, iter_model_state, trained_config
+    from services.checkpointer.hf import import_hf
     from services.rl_rollout.worker import rollout_model_config
     from services.trainer.model.transformer import MoETransformer
-    step = find_checkpoint(ckpt)
-    model_cfg = trained_config(step)
-    state = dict(iter_model_state(step, model_cfg))
+    if (ckpt / "config.json").is_file():  # an HF directory: imported whole, as load_model did before
+        state, model_cfg = import_hf(ckpt)
+    else:
+        step = find_checkpoint(ckpt)
+        model_cfg = trained_config(step)
+        state = dict(iter_model_state(step, model_cfg))
     from services.rl_rollout.worker import rollout_device
     model = MoETransformer(rollout_model_config(model_cfg))
     model.load_state_dict(state)
@@ -85,13 +89,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None)
     ap.add_argument("--dir", type=Path, required=True, help="where the checkpoint is written (once) and read")
+    ap.add_argument("--hf", metavar="FAMILY", default=None,
+                    help="load an HF export of the checkpoint (made once, bf16, by `convert export`) instead")
     add_record_argument(ap)
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = ap.parse_args()
     root = args.dir / "ckpt"
     write_checkpoint_once(args.config, args.overrides, root)
+    if args.hf:
+        hf = args.dir / f"hf-{args.hf}"
+        if not (hf / "config.json").is_file():
+            subprocess.run([sys.executable, "-m", "services.checkpointer.convert", "export", str(root), str(hf),
+                            "--family", args.hf, "--force"], check=True, cwd=Path(__file__).resolve().parent.parent)
+        root = hf
     table = Table()
-    table.line(f"checkpoint {root}: {' '.join(args.overrides)}")
+    table.line(f"{'HF export' if args.hf else 'checkpoint'} {root}: {' '.join(args.overrides)}")
     table.line(f"{'way':<10} {'device':<8} {'dtype':<16} {'params':>14} {'peak anon GiB':>14} {'seconds':>8}")
     for way in ("whole", "streamed"):
         out = subprocess.run([sys.executable, "-c", PROBE, way, args.config or "", json.dumps(args.overrides),

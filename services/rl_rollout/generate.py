@@ -126,8 +126,10 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
     """The model of a foldmoe checkpoint or an HF model directory, with its tokenizer and chat template. The weights
     are read a tensor (an HF directory's: a layer) at a time into a model built in the target dtype on the target
     device: host memory holds that, not a copy of the model (bench/bench_model_load.py)."""
+    device = rollout_device(cfg)
+    dtype = torch.bfloat16 if device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
     if _is_hf_directory(spec):
-        hf = open_hf(spec)
+        hf = open_hf(spec, dtype)  # read in the model's dtype
         model_cfg, source = hf.cfg, f"HF model {spec}"
         check_fits(hf.shapes(), model_cfg, source, "; its config.json does not describe the tensors beside it")
         bundled = spec / "tokenizer.json"
@@ -146,8 +148,6 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
         raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids but the model of {source} has a vocabulary "
                             f"of {model_cfg.vocab_size}: not the tokenizer it was trained with; pass that one with "
                             "--tokenizer")
-    device = rollout_device(cfg)
-    dtype = torch.bfloat16 if device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
     with parameters_on_meta():
         model = MoETransformer(rollout_model_config(model_cfg))
     model.to(dtype=dtype)  # the meta parameters and the buffers
