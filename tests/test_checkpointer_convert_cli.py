@@ -119,28 +119,31 @@ def test_an_upcycled_dense_checkpoint_starts_an_moe_run_computing_the_dense_logi
 
 def bad_inputs(ckpts: dict, tmp: Path) -> list[tuple[list, str]]:
     mixtral, dense = ckpts["mixtral"][0], ckpts["dense"][0]
-    llama = tmp / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    gpt2 = tmp / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "num_hidden_layers": 2}))
     partial = tmp / "partial"
     partial.mkdir()
     (partial / "config.json").write_text(json.dumps({"model_type": "mixtral", "vocab_size": 264}))
     out = tmp / "out"
     return [
         (["export", tmp / "missing", out, "--family", "mixtral"], r"missing: no such directory; name a checkpoint"),
-        (["export", llama, out, "--family", "mixtral"], r"holds no committed checkpoint that verifies; name a"),
+        (["export", gpt2, out, "--family", "mixtral"], r"holds no committed checkpoint that verifies; name a"),
         (["export", mixtral, out, "--family", "mixtral", "--config", TINY, "model.hidden_size=64"],
          r"holds another model than the model config describes: 'embed.weight' is \[264, 128\] there but "
          r"\[264, 64\] .*model.hidden_size=128 there, 64 here"),
+        (["export", mixtral, out, "--family", "gpt2", "--config", TINY],
+         r"unknown HF family 'gpt2'; choose one of mixtral, qwen3_moe, deepseek_v3, qwen3, llama"),
         (["export", mixtral, out, "--family", "llama", "--config", TINY],
-         r"unknown HF family 'llama'; choose one of mixtral, qwen3_moe"),
+         r"llama is a dense model: it needs `model.first_k_dense=model.num_layers` \(4\), got 0; export MoE models"),
         (["export", mixtral, out, "--family", "qwen3_moe", "--config", TINY],
          r"qwen3_moe has per-head q/k RMSNorm: it needs `model.qk_norm=true`"),
         (["export", mixtral, out, "--family", "mixtral", "--config", tmp / "nope.yaml"],
          r"config file .* does not exist"),
         (["import", tmp / "missing", out], r"missing: no such directory; point at an HF model directory"),
         (["import", tmp, out], r"config.json is missing; point at an HF model directory"),
-        (["import", llama, out], r"model_type 'llama' is not supported: only MoE models of the families mixtral"),
+        (["import", gpt2, out], r"model_type 'gpt2' is not supported: only models of the families mixtral, .* "
+                                r"\(the dense ones, qwen3 and llama, to upcycle\)"),
         (["import", partial, out], r"config.json has no 'num_hidden_layers' field: not a complete HF model config"),
         (["upcycle", mixtral, out, "--config", TINY], r"is an MoE model .*upcycle starts from a dense one"),
         (["upcycle", dense, out, "--config", TINY, "model.moe_ffn_hidden_size=128"],

@@ -14,7 +14,8 @@ probabilities always renormalised), "qwen3_moe" (Qwen3MoeForCausalLM: `mlp.gate`
 down_proj`, per-head `self_attn.{q,k}_norm`, `norm_topk_prob` as configured, leading dense layers as `mlp_only_layers`)
 and "deepseek_v3" (DeepseekV3ForCausalLM: MLA attention with its RoPE rows reordered, sigmoid
 group-limited routing whose `mlp.gate.e_score_correction_bias` is our expert bias, `mlp.shared_experts`, YaRN RoPE,
-leading dense layers as `first_k_dense_replace`). Export writes the per-expert ("original") layout, which every
+leading dense layers as `first_k_dense_replace`); and the dense "qwen3" (Qwen3ForCausalLM: QK-norm) and "llama"
+(LlamaForCausalLM), our model with every layer's MLP dense (`model.first_k_dense=num_layers`), to upcycle. Export writes the per-expert ("original") layout, which every
 transformers version loads; import also reads the fused layout transformers 5 keeps in memory
 (`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`), FP8 block-quantised weights (the
 published DeepSeek-V3 checkpoints: dequantised on import). DeepSeek-V3's multi-token-prediction layers
@@ -367,7 +368,8 @@ class HFTensors(Mapping[str, torch.Tensor]):
             return torch.empty(self._shapes[key], dtype=dtype, device="meta")
         if key + "_scale_inv" in self._shapes:
             return dequantize_blocks(self._read(key), self._read(key + "_scale_inv"), self.block, dtype)
-        return self._read(key).to(dtype)
+        t = self._read(key).to(dtype)
+        return t.clone() if key != name else t  # a tied output layer: its own copy
 
     def _read(self, key: str) -> torch.Tensor:
         file, handle = self._files[key]

@@ -1,7 +1,9 @@
 """Which models each Hugging Face family can express, and its config.json <-> our ModelConfig, both ways.
 
 Used by services/checkpointer/hf.py (the weights); the rule is the same: a config the family would compute differently
-is refused with `HFError`, naming the field and the value it needs.
+is refused with `HFError`, naming the field and the value it needs. The dense families (Qwen3ForCausalLM,
+LlamaForCausalLM) are our model with every layer's MLP dense (`model.first_k_dense=num_layers`): imported to be
+upcycled into an MoE (convert.py `upcycle`), or exported after dense training.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from typing import Literal
 from services.checkpointer.hf_deepseek import LATENT_NORM_EPS
 from services.common.config import ModelConfig
 
-Family = Literal["mixtral", "qwen3_moe", "deepseek_v3"]
-FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
-_ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+Family = Literal["mixtral", "qwen3_moe", "deepseek_v3", "qwen3", "llama"]
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "qwen3", "llama")
+DENSE = ("qwen3", "llama")  # dense models (every layer's MLP dense: model.first_k_dense=num_layers), to upcycle
+_ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_QK_NORM = ("qwen3_moe", "qwen3")  # the families with per-head q/k RMSNorm
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}  # transformers' values for a missing (or null) field
 
 
@@ -25,7 +30,12 @@ def check_family(cfg: ModelConfig, family: str) -> None:
     """Refuse a config whose model the HF family would compute differently."""
     if family not in FAMILIES:
         raise HFError(f"unknown HF family {family!r}; choose one of {', '.join(FAMILIES)}")
-    if cfg.capacity_factor > 0:
+    if family in DENSE:
+        if cfg.first_k_dense != cfg.num_layers:
+            raise HFError(f"{family} is a dense model: it needs `model.first_k_dense=model.num_layers` "
+                          f"({cfg.num_layers}), got {cfg.first_k_dense}; export MoE models as mixtral, qwen3_moe or "
+                          "deepseek_v3")
+    elif cfg.capacity_factor > 0:
         raise HFError(f"{family} is dropless but `model.capacity_factor={cfg.capacity_factor}` drops tokens")
     if family == "deepseek_v3":
         _check_deepseek(cfg)
@@ -36,19 +46,20 @@ def check_family(cfg: ModelConfig, family: str) -> None:
     if cfg.rope_scaling_factor != 1.0:
         raise HFError(f"{family} export writes plain RoPE but `model.rope_scaling_factor={cfg.rope_scaling_factor}` "
                       "(YaRN)")
-    if cfg.shared_expert_ffn_hidden_size:
+    moe = family not in DENSE
+    if moe and cfg.shared_expert_ffn_hidden_size:
         raise HFError(f"{family} has no shared expert but `model.shared_expert_ffn_hidden_size="
                       f"{cfg.shared_expert_ffn_hidden_size}`")
     if family == "mixtral" and cfg.first_k_dense:
         raise HFError(f"mixtral has no dense layers but `model.first_k_dense={cfg.first_k_dense}`")
-    if cfg.qk_norm != (family == "qwen3_moe"):
-        raise HFError(f"{family} {'has' if family == 'qwen3_moe' else 'has no'} per-head q/k RMSNorm: it needs "
-                      f"`model.qk_norm={str(family == 'qwen3_moe').lower()}`, got {str(cfg.qk_norm).lower()}")
-    if cfg.score_func != "softmax":
+    if cfg.qk_norm != (family in _QK_NORM):
+        raise HFError(f"{family} {'has' if family in _QK_NORM else 'has no'} per-head q/k RMSNorm: it needs "
+                      f"`model.qk_norm={str(family in _QK_NORM).lower()}`, got {str(cfg.qk_norm).lower()}")
+    if moe and cfg.score_func != "softmax":
         raise HFError(f"{family} routes with softmax scores but `model.score_func={cfg.score_func}`")
-    if cfg.num_groups:
+    if moe and cfg.num_groups:
         raise HFError(f"{family} has no group-limited routing but `model.num_groups={cfg.num_groups}`")
-    if cfg.routed_scaling_factor != 1.0:
+    if moe and cfg.routed_scaling_factor != 1.0:
         raise HFError(f"{family} does not scale routed outputs but `model.routed_scaling_factor="
                       f"{cfg.routed_scaling_factor}`")
     if family == "mixtral" and not cfg.norm_topk_prob:
@@ -87,23 +98,28 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str = "bfloat16", max_pos
     common = {"architectures": [_ARCH[family]], "model_type": family,
               "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
               "num_attention_heads": cfg.num_heads, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps,
-              "num_experts_per_tok": cfg.top_k, "tie_word_embeddings": False, "hidden_act": "silu",
+              "tie_word_embeddings": False, "hidden_act": "silu",
               "max_position_embeddings": max_positions, "torch_dtype": dtype, "dtype": dtype,
-              "initializer_range": cfg.init_std, "attention_dropout": 0.0, "output_router_logits": False,
-              "use_cache": True}
+              "initializer_range": cfg.init_std, "attention_dropout": 0.0, "use_cache": True}
+    if family not in DENSE:
+        common.update({"num_experts_per_tok": cfg.top_k, "output_router_logits": False})
     if family == "deepseek_v3":
         return {**common, **_deepseek_hf_config(cfg, max_positions)}
     common.update({"num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.kv_channels, "sliding_window": None,
                    # transformers < 5 reads rope_theta, 5 reads rope_parameters (and still accepts rope_theta alone)
                    "rope_theta": cfg.rope_theta,
                    "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                   "router_aux_loss_coef": cfg.aux_loss_coeff if cfg.aux_loss_type != "none" else 0.0})
+                   "attention_bias": False})
+    if family in DENSE:
+        return {**common, "intermediate_size": cfg.ffn_hidden_size,
+                **({"mlp_bias": False} if family == "llama" else {"use_sliding_window": False})}
+    common["router_aux_loss_coef"] = cfg.aux_loss_coeff if cfg.aux_loss_type != "none" else 0.0
     if family == "mixtral":  # always renormalises the top-k probabilities: no norm_topk_prob field
         return {**common, "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.num_experts,
                 "router_jitter_noise": 0.0}
     return {**common, "intermediate_size": cfg.ffn_hidden_size, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
             "num_experts": cfg.num_experts, "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(cfg.first_k_dense)), "attention_bias": False, "use_sliding_window": False}
+            "mlp_only_layers": list(range(cfg.first_k_dense)), "use_sliding_window": False}
 
 
 def _deepseek_hf_config(cfg: ModelConfig, max_positions: int) -> dict:
@@ -170,8 +186,8 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
     """Our ModelConfig from an HF config.json of a supported family (transformers 4 or 5 spelling)."""
     family = config.get("model_type")
     if family not in FAMILIES:
-        raise HFError(f"config.json model_type {family!r} is not supported: only MoE models of the families "
-                      f"{', '.join(FAMILIES)} convert")
+        raise HFError(f"config.json model_type {family!r} is not supported: only models of the families "
+                      f"{', '.join(FAMILIES)} convert (the dense ones, {' and '.join(DENSE)}, to upcycle)")
     if config.get("hidden_act", "silu") != "silu":
         raise HFError(f"hidden_act={config['hidden_act']!r}: our experts are SwiGLU (silu)")
     if config.get("attention_bias"):
@@ -183,6 +199,15 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
     if window is not None:
         raise HFError(f"sliding_window={window}: our attention is full causal")
     num_layers = config["num_hidden_layers"]
+    trunk = dict(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=num_layers,
+                 num_heads=config["num_attention_heads"],
+                 num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+                 head_dim=config.get("head_dim") or 0, norm_eps=config["rms_norm_eps"], qk_norm=family in _QK_NORM,
+                 init_std=config.get("initializer_range", ModelConfig.init_std), **rope)
+    if family in DENSE:
+        if config.get("mlp_bias"):
+            raise HFError("mlp_bias=true: our MLPs have no biases")
+        return ModelConfig(**trunk, first_k_dense=num_layers, ffn_hidden_size=config["intermediate_size"]), family
     num_experts = config.get("num_local_experts", config.get("num_experts"))
     if not num_experts:
         raise HFError(f"num_experts={num_experts}: not an MoE model")
@@ -191,17 +216,11 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
     if family == "qwen3_moe" and dense != list(range(len(dense))):
         raise HFError(f"dense layers {dense} (mlp_only_layers, decoder_sparse_step={step}) must be the leading layers "
                       "(our model's first_k_dense)")
-    cfg = ModelConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=num_layers,
-                      num_heads=config["num_attention_heads"],
-                      num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-                      head_dim=config.get("head_dim") or 0, num_experts=num_experts,
-                      top_k=config["num_experts_per_tok"], norm_eps=config["rms_norm_eps"], **rope,
+    cfg = ModelConfig(**trunk, num_experts=num_experts, top_k=config["num_experts_per_tok"],
                       first_k_dense=len(dense) if family == "qwen3_moe" else 0,
                       # transformers' defaults: Mixtral always renormalises, Qwen3-MoE only with norm_topk_prob
                       norm_topk_prob=True if family == "mixtral" else bool(config.get("norm_topk_prob", False)),
-                      qk_norm=family == "qwen3_moe",
                       aux_loss_coeff=config.get("router_aux_loss_coef", 0.001),
-                      init_std=config.get("initializer_range", ModelConfig.init_std),
                       moe_ffn_hidden_size=config.get("moe_intermediate_size", config["intermediate_size"]),
                       ffn_hidden_size=config["intermediate_size"] if family == "qwen3_moe" else ModelConfig.ffn_hidden_size)
     return cfg, family

@@ -1,0 +1,112 @@
+"""Dense HF models (Qwen3ForCausalLM, LlamaForCausalLM) against the `transformers` library itself, and sparse upcycling
+from one.
+
+Specification: a random transformers dense model written by `save_pretrained` imports with `import_hf` into a
+foldmoe model (every layer's MLP dense) with the same logits (fp32, atol 1e-4), tied embeddings included; a random
+foldmoe dense model exported with `export_hf` loads in `from_pretrained` with the same logits; through the command
+line, an imported dense model upcycled to an MoE (every expert a copy of the MLP, top-k weights summing to 1) computes
+the transformers model's logits. The tiny models have GQA, head_dim != hidden/heads, non-default RoPE theta and norm
+eps and non-unit norm scales (Qwen3's QK-norm included), so a wrong name, layout or config field shows in the logits.
+A dense family refuses an MoE model and an MoE family a dense one, naming the fix.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+import yaml
+
+from services.checkpointer.convert import main as convert
+from services.checkpointer.hf import HFError, export_hf, import_hf
+from services.checkpointer.load import load_checkpoint
+from services.common.config import ModelConfig
+from services.trainer.model.transformer import MoETransformer
+from test_checkpointer_hf_transformers import ATOL, hf_logits, load_hf, ours_logits, tokens
+
+SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=24, intermediate_size=56, rms_norm_eps=1e-5, max_position_embeddings=256,
+             rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+CONFIGS = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
+
+
+def random_hf(family: str, tied: bool):
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](**SHAPE, tie_word_embeddings=tied),
+                                                       dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # random everything, norm scales (QK-norm included) too
+        gen = torch.Generator().manual_seed(4)
+        for p in hf.parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if p.ndim == 1 else
+                    0.1 * torch.randn(p.shape, generator=gen))
+    return hf
+
+
+@pytest.mark.parametrize("family, tied", [("qwen3", True), ("llama", False)])
+def test_a_transformers_dense_model_imports_with_the_same_logits(tmp_path, family, tied):
+    hf = random_hf(family, tied)
+    hf.save_pretrained(tmp_path / "hf")
+    state, cfg = import_hf(tmp_path / "hf")
+    assert (cfg.first_k_dense, cfg.num_layers, cfg.qk_norm, cfg.ffn_hidden_size) == (3, 3, family == "qwen3", 56)
+    assert (cfg.kv_channels, cfg.num_kv_heads, cfg.rope_theta, cfg.norm_eps) == (24, 2, 5e5, 1e-5)
+    ours = MoETransformer(cfg).eval()
+    ours.load_state_dict(state)  # strict: every parameter and buffer of our model is set
+    assert not any("experts" in name for name in state)
+    toks = tokens(seed=1)
+    expected = hf_logits(hf, toks)
+    assert expected.std() > 0.1
+    torch.testing.assert_close(ours_logits(ours, toks), expected, rtol=0, atol=ATOL)
+    if tied:  # our output layer is its own copy of the embedding
+        assert torch.equal(state["output.weight"], state["embed.weight"])
+        assert state["output.weight"].data_ptr() != state["embed.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, family):
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
+                      ffn_hidden_size=56, norm_eps=1e-5, rope_theta=5e5, first_k_dense=3, qk_norm=family == "qwen3")
+    ours = MoETransformer(cfg)
+    ours.init_weights(seed=5)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(6)
+        for p in ours.parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+    ours.eval()
+    out = export_hf(ours.state_dict(), cfg, family, tmp_path / "hf", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family and "num_experts_per_tok" not in config
+    hf = load_hf(out)
+    assert type(hf).__name__ == CONFIGS[family].__name__.replace("Config", "ForCausalLM")
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
+    toks = tokens(seed=2)
+    torch.testing.assert_close(hf_logits(hf, toks), ours_logits(ours, toks), rtol=0, atol=ATOL)
+
+
+def test_an_imported_dense_model_upcycles_to_an_moe_computing_its_logits(tmp_path):
+    hf = random_hf("qwen3", tied=True)
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert(["import", str(tmp_path / "hf"), str(tmp_path / "dense")]) == 0
+    model_yaml = tmp_path / "dense" / "model.yaml"
+    assert yaml.safe_load(model_yaml.read_text())["model"]["first_k_dense"] == 3
+    assert convert(["upcycle", str(tmp_path / "dense"), str(tmp_path / "moe"), "--config", str(model_yaml),
+                    "model.first_k_dense=0", "model.num_experts=4", "model.top_k=2", "model.moe_ffn_hidden_size=56",
+                    "model.norm_topk_prob=true"]) == 0
+    moe_cfg = ModelConfig(**yaml.safe_load((tmp_path / "moe" / "model.yaml").read_text())["model"])
+    assert (moe_cfg.first_k_dense, moe_cfg.num_experts) == (0, 4)
+    moe = MoETransformer(moe_cfg).eval()
+    with load_checkpoint(next((tmp_path / "moe").glob("step_*")), checksums=True) as c:
+        moe.load_state_dict({n.removeprefix("model/"): c.read(n) for n in c.names()})
+    toks = tokens(seed=3)
+    torch.testing.assert_close(ours_logits(moe, toks), hf_logits(hf, toks), rtol=0, atol=ATOL)
+
+
+def test_dense_and_moe_families_refuse_each_others_models():
+    with pytest.raises(HFError, match=r"qwen3 is a dense model: it needs `model.first_k_dense=model.num_layers` \(2\)"):
+        export_hf({}, ModelConfig(num_layers=2, qk_norm=True), "qwen3", "/nonexistent")
+    with pytest.raises(HFError, match=r"llama has no per-head q/k RMSNorm: it needs `model.qk_norm=false`"):
+        export_hf({}, ModelConfig(num_layers=2, first_k_dense=2, qk_norm=True), "llama", "/nonexistent")
+    with pytest.raises(HFError, match="mixtral has no dense layers"):
+        export_hf({}, ModelConfig(num_layers=2, first_k_dense=2), "mixtral", "/nonexistent")
