@@ -110,8 +110,8 @@ def test_the_text_form_is_one_line(ckpt, capsys, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("argv, names", [
-    (["--corpus", "{missing}"], "--corpus {missing}: no such file or directory"),
-    (["--corpus", "{tmp}/*.nope"], "a pattern matching none"),
+    (["--corpus", "{missing}"], "corpus entry '{missing}' does not exist; fix `--corpus`"),
+    (["--corpus", "{tmp}/*.nope"], "/*.nope' matches no file; fix `--corpus`"),
     (["data.eval_fraction=0"], "holds no documents out"),
     (["--max-tokens", "-1"], "--max-tokens must be >= 0"),
     (["--checkpoint", "{tmp}"], "holds no committed checkpoint"),

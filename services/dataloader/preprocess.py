@@ -60,14 +60,15 @@ class Source:
 # ---------------------------------------------------------------- finding the corpus
 
 
-def discover(corpus: list[str]) -> list[Source]:
-    """Every input file named by `data.corpus`, in a stable order, each once (symlinks resolved)."""
+def discover(corpus: list[str], option: str = "data.corpus") -> list[Source]:
+    """Every input file named by `corpus` (the entries of `option`, which errors name), in a stable order, each once
+    (symlinks resolved)."""
     if not corpus:
-        raise DataError("`data.corpus` is empty: name at least one text file or directory")
+        raise DataError(f"`{option}` is empty: name at least one text file or directory")
     seen: set[str] = set()
     found: list[Source] = []
     for entry in corpus:
-        for path in _expand(entry):
+        for path in _expand(entry, option):
             real = os.path.realpath(path)
             if real in seen:
                 continue
@@ -75,15 +76,15 @@ def discover(corpus: list[str]) -> list[Source]:
             st = os.stat(real)
             found.append(Source(real, st.st_size, st.st_mtime_ns))
     if not found:
-        raise DataError(f"`data.corpus={corpus}` holds no files")
+        raise DataError(f"`{option}={corpus}` holds no files")
     return found
 
 
-def _expand(entry: str) -> list[str]:
+def _expand(entry: str, option: str) -> list[str]:
     if glob.has_magic(entry):
         paths = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
         if not paths:
-            raise DataError(f"corpus pattern {entry!r} matches no file; fix `data.corpus`")
+            raise DataError(f"corpus pattern {entry!r} matches no file; fix `{option}`")
         return paths
     if os.path.isfile(entry):
         return [entry]
@@ -93,7 +94,7 @@ def _expand(entry: str) -> list[str]:
             dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
             out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
         return [p for p in out if os.path.isfile(p)]
-    raise DataError(f"corpus entry {entry!r} does not exist; fix `data.corpus` (files, directories or glob patterns)")
+    raise DataError(f"corpus entry {entry!r} does not exist; fix `{option}` (files, directories or glob patterns)")
 
 
 # ---------------------------------------------------------------- reading documents
@@ -269,13 +270,13 @@ def is_up_to_date(out_dir: Path, sources: list[Source], params: dict[str, Any]) 
 
 
 def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, workers: int = 0, force: bool = False,
-               progress: bool = True, chat_template: str = "") -> Path:
+               progress: bool = True, chat_template: str = "", option: str = "data.corpus") -> Path:
     """Tokenize `corpus` into `out_dir` unless it already holds exactly that; returns `out_dir`. `chat_template`:
-    `data.chat_template`, which renders "messages" records (chat.py)."""
+    `data.chat_template`, which renders "messages" records (chat.py); `option`: what errors name the corpus by."""
     out_dir = Path(out_dir)
     tok = open_tokenizer(tokenizer_spec)
     params = _build_params(tok.identity(), load_chat_template(chat_template) if chat_template else None)
-    sources = discover(corpus)
+    sources = discover(corpus, option)
     if not force and is_up_to_date(out_dir, sources, params):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -292,7 +293,7 @@ def preprocess(corpus: list[str], tokenizer_spec: str, out_dir: str | Path, *, w
         for name in (TOKENS_FILE, LOSS_MASK_FILE):
             (out_dir / (name + ".tmp")).unlink(missing_ok=True)
         skipped = [f"{r['path']} ({r['skipped']})" for r in records if "skipped" in r]
-        raise DataError(f"`data.corpus={corpus}` holds no text ({len(sources)} files"
+        raise DataError(f"`{option}={corpus}` holds no text ({len(sources)} files"
                         + (f"; skipped: {', '.join(skipped[:5])}" if skipped else "") + ")")
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -425,12 +426,14 @@ def eval_dataset_path(cfg) -> Path | None:
     return Path(cfg.data.dataset_dir) / "eval" if cfg.data.eval_corpus else None
 
 
-def _builds(cfg) -> list[tuple[list[str], Path]]:
-    """(corpus entries, dataset directory) of every dataset `cfg` reads: `dataset_paths`', then `eval_dataset_path`."""
+def _builds(cfg) -> list[tuple[list[str], Path, str]]:
+    """(corpus entries, dataset directory, the option naming them) of every dataset `cfg` reads: `dataset_paths`',
+    then `eval_dataset_path`."""
     d = cfg.data
-    out = list(zip([[e] for e in d.corpus] if d.blend_weights else [d.corpus], dataset_paths(cfg)))
+    out = [(entries, path, "data.corpus")
+           for entries, path in zip([[e] for e in d.corpus] if d.blend_weights else [d.corpus], dataset_paths(cfg))]
     if d.eval_corpus:
-        out.append((d.eval_corpus, eval_dataset_path(cfg)))
+        out.append((d.eval_corpus, eval_dataset_path(cfg), "data.eval_corpus"))
     return out
 
 
@@ -442,8 +445,8 @@ def ensure_dataset(cfg, *, progress: bool = False) -> Path:
     """
     d = cfg.data
     paths = dataset_paths(cfg)
-    for entry, path in _builds(cfg):
-        preprocess(entry, d.tokenizer, path, progress=progress, chat_template=d.chat_template)
+    for entry, path, option in _builds(cfg):
+        preprocess(entry, d.tokenizer, path, progress=progress, chat_template=d.chat_template, option=option)
     vocab = read_meta(paths[0])["tokenizer"]["vocab_size"]
     if vocab > cfg.model.vocab_size:
         raise DataError(f"tokenizer `{d.tokenizer}` has {vocab} ids but `model.vocab_size={cfg.model.vocab_size}`; "
@@ -467,10 +470,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         d = cfg.data
         builds = _builds(cfg)
-        paths = [path for _, path in builds]
-        for entry, path in builds:
+        paths = [path for _, path, _ in builds]
+        for entry, path, option in builds:
             preprocess(entry, d.tokenizer, path, workers=args.workers, force=args.force, progress=sys.stderr.isatty(),
-                       chat_template=d.chat_template)
+                       chat_template=d.chat_template, option=option)
         ensure_dataset(cfg)  # the vocabulary check; the datasets are up to date by now
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -25,7 +25,6 @@ stdout (or a JSON object with --json); progress on stderr. Bad input is one line
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import itertools
 import json
@@ -94,13 +93,9 @@ def heldout_set(cfg: Config, loaded: Loaded) -> tuple[list[IndexedDataset], list
 
 def corpus_set(cfg: Config, loaded: Loaded, corpus: list[str]) -> tuple[list[IndexedDataset], Iterator[Sequence], str]:
     """(the dataset, its sequences, in words) of every document of `corpus`, tokenized by the model's tokenizer."""
-    for entry in corpus:  # named as this command's option, not as data.corpus (preprocess's own messages)
-        if not (glob.glob(entry, recursive=True) if glob.has_magic(entry) else Path(entry).exists()):
-            raise EvaluateError(f"--corpus {entry}: no such file or directory" + (" (a pattern matching none)"
-                                                                                  if glob.has_magic(entry) else ""))
     key = hashlib.sha256(json.dumps([str(Path(c).resolve()) for c in corpus]).encode()).hexdigest()[:16]
     out = preprocess(corpus, loaded.tokenizer_spec, Path(cfg.run.dir) / "evaluate" / key,
-                     progress=_err.is_terminal, chat_template=loaded.chat_template)
+                     progress=_err.is_terminal, chat_template=loaded.chat_template, option="--corpus")
     dataset = IndexedDataset(out, expect_tokenizer=loaded.tokenizer.identity())
     d = cfg.data
     try:
