@@ -201,6 +201,6 @@ def test_cli_builds_and_reports(corpus, tmp_path, capsys):
     assert "4 documents" in capsys.readouterr().out
     assert main([f"data.corpus=[{tmp_path / 'missing'}]", f"data.dataset_dir={tmp_path / 'ds2'}"]) == 2
     assert "does not exist; fix `data.corpus`" in capsys.readouterr().err
-    assert main([f"data.corpus=[{corpus}]", f"data.eval_corpus=[{tmp_path / 'missing'}]",
+    assert main([f"data.corpus=[{corpus}]", f"data.eval_corpus=[{tmp_path / 'missing'}]", "run.eval_interval=10",
                  f"data.dataset_dir={tmp_path / 'ds3'}"]) == 2
     assert "does not exist; fix `data.eval_corpus`" in capsys.readouterr().err  # the option that names it
