@@ -117,6 +117,37 @@ def test_an_upcycled_dense_checkpoint_starts_an_moe_run_computing_the_dense_logi
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_an_export_carries_the_runs_tokenizer_and_chat_template(tmp_path):
+    """So that the directory loads whole: transformers' AutoTokenizer gives the ids the run trained on and renders the
+    run's chat template; `foldmoe generate` finds the tokenizer there. The byte tokenizer has no HF file: none."""
+    transformers = pytest.importorskip("transformers")
+    from services.common.tokenizer import load_tokenizer
+    from services.dataloader.chat import ChatTemplate
+    from test_dataloader_chat import CHATML
+    from test_tokenizer import TEXT, _write_hf_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    tok = _write_hf_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<pad>"}))
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    trained(tmp_path / "ckpt", ["model.vocab_size=304", f"data.tokenizer={tok}",
+                                f"data.chat_template={tmp_path / 'chatml.jinja'}"])
+    out = tmp_path / "hf"
+    assert convert("export", tmp_path / "ckpt", out, "--family", "mixtral") == 0
+    assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
+    assert (out / "chat_template.jinja").read_text() == CHATML  # the tokenizer_config.json beside it holds none
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert theirs.encode(TEXT, add_special_tokens=False) == load_tokenizer(str(tok)).encode(TEXT)
+    turn = [{"role": "user", "content": "2+2?"}]
+    assert theirs.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == ChatTemplate(
+        "chatml", CHATML).render(turn, add_generation_prompt=True)
+
+    trained(tmp_path / "bytes", [])
+    assert convert("export", tmp_path / "bytes", tmp_path / "hf_bytes", "--family", "mixtral") == 0
+    assert sorted(p.name for p in (tmp_path / "hf_bytes").iterdir()) == ["config.json", "model.safetensors"]
+
+
 def bad_inputs(ckpts: dict, tmp: Path) -> list[tuple[list, str]]:
     mixtral, dense = ckpts["mixtral"][0], ckpts["dense"][0]
     gpt2 = tmp / "gpt2"

@@ -44,12 +44,15 @@ from services.checkpointer.load import load_checkpoint, resolve_checkpoint
 from services.checkpointer.store import CheckpointStore
 from services.common import logs
 from services.common.config import ConfigError, ModelConfig, load_config
+from services.dataloader.chat import hf_chat_template, load_chat_template
+from services.dataloader.errors import DataError
 # The model definition is shared (as with the rollout engine): its state dict is the truth about parameter shapes, and
 # saved_value is how the trainer reads a parameter back (bf16 values joined with their saved fp32 remainders).
 from services.trainer.checkpointing import saved_value
 from services.trainer.model.transformer import MoETransformer
 
 EXIT_USAGE = 2
+HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")  # beside tokenizer.json
 PART_BYTES = 1 << 30  # tensors per shard file of an imported checkpoint (the writer streams each file)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _err = Console(stderr=True)  # progress bars only
@@ -223,8 +226,35 @@ def export_cmd(args: argparse.Namespace) -> None:
                 say(f"warning: the config differs from the one {ckpt} was trained with: {', '.join(diff)}")
             export_hf(state, cfg, args.family, tmp, dtype=DTYPES[args.dtype],
                       track=lambda blocks: progress(blocks, "exporting", pieces(cfg)))
+        tokenizer = export_tokenizer(recorded_config(ckpt).get("data") or {}, tmp)
     files = sorted(p.name for p in args.out.glob("*.safetensors"))
-    say(f"wrote {args.out}/config.json and {files[0] if len(files) == 1 else f'{len(files)} safetensors files'}")
+    say(f"wrote {args.out}/config.json and {files[0] if len(files) == 1 else f'{len(files)} safetensors files'}"
+        + (f", with the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else ""))
+
+
+def export_tokenizer(data: dict[str, Any], out: Path) -> list[str]:
+    """The tokenizer the run trained with (`data`: its recorded data section) beside the exported weights, so that the
+    directory loads whole (transformers' AutoTokenizer, serving engines, `foldmoe generate`): its tokenizer.json and
+    the HF tokenizer files beside that, and the run's `data.chat_template` as chat_template.jinja where those files
+    hold none. Returns the files written; none for the byte tokenizer (which HF has no file for)."""
+    spec = data.get("tokenizer") or "byte"
+    if spec == "byte":
+        return []
+    source = Path(spec)
+    if not source.is_file():
+        say(f"warning: the run's tokenizer {source} is gone: the export holds no tokenizer")
+        return []
+    shutil.copyfile(source, out / "tokenizer.json")
+    written = ["tokenizer.json"]
+    for name in HF_TOKENIZER_FILES:
+        if (source.parent / name).is_file():
+            shutil.copyfile(source.parent / name, out / name)
+            written.append(name)
+    template = data.get("chat_template") or ""
+    if template and not hf_chat_template(out):
+        (out / "chat_template.jinja").write_text(load_chat_template(template).text, encoding="utf-8")
+        written.append("chat_template.jinja")
+    return written
 
 
 def import_cmd(args: argparse.Namespace) -> None:
@@ -300,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     run = {"export": export_cmd, "import": import_cmd, "upcycle": upcycle_cmd}[args.command]
     try:
         run(args)
-    except (ConvertError, HFError, ConfigError, CheckpointError, OSError) as e:
+    except (ConvertError, HFError, ConfigError, CheckpointError, DataError, OSError) as e:
         # One line: the messages name the cause and the fix; a traceback would bury them.
         print(f"convert: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -37,7 +37,7 @@ class ChatTemplate:
             self._template = env.from_string(template)
         except TemplateError as e:
             raise DataError(f"chat template {source} does not parse: {e}") from None
-        self.source, self.tokens = source, {"bos_token": bos_token, "eos_token": eos_token}
+        self.source, self.text, self.tokens = source, template, {"bos_token": bos_token, "eos_token": eos_token}
         self.sha256 = hashlib.sha256(template.encode()).hexdigest()
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -82,6 +82,21 @@ def _raise(message: str):
     from jinja2 import TemplateError
 
     raise TemplateError(message)
+
+
+def hf_chat_template(directory: Path) -> str:
+    """Where an HF model directory keeps its chat template: its tokenizer_config.json where that holds one
+    ("chat_template"), else its chat_template.jinja (where newer `transformers` save it); "" where it has none."""
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            parsed = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{config} cannot be read as JSON ({e})") from None
+        if isinstance(parsed, dict) and parsed.get("chat_template"):
+            return str(config)
+    jinja = directory / "chat_template.jinja"
+    return str(jinja) if jinja.is_file() else ""
 
 
 def load_chat_template(spec: str) -> ChatTemplate:

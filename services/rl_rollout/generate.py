@@ -49,6 +49,7 @@ from services.common.command import run_command
 from services.common.config import Config, ConfigError, load_config
 from services.common.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from services.dataloader.chat import ChatTemplate, load_chat_template
+from services.dataloader.chat import hf_chat_template
 from services.dataloader.errors import DataError
 from services.rl_rollout.engine import Completion, Engine, EngineError, Request
 from services.rl_rollout.prompts import ANSWER_CHECKS, Prompt, load_reward, read_records
@@ -98,21 +99,6 @@ def _tokenizer(given: str | None, recorded: str | None, fallback: str, source: s
     return tokenizer
 
 
-def _hf_chat_template(directory: Path) -> str:
-    """An HF model directory's chat template: its tokenizer_config.json where that holds one ("chat_template"), else
-    its chat_template.jinja (where newer `transformers` save it), else ""."""
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        try:
-            parsed = json.loads(config.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise GenerateError(f"{config} cannot be read as JSON ({e})") from None
-        if isinstance(parsed, dict) and parsed.get("chat_template"):
-            return str(config)
-    jinja = directory / "chat_template.jinja"
-    return str(jinja) if jinja.is_file() else ""
-
-
 @dataclass
 class Loaded:
     model: MoETransformer  # on `run.device`, in eval mode
@@ -134,7 +120,7 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
         check_fits(hf.shapes(), model_cfg, source, "; its config.json does not describe the tensors beside it")
         bundled = spec / "tokenizer.json"
         recorded = str(bundled) if bundled.is_file() else None
-        chat_template = _hf_chat_template(spec)
+        chat_template = hf_chat_template(spec)
         state = (item for piece in hf.state() for item in piece.items())
     else:
         ckpt = find_checkpoint(spec)
