@@ -85,10 +85,15 @@ def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, fa
     torch.testing.assert_close(hf_logits(hf, toks), ours_logits(ours, toks), rtol=0, atol=ATOL)
 
 
-def test_an_imported_dense_model_upcycles_to_an_moe_computing_its_logits(tmp_path):
+def test_an_imported_dense_model_upcycles_to_an_moe_computing_its_logits(tmp_path, capsys):
+    from test_tokenizer import _write_hf_tokenizer
+
     hf = random_hf("qwen3", tied=True)
     hf.save_pretrained(tmp_path / "hf")
+    _write_hf_tokenizer(tmp_path / "hf" / "tokenizer.json", vocab_size=96)
     assert convert(["import", str(tmp_path / "hf"), str(tmp_path / "dense")]) == 0
+    # the message names what a run from it needs: the model section and the model's own tokenizer
+    assert f"data.tokenizer={(tmp_path / 'hf' / 'tokenizer.json').resolve()}" in capsys.readouterr().err
     model_yaml = tmp_path / "dense" / "model.yaml"
     assert yaml.safe_load(model_yaml.read_text())["model"]["first_k_dense"] == 3
     assert convert(["upcycle", str(tmp_path / "dense"), str(tmp_path / "moe"), "--config", str(model_yaml),

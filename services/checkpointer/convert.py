@@ -268,8 +268,12 @@ def import_cmd(args: argparse.Namespace) -> None:
         path = write_checkpoint(tmp, (item for piece in state for item in piece.items()), model.shapes(), model.cfg,
                                 "hf-import", f"HF model {src.resolve()}",
                                 "; its config.json does not describe the tensors beside it")
+    tokenizer = src.resolve() / "tokenizer.json"
+    template = hf_chat_template(src.resolve())
     say(f"wrote {args.out / path.name}; start a run from it with checkpoint.init_from={args.out} and the model "
-        f"section of {args.out / 'model.yaml'}")
+        f"section of {args.out / 'model.yaml'}"
+        + (f", and its tokenizer: data.tokenizer={tokenizer}" if tokenizer.is_file() else "")
+        + (f" (chat data: data.chat_template={template})" if template else ""))
 
 
 def upcycle_cmd(args: argparse.Namespace) -> None:
