@@ -67,6 +67,14 @@ def test_a_sharded_export_maps_every_tensor_once_and_imports_back_exactly(tmp_pa
     back, _ = import_hf(out)
     assert sorted(back) == sorted(state) and all(torch.equal(back[k], t) for k, t in state.items())
 
+    (out / "consolidated.safetensors").write_bytes(b"other weights")  # as Mistral's repositories hold: not indexed
+    assert sorted(import_hf(out)[0]) == sorted(state)
+    (out / files[1]).unlink()  # an incomplete download
+    with pytest.raises(HFError, match=rf"lacks 1 of the {len(files)} files its model.safetensors.index.json names "
+                                      rf"\(e.g. {files[1]}\): an incomplete download"):
+        import_hf(out)
+    (out / "consolidated.safetensors").unlink()
+
     export_hf(state, cfg, "qwen3_moe", out, dtype=torch.float32)  # again, in one file: the shards go
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 

@@ -309,9 +309,7 @@ class HFTensors(Mapping[str, torch.Tensor]):
     without `lm_head.weight`) reads the embedding. What cannot be read or dequantised is refused when opened."""
 
     def __init__(self, src: Path, dtype: torch.dtype, block: tuple[int, int] | None, tied: bool):
-        files = sorted(src.glob("*.safetensors"))
-        if not files:
-            raise HFError(f"no *.safetensors files in {src}; point at an HF model directory")
+        files = _weight_files(src)
         self.dtype, self.block, self.meta = dtype, block, False
         self._files: dict[str, tuple[Path, Any]] = {}  # name -> (its file, the open file)
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -375,6 +373,27 @@ class HFTensors(Mapping[str, torch.Tensor]):
         file, handle = self._files[key]
         with _reading(file):
             return handle.get_tensor(key)
+
+
+def _weight_files(src: Path) -> list[Path]:
+    """The safetensors files of an HF model directory: those its index names, where it has one (a directory may also
+    hold other weights, as Mistral's repositories hold consolidated.safetensors), else every *.safetensors."""
+    index = src / INDEX
+    if not index.is_file():
+        files = sorted(src.glob("*.safetensors"))
+        if not files:
+            raise HFError(f"no *.safetensors files in {src}; point at an HF model directory")
+        return files
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise HFError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+    files = sorted(src / name for name in names)
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise HFError(f"{src} lacks {len(missing)} of the {len(files)} files its {INDEX} names (e.g. {missing[0]}): "
+                      "an incomplete download?")
+    return files
 
 
 @contextmanager
