@@ -7,7 +7,9 @@ foldmoe dense model exported with `export_hf` loads in `from_pretrained` with th
 line, an imported dense model upcycled to an MoE (every expert a copy of the MLP, top-k weights summing to 1) computes
 the transformers model's logits. The tiny models have GQA, head_dim != hidden/heads, non-default RoPE theta and norm
 eps and non-unit norm scales (Qwen3's QK-norm included), so a wrong name, layout or config field shows in the logits.
-A dense family refuses an MoE model and an MoE family a dense one, naming the fix.
+Llama 3.1's context extension (rope type "llama3") converts both ways with the same logits, its original context short
+enough that some frequencies are kept, some interpolated and some blended. A dense family refuses an MoE model and an
+MoE family a dense one, naming the fix.
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_h
 CONFIGS = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
 
 
-def random_hf(family: str, tied: bool):
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}  # head_dim 24: turns over 64 positions from 10.2 down to 6e-5
+
+
+def random_hf(family: str, tied: bool, **config):
     torch.manual_seed(3)
-    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](**SHAPE, tie_word_embeddings=tied),
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](**{**SHAPE, **config}, tie_word_embeddings=tied),
                                                        dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():  # random everything, norm scales (QK-norm included) too
         gen = torch.Generator().manual_seed(4)
@@ -44,9 +50,18 @@ def random_hf(family: str, tied: bool):
     return hf
 
 
-@pytest.mark.parametrize("family, tied", [("qwen3", True), ("llama", False)])
-def test_a_transformers_dense_model_imports_with_the_same_logits(tmp_path, family, tied):
-    hf = random_hf(family, tied)
+def assert_rope_scaling_matters(ours: MoETransformer, cfg: ModelConfig, toks: torch.Tensor,
+                                expected: torch.Tensor) -> None:
+    """The same weights with plain RoPE give clearly different logits: the comparison would see the scaling lost."""
+    plain = MoETransformer(ModelConfig(**{**cfg.__dict__, "rope_scaling_factor": 1.0})).eval()
+    plain.load_state_dict(ours.state_dict())
+    assert (ours_logits(plain, toks) - expected).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("family, tied, rope", [("qwen3", True, None), ("llama", False, None),
+                                               ("llama", False, LLAMA3)], ids=["qwen3", "llama", "llama3_rope"])
+def test_a_transformers_dense_model_imports_with_the_same_logits(tmp_path, family, tied, rope):
+    hf = random_hf(family, tied, **({"rope_parameters": rope} if rope else {}))
     hf.save_pretrained(tmp_path / "hf")
     state, cfg = import_hf(tmp_path / "hf")
     assert (cfg.first_k_dense, cfg.num_layers, cfg.qk_norm, cfg.ffn_hidden_size) == (3, 3, family == "qwen3", 56)
@@ -58,22 +73,27 @@ def test_a_transformers_dense_model_imports_with_the_same_logits(tmp_path, famil
     expected = hf_logits(hf, toks)
     assert expected.std() > 0.1
     torch.testing.assert_close(ours_logits(ours, toks), expected, rtol=0, atol=ATOL)
+    if rope:
+        assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 64)
+        assert_rope_scaling_matters(ours, cfg, toks, expected)
     if tied:  # our output layer is its own copy of the embedding
         assert torch.equal(state["output.weight"], state["embed.weight"])
         assert state["output.weight"].data_ptr() != state["embed.weight"].data_ptr()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, family):
+@pytest.mark.parametrize("family, rope", [("qwen3", {}), ("llama", {}), (
+    "llama", {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_position": 64})],
+    ids=["qwen3", "llama", "llama3_rope"])
+def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, family, rope):
     cfg = ModelConfig(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
-                      ffn_hidden_size=56, norm_eps=1e-5, rope_theta=5e5, first_k_dense=3, qk_norm=family == "qwen3")
+                      ffn_hidden_size=56, norm_eps=1e-5, rope_theta=5e5, first_k_dense=3, qk_norm=family == "qwen3",
+                      **rope)
     ours = MoETransformer(cfg)
-    ours.init_weights(seed=5)
-    with torch.no_grad():
+    with torch.no_grad():  # random everything, large enough that positions matter in the logits
         gen = torch.Generator().manual_seed(6)
         for p in ours.parameters():
-            if p.ndim == 1:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if p.ndim == 1 else
+                    0.1 * torch.randn(p.shape, generator=gen))
     ours.eval()
     out = export_hf(ours.state_dict(), cfg, family, tmp_path / "hf", dtype=torch.float32)
     config = json.loads((out / "config.json").read_text())
@@ -82,7 +102,10 @@ def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, fa
     assert type(hf).__name__ == CONFIGS[family].__name__.replace("Config", "ForCausalLM")
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
     toks = tokens(seed=2)
-    torch.testing.assert_close(hf_logits(hf, toks), ours_logits(ours, toks), rtol=0, atol=ATOL)
+    expected = ours_logits(ours, toks)
+    torch.testing.assert_close(hf_logits(hf, toks), expected, rtol=0, atol=ATOL)
+    if rope:
+        assert_rope_scaling_matters(ours, cfg, toks, expected)
 
 
 def test_an_imported_dense_model_upcycles_to_an_moe_computing_its_logits(tmp_path, capsys):
@@ -115,3 +138,21 @@ def test_dense_and_moe_families_refuse_each_others_models():
         export_hf({}, ModelConfig(num_layers=2, first_k_dense=2, qk_norm=True), "llama", "/nonexistent")
     with pytest.raises(HFError, match="mixtral has no dense layers"):
         export_hf({}, ModelConfig(num_layers=2, first_k_dense=2), "mixtral", "/nonexistent")
+    llama3 = dict(num_layers=2, first_k_dense=2, qk_norm=True, rope_scaling="llama3", rope_scaling_factor=8.0)
+    with pytest.raises(HFError, match=r"qwen3 export writes plain RoPE but `model.rope_scaling_factor=8.0` \(llama3\)"):
+        export_hf({}, ModelConfig(**llama3), "qwen3", "/nonexistent")
+
+
+def test_llama3_frequencies_keep_interpolate_and_blend_by_turns_over_the_original_context():
+    from services.trainer.model.rope import rope_frequencies, rotary
+
+    cfg = ModelConfig(rope_theta=5e5, rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_position=64)
+    plain, scaled = rope_frequencies(24, 5e5), rotary(24, cfg)
+    turns = 64 * plain / (2 * torch.pi)
+    assert (turns >= 4).any() and (turns <= 1).any()  # every regime is here
+    assert torch.equal(scaled[turns >= 4], plain[turns >= 4])  # kept
+    torch.testing.assert_close(scaled[turns <= 1], plain[turns <= 1] / 8)  # interpolated
+    mid = (turns > 1) & (turns < 4)
+    w = (turns[mid] - 1) / 3
+    assert mid.any()
+    torch.testing.assert_close(scaled[mid], plain[mid] * w + plain[mid] / 8 * (1 - w))

@@ -19,6 +19,7 @@ DENSE = ("qwen3", "llama")  # dense models (every layer's MLP dense: model.first
 _ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _QK_NORM = ("qwen3_moe", "qwen3")  # the families with per-head q/k RMSNorm
+_ROPE_SCALING = {"deepseek_v3": "yarn", "llama": "llama3"}  # the context extension each family has (model.rope_scaling)
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}  # transformers' values for a missing (or null) field
 
 
@@ -39,13 +40,12 @@ def check_family(cfg: ModelConfig, family: str) -> None:
         raise HFError(f"{family} is dropless but `model.capacity_factor={cfg.capacity_factor}` drops tokens")
     if family == "deepseek_v3":
         _check_deepseek(cfg)
+        _check_rope(cfg, family)
         return
     if cfg.attention != "gqa":
         raise HFError(f"{family} has grouped-query attention but `model.attention={cfg.attention}`; export MLA "
                       "models as deepseek_v3")
-    if cfg.rope_scaling_factor != 1.0:
-        raise HFError(f"{family} export writes plain RoPE but `model.rope_scaling_factor={cfg.rope_scaling_factor}` "
-                      "(YaRN)")
+    _check_rope(cfg, family)
     moe = family not in DENSE
     if moe and cfg.shared_expert_ffn_hidden_size:
         raise HFError(f"{family} has no shared expert but `model.shared_expert_ffn_hidden_size="
@@ -68,6 +68,13 @@ def check_family(cfg: ModelConfig, family: str) -> None:
     if cfg.mtp_num_layers:
         raise HFError(f"{family} has no multi-token prediction layers but `model.mtp_num_layers={cfg.mtp_num_layers}`; "
                       "export MTP models as deepseek_v3")
+
+
+def _check_rope(cfg: ModelConfig, family: str) -> None:
+    scaling = _ROPE_SCALING.get(family)  # the context extension the family can express, beside plain RoPE
+    if cfg.rope_scaling_factor != 1.0 and cfg.rope_scaling != scaling:
+        raise HFError(f"{family} export writes plain RoPE{f' or {scaling}' if scaling else ''} but "
+                      f"`model.rope_scaling_factor={cfg.rope_scaling_factor}` ({cfg.rope_scaling})")
 
 
 def _check_deepseek(cfg: ModelConfig) -> None:
@@ -110,6 +117,11 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str = "bfloat16", max_pos
                    "rope_theta": cfg.rope_theta,
                    "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
                    "attention_bias": False})
+    if cfg.rope_scaling_factor != 1.0:  # llama3 (check_family refuses the others)
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                   "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_position}
+        common.update(rope_parameters={**scaling, "rope_theta": cfg.rope_theta}, rope_scaling=scaling)
     if family in DENSE:
         return {**common, "intermediate_size": cfg.ffn_hidden_size,
                 **({"mlp_bias": False} if family == "llama" else {"use_sliding_window": False})}
@@ -163,9 +175,17 @@ def _rope_fields(config: dict, family: str) -> dict:
     fields = {"rope_theta": rope.get("rope_theta", config.get("rope_theta", default_theta))}
     if rope_type == "default":
         return fields
-    if rope_type != "yarn" or family != "deepseek_v3":
+    if rope_type != _ROPE_SCALING.get(family):
         raise HFError(f"RoPE type {rope_type!r}: {family} converts with plain RoPE (rope_type 'default')"
-                      + (" or 'yarn'" if family == "deepseek_v3" else ""))
+                      + (f" or {_ROPE_SCALING[family]!r}" if family in _ROPE_SCALING else ""))
+    if rope_type == "llama3":
+        try:
+            return {**fields, "rope_scaling": "llama3", "rope_scaling_factor": float(rope["factor"]),
+                    "rope_low_freq_factor": float(rope["low_freq_factor"]),
+                    "rope_high_freq_factor": float(rope["high_freq_factor"]),
+                    "rope_original_max_position": int(rope["original_max_position_embeddings"])}
+        except KeyError as e:
+            raise HFError(f"RoPE type 'llama3' without its {e} field") from None
     if rope.get("attention_factor") is not None:
         raise HFError(f"YaRN attention_factor={rope['attention_factor']}: we derive it from factor, mscale and "
                       "mscale_all_dim, as DeepSeek-V3 does; drop the field")

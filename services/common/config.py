@@ -83,6 +83,13 @@ class ModelConfig:
     rope_beta_slow: float = 1.0  # YaRN: frequencies rotating less than this often are fully interpolated
     rope_mscale: float = 1.0  # YaRN: mscale of the rotated q/k's scale (numerator)
     rope_mscale_all_dim: float = 0.0  # YaRN: mscale of that scale's denominator and of the softmax scale; 0: unused
+    # how rope_scaling_factor > 1 extends the context: "yarn" (above), or "llama3" (Llama 3.1's rope type: the
+    # frequencies turning fewer than rope_low_freq_factor times over rope_original_max_position tokens are divided by
+    # the factor, those turning more than rope_high_freq_factor times kept, a linear blend in turns between; q and k
+    # and the softmax unscaled)
+    rope_scaling: Literal["yarn", "llama3"] = "yarn"
+    rope_low_freq_factor: float = 1.0  # llama3: below this many turns over the original context, interpolated
+    rope_high_freq_factor: float = 4.0  # llama3: above this many, kept
     norm_eps: float = 1e-6  # added to the mean square in every RMSNorm
     # Multi-token prediction (DeepSeek-V3, services/trainer/model/mtp.py): decoder blocks after the main model, depth k
     # predicting the token k + 1 after the next, sharing the embedding and output layer; 0: off (DeepSeek-V3: 1).
@@ -476,6 +483,10 @@ def _check_attention(m: ModelConfig) -> None:
         _check(getattr(m, name) > 0, f"`model.{name}={getattr(m, name)}` must be positive")
     for name in ("rope_mscale", "rope_mscale_all_dim"):
         _check(getattr(m, name) >= 0, f"`model.{name}={getattr(m, name)}` must be >= 0")
+    _check(m.rope_scaling in ("yarn", "llama3"), f"`model.rope_scaling={m.rope_scaling}` must be yarn or llama3")
+    _check(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+           f"`model.rope_low_freq_factor={m.rope_low_freq_factor}` and `model.rope_high_freq_factor="
+           f"{m.rope_high_freq_factor}` must satisfy 0 < low < high")
 
 
 def _check_fp8_dense_widths(m: ModelConfig, tp: int) -> None:

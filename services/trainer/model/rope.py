@@ -1,9 +1,10 @@
 """Rotary position embedding, indexed by each token's position inside its own document (packed sequences).
 
 The rotation itself, with the QK-norm before it, is kernels/head_norm_rope.py (a Triton pair on CUDA, its torch
-reference `apply_rope` elsewhere); here are the frequencies every attention layer keeps as a buffer, and YaRN's
-context extension (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models"), with the
-semantics of transformers' "yarn" rope type and DeepSeek-V2/V3's softmax-scale correction.
+reference `apply_rope` elsewhere); here are the frequencies every attention layer keeps as a buffer, and two context
+extensions: YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models"), with the
+semantics of transformers' "yarn" rope type and DeepSeek-V2/V3's softmax-scale correction, and Llama 3.1's ("llama3"
+rope type: the frequencies alone, `llama3_frequencies`).
 
 YaRN changes three things. The frequencies: those that turn many times over the pre-training context (high
 frequencies, local order) are kept, those that turn less than once are interpolated (divided by the factor), and a
@@ -51,6 +52,17 @@ def yarn_frequencies(dim: int, cfg: ModelConfig) -> torch.Tensor:
     return 1.0 / (factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
 
 
+def llama3_frequencies(dim: int, cfg: ModelConfig) -> torch.Tensor:
+    """inv_freq [dim/2] of Llama 3.1's context extension (`model.rope_scaling=llama3`): by how many turns each frequency
+    makes over the original context, divided by the factor (fewer than rope_low_freq_factor), kept (more than
+    rope_high_freq_factor), or a linear blend of the two in the turns between."""
+    inv = rope_frequencies(dim, cfg.rope_theta)
+    turns = cfg.rope_original_max_position * inv / (2 * math.pi)
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    kept = ((turns - low) / (high - low)).clamp(0, 1)
+    return inv / cfg.rope_scaling_factor * (1 - kept) + inv * kept
+
+
 def yarn_rotary_scale(cfg: ModelConfig) -> float:
     """The factor on the rotated q and k (transformers' cos/sin `attention_factor`)."""
     f = cfg.rope_scaling_factor
@@ -65,14 +77,17 @@ def yarn_softmax_scale(cfg: ModelConfig) -> float:
 
 
 def rotary(dim: int, cfg: ModelConfig) -> torch.Tensor:
-    """inv_freq [dim/2] for the `dim` rotated dims of a head: plain RoPE, or YaRN when `cfg.rope_scaling_factor` > 1."""
-    return yarn_frequencies(dim, cfg) if cfg.rope_scaling_factor > 1 else rope_frequencies(dim, cfg.rope_theta)
+    """inv_freq [dim/2] for the `dim` rotated dims of a head: plain RoPE, or when `cfg.rope_scaling_factor` > 1, YaRN's
+    or Llama 3.1's (`cfg.rope_scaling`)."""
+    if cfg.rope_scaling_factor <= 1:
+        return rope_frequencies(dim, cfg.rope_theta)
+    return yarn_frequencies(dim, cfg) if cfg.rope_scaling == "yarn" else llama3_frequencies(dim, cfg)
 
 
 def query_scales(cfg: ModelConfig) -> tuple[float, float]:
     """(scale of q's unrotated dims, scale of its rotated dims) that give the attention cores' default softmax scale
     1/sqrt(qk head dim) YaRN's scores: the softmax correction on all dims, the rotary scale squared on the rotated."""
-    if cfg.rope_scaling_factor <= 1:
+    if cfg.rope_scaling_factor <= 1 or cfg.rope_scaling != "yarn":  # Llama 3.1's scales neither
         return 1.0, 1.0
     softmax = yarn_softmax_scale(cfg)
     return softmax, softmax * yarn_rotary_scale(cfg) ** 2
