@@ -103,7 +103,12 @@ def train(cfg: Config) -> int:
         validate_rl(cfg, world_size=cfg.run.nproc)  # the ranks the launcher is about to start
         from services.rl_rollout.prompts import rl_prompts
 
-        rl_prompts(cfg.rl, cfg.run.seed)  # the workers' task, reward and prompts: refused before any process starts
+        prompts = rl_prompts(cfg.rl, cfg.run.seed)  # the workers' task, reward, prompts: refused before any process
+        if prompts.records is not None:
+            records, per_step = len(prompts.records), cfg.rl.groups_per_step
+            print(f"foldmoe: rl.prompts: {records} records to train on, {len(prompts.eval)} held for evaluation; "
+                  f"an epoch is {records / per_step:g} steps of {per_step} groups, {cfg.run.steps} steps "
+                  f"{cfg.run.steps * per_step / records:.2f} epochs", file=sys.stderr, flush=True)
     _check_redis(cfg)  # cheap checks first: an unreachable Redis should not wait for a corpus to be tokenized
     if not cfg.rl.enabled:  # an RL run's data is the rollout workers' trajectories, not a corpus
         _ensure_dataset(cfg)

@@ -30,6 +30,26 @@ from services.rl_rollout.rewards import arithmetic_prompt, exact_reward, number_
 RECORDS = [{"prompt": f"What is {i} squared? Answer:", "answer": str(i * i), "id": i} for i in range(20)]
 
 
+def test_foldmoe_train_says_how_many_records_an_epoch_asks_and_how_many_epochs_the_run_makes(tmp_path, capsys,
+                                                                                         monkeypatch):
+    import services.launcher
+
+    class NoLaunch:  # what is said before the services start is the point here
+        def __init__(self, *_):
+            pass
+
+        def run(self) -> int:
+            return 0
+
+    monkeypatch.setattr(services.launcher, "Launcher", NoLaunch)
+    code = cli.main(["train", "--config", "configs/rl_tiny.yaml", f"rl.prompts=[{write(tmp_path, RECORDS)}]",
+                     "rl.reward=number", "rl.eval_interval=5", "rl.eval_prompts=4", "rl.groups_per_step=4",
+                     "run.steps=10", f"run.dir={tmp_path / 'run'}"])
+    assert code == 0
+    assert ("rl.prompts: 16 records to train on, 4 held for evaluation; an epoch is 4 steps of 4 groups, 10 steps "
+            "2.50 epochs") in capsys.readouterr().err
+
+
 def write(tmp_path, records, name="prompts.jsonl"):
     path = tmp_path / name
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
