@@ -119,7 +119,8 @@ def test_an_upcycled_dense_checkpoint_starts_an_moe_run_computing_the_dense_logi
 
 def test_an_export_carries_the_runs_tokenizer_and_chat_template(tmp_path):
     """So that the directory loads whole: transformers' AutoTokenizer gives the ids the run trained on and renders the
-    run's chat template; `foldmoe generate` finds the tokenizer there. The byte tokenizer has no HF file: none."""
+    run's chat template, its generate stops at the run's end of document; `foldmoe generate` finds the tokenizer there.
+    The byte tokenizer has no HF file: none, but its end-of-document id."""
     transformers = pytest.importorskip("transformers")
     from services.common.tokenizer import load_tokenizer
     from services.dataloader.chat import ChatTemplate
@@ -143,9 +144,16 @@ def test_an_export_carries_the_runs_tokenizer_and_chat_template(tmp_path):
     assert theirs.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == ChatTemplate(
         "chatml", CHATML).render(turn, add_generation_prompt=True)
 
+    # generate stops at the run's end of document: its id in config.json and generation_config.json
+    ends = transformers.GenerationConfig.from_pretrained(out)
+    assert (ends.eos_token_id, ends.pad_token_id) == (0, 1)  # <|endoftext|>, <pad>: the first two of that tokenizer
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+
     trained(tmp_path / "bytes", [])
     assert convert("export", tmp_path / "bytes", tmp_path / "hf_bytes", "--family", "mixtral") == 0
-    assert sorted(p.name for p in (tmp_path / "hf_bytes").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf_bytes").iterdir()) == ["config.json", "generation_config.json",
+                                                                         "model.safetensors"]
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "hf_bytes").eos_token_id == 256  # the byte EOS
 
 
 def bad_inputs(ckpts: dict, tmp: Path) -> list[tuple[list, str]]:
@@ -224,7 +232,7 @@ def test_an_existing_output_is_replaced_only_with_force_and_kept_when_the_conver
                    "model.num_layers=3") == 2  # fails after the output was staged: the old one stays
     assert (out / "mine.txt").read_text() == "keep me" and not list(tmp_path.glob(".hf.*"))
     assert convert("export", ckpt, out, "--family", "mixtral", "--config", TINY, "--force") == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".hf.*"))
     assert convert("export", ckpt, ckpt.parent, "--family", "mixtral", "--config", TINY, "--force") == 2
     assert "holds the input" in capsys.readouterr().err

@@ -44,6 +44,7 @@ from services.checkpointer.load import load_checkpoint, resolve_checkpoint
 from services.checkpointer.store import CheckpointStore
 from services.common import logs
 from services.common.config import ConfigError, ModelConfig, load_config
+from services.common.tokenizer import TokenizerError, load_tokenizer
 from services.dataloader.chat import hf_chat_template, load_chat_template
 from services.dataloader.errors import DataError
 # The model definition is shared (as with the rollout engine): its state dict is the truth about parameter shapes, and
@@ -226,10 +227,26 @@ def export_cmd(args: argparse.Namespace) -> None:
                 say(f"warning: the config differs from the one {ckpt} was trained with: {', '.join(diff)}")
             export_hf(state, cfg, args.family, tmp, dtype=DTYPES[args.dtype],
                       track=lambda blocks: progress(blocks, "exporting", pieces(cfg)))
-        tokenizer = export_tokenizer(recorded_config(ckpt).get("data") or {}, tmp)
+        data = recorded_config(ckpt).get("data") or {}
+        tokenizer = export_tokenizer(data, tmp)
+        export_special_ids(data, tmp)
     files = sorted(p.name for p in args.out.glob("*.safetensors"))
     say(f"wrote {args.out}/config.json and {files[0] if len(files) == 1 else f'{len(files)} safetensors files'}"
         + (f", with the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else ""))
+
+
+def export_special_ids(data: dict[str, Any], out: Path) -> None:
+    """The run's end-of-document and padding ids in out/config.json and out/generation_config.json, so that
+    transformers' `generate` (and a serving engine) stops where the model learned documents end. Left out where the
+    run's tokenizer cannot be read any more (export_tokenizer warns)."""
+    try:
+        tok = load_tokenizer(data.get("tokenizer") or "byte")
+    except TokenizerError:
+        return
+    ids = {"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **ids}, indent=1))
+    (out / "generation_config.json").write_text(json.dumps(ids, indent=1))
 
 
 def export_tokenizer(data: dict[str, Any], out: Path) -> list[str]:
