@@ -1,5 +1,5 @@
-"""Dense HF models (Qwen3ForCausalLM, LlamaForCausalLM) against the `transformers` library itself, and sparse upcycling
-from one.
+"""Dense HF models (Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM) against the `transformers` library itself,
+and sparse upcycling from one.
 
 Specification: a random transformers dense model written by `save_pretrained` imports with `import_hf` into a
 foldmoe model (every layer's MLP dense) with the same logits (fp32, atol 1e-4), tied embeddings included; a random
@@ -23,6 +23,7 @@ import yaml
 
 from services.checkpointer.convert import main as convert
 from services.checkpointer.hf import HFError, export_hf, import_hf
+from services.checkpointer.hf_families import config_from_hf
 from services.checkpointer.load import load_checkpoint
 from services.common.config import ModelConfig
 from services.trainer.model.transformer import MoETransformer
@@ -31,7 +32,7 @@ from test_checkpointer_hf_transformers import ATOL, hf_logits, load_hf, ours_log
 SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=24, intermediate_size=56, rms_norm_eps=1e-5, max_position_embeddings=256,
              rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-CONFIGS = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
+CONFIGS = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}
 
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -40,6 +41,8 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_fac
 
 def random_hf(family: str, tied: bool, **config):
     torch.manual_seed(3)
+    if family == "mistral":
+        config.setdefault("sliding_window", None)  # as Mistral-7B v0.2 on; with a window it is refused (below)
     hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](**{**SHAPE, **config}, tie_word_embeddings=tied),
                                                        dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():  # random everything, norm scales (QK-norm included) too
@@ -59,7 +62,8 @@ def assert_rope_scaling_matters(ours: MoETransformer, cfg: ModelConfig, toks: to
 
 
 @pytest.mark.parametrize("family, tied, rope", [("qwen3", True, None), ("llama", False, None),
-                                               ("llama", False, LLAMA3)], ids=["qwen3", "llama", "llama3_rope"])
+                                               ("llama", False, LLAMA3), ("mistral", False, None)],
+                         ids=["qwen3", "llama", "llama3_rope", "mistral"])
 def test_a_transformers_dense_model_imports_with_the_same_logits(tmp_path, family, tied, rope):
     hf = random_hf(family, tied, **({"rope_parameters": rope} if rope else {}))
     hf.save_pretrained(tmp_path / "hf")
@@ -81,9 +85,11 @@ def test_a_transformers_dense_model_imports_with_the_same_logits(tmp_path, famil
         assert state["output.weight"].data_ptr() != state["embed.weight"].data_ptr()
 
 
-@pytest.mark.parametrize("family, rope", [("qwen3", {}), ("llama", {}), (
-    "llama", {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_position": 64})],
-    ids=["qwen3", "llama", "llama3_rope"])
+LLAMA3_OURS = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_position": 64}
+
+
+@pytest.mark.parametrize("family, rope", [("qwen3", {}), ("llama", {}), ("llama", LLAMA3_OURS), ("mistral", {})],
+                         ids=["qwen3", "llama", "llama3_rope", "mistral"])
 def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, family, rope):
     cfg = ModelConfig(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
                       ffn_hidden_size=56, norm_eps=1e-5, rope_theta=5e5, first_k_dense=3, qk_norm=family == "qwen3",
@@ -138,6 +144,8 @@ def test_dense_and_moe_families_refuse_each_others_models():
         export_hf({}, ModelConfig(num_layers=2, first_k_dense=2, qk_norm=True), "llama", "/nonexistent")
     with pytest.raises(HFError, match="mixtral has no dense layers"):
         export_hf({}, ModelConfig(num_layers=2, first_k_dense=2), "mixtral", "/nonexistent")
+    with pytest.raises(HFError, match=r"sliding_window=4096: our attention is full causal"):
+        config_from_hf(transformers.MistralConfig(**SHAPE, sliding_window=4096).to_dict())
     llama3 = dict(num_layers=2, first_k_dense=2, qk_norm=True, rope_scaling="llama3", rope_scaling_factor=8.0)
     with pytest.raises(HFError, match=r"qwen3 export writes plain RoPE but `model.rope_scaling_factor=8.0` \(llama3\)"):
         export_hf({}, ModelConfig(**llama3), "qwen3", "/nonexistent")

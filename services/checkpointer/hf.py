@@ -14,9 +14,10 @@ probabilities always renormalised), "qwen3_moe" (Qwen3MoeForCausalLM: `mlp.gate`
 down_proj`, per-head `self_attn.{q,k}_norm`, `norm_topk_prob` as configured, leading dense layers as `mlp_only_layers`)
 and "deepseek_v3" (DeepseekV3ForCausalLM: MLA attention with its RoPE rows reordered, sigmoid
 group-limited routing whose `mlp.gate.e_score_correction_bias` is our expert bias, `mlp.shared_experts`, YaRN RoPE,
-leading dense layers as `first_k_dense_replace`); and the dense "qwen3" (Qwen3ForCausalLM: QK-norm) and "llama"
-(LlamaForCausalLM), our model with every layer's MLP dense (`model.first_k_dense=num_layers`), to upcycle. Export writes the per-expert ("original") layout, which every
-transformers version loads; import also reads the fused layout transformers 5 keeps in memory
+leading dense layers as `first_k_dense_replace`); and the dense "qwen3" (Qwen3ForCausalLM: QK-norm), "llama"
+(LlamaForCausalLM, Llama 3.1's RoPE scaling too) and "mistral" (MistralForCausalLM, without a sliding window): our model
+with every layer's MLP dense (`model.first_k_dense=num_layers`), to upcycle. Export writes the per-expert ("original")
+layout, which every transformers version loads; import also reads the fused layout transformers 5 keeps in memory
 (`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`), FP8 block-quantised weights (the
 published DeepSeek-V3 checkpoints: dequantised on import). DeepSeek-V3's multi-token-prediction layers
 (`model.layers.{L..}`, `num_nextn_predict_layers`) are our `mtp.{k}` depths (`mtp.{k}.block.*` the decoder layer,

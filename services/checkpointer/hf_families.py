@@ -2,8 +2,8 @@
 
 Used by services/checkpointer/hf.py (the weights); the rule is the same: a config the family would compute differently
 is refused with `HFError`, naming the field and the value it needs. The dense families (Qwen3ForCausalLM,
-LlamaForCausalLM) are our model with every layer's MLP dense (`model.first_k_dense=num_layers`): imported to be
-upcycled into an MoE (convert.py `upcycle`), or exported after dense training.
+LlamaForCausalLM, MistralForCausalLM) are our model with every layer's MLP dense (`model.first_k_dense=num_layers`):
+imported to be upcycled into an MoE (convert.py `upcycle`), or exported after dense training.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Literal
 from services.checkpointer.hf_deepseek import LATENT_NORM_EPS
 from services.common.config import ModelConfig
 
-Family = Literal["mixtral", "qwen3_moe", "deepseek_v3", "qwen3", "llama"]
-FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "qwen3", "llama")
-DENSE = ("qwen3", "llama")  # dense models (every layer's MLP dense: model.first_k_dense=num_layers), to upcycle
+Family = Literal["mixtral", "qwen3_moe", "deepseek_v3", "qwen3", "llama", "mistral"]
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "qwen3", "llama", "mistral")
+DENSE = ("qwen3", "llama", "mistral")  # dense models (every layer's MLP dense: model.first_k_dense=num_layers)
 _ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+         "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 _QK_NORM = ("qwen3_moe", "qwen3")  # the families with per-head q/k RMSNorm
 _ROPE_SCALING = {"deepseek_v3": "yarn", "llama": "llama3"}  # the context extension each family has (model.rope_scaling)
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}  # transformers' values for a missing (or null) field
@@ -124,7 +124,7 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str = "bfloat16", max_pos
         common.update(rope_parameters={**scaling, "rope_theta": cfg.rope_theta}, rope_scaling=scaling)
     if family in DENSE:
         return {**common, "intermediate_size": cfg.ffn_hidden_size,
-                **({"mlp_bias": False} if family == "llama" else {"use_sliding_window": False})}
+                **{"llama": {"mlp_bias": False}, "qwen3": {"use_sliding_window": False}}.get(family, {})}
     common["router_aux_loss_coef"] = cfg.aux_loss_coeff if cfg.aux_loss_type != "none" else 0.0
     if family == "mixtral":  # always renormalises the top-k probabilities: no norm_topk_prob field
         return {**common, "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.num_experts,
@@ -207,7 +207,7 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
     family = config.get("model_type")
     if family not in FAMILIES:
         raise HFError(f"config.json model_type {family!r} is not supported: only models of the families "
-                      f"{', '.join(FAMILIES)} convert (the dense ones, {' and '.join(DENSE)}, to upcycle)")
+                      f"{', '.join(FAMILIES)} convert (the dense ones, {', '.join(DENSE)}, to upcycle)")
     if config.get("hidden_act", "silu") != "silu":
         raise HFError(f"hidden_act={config['hidden_act']!r}: our experts are SwiGLU (silu)")
     if config.get("attention_bias"):
@@ -215,7 +215,8 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
     rope = _rope_fields(config, family)
     if family == "deepseek_v3":
         return _deepseek_config(config, rope), family
-    window = config.get("sliding_window") if config.get("use_sliding_window", family == "mixtral") else None
+    windowed = config.get("use_sliding_window", family in ("mixtral", "mistral"))  # the families' defaults
+    window = config.get("sliding_window") if windowed else None
     if window is not None:
         raise HFError(f"sliding_window={window}: our attention is full causal")
     num_layers = config["num_hidden_layers"]
