@@ -117,6 +117,28 @@ def test_a_grpo_step_raises_the_likelihood_of_rewarded_samples_and_lowers_the_ot
     assert metrics["clip_frac"] == 0.0  # first and only update: pi_theta == pi_old
 
 
+def test_a_dense_model_trains_on_its_groups_which_record_no_routing():
+    """RL of a dense model (every MLP dense: an imported Qwen3 or Llama before upcycling): its groups record no
+    routing, which the dataloader takes whatever the config's top_k, and a GRPO step moves it as it moves an MoE."""
+    from services.dataloader.errors import DataError
+    from services.dataloader.rollout_source import group_samples
+
+    model = tiny_model(seed=3, first_k_dense=3)
+    groups = _groups(model)
+    assert (groups[0].moe_layers, groups[0].top_k) == (0, 0) and not model.moe_layers()
+    assert len(group_samples(groups[0], True, layers=0, top_k=model.cfg.top_k)) == 4
+    with pytest.raises(DataError, match="records routing for 0 MoE layers x top-0 but the model has 2 x top-2"):
+        group_samples(groups[0], True, layers=2, top_k=2)
+    mb = _one_micro_batch(groups)
+    with torch.no_grad():
+        before = token_logprobs(model, mb, TEMPERATURE)
+    _step(model, groups, micro_batch_tokens=10_000)
+    with torch.no_grad():
+        after = token_logprobs(model, mb, TEMPERATURE)
+    m = mb.response
+    assert float((after - before)[m & (mb.rewards > 0)].sum()) > 0 > float((after - before)[m & (mb.rewards == 0)].sum())
+
+
 def test_the_update_does_not_depend_on_how_samples_are_split_into_micro_batches():
     base = tiny_model(seed=4)
     groups = _groups(base)

@@ -116,7 +116,8 @@ class RLSample:
 
 def group_samples(group: rollout_pb2.TrajectoryGroup, std_normalize: bool, layers: int, top_k: int) -> list[RLSample]:
     """The samples of one group with their GRPO advantages; DataError when the routing does not fit the model."""
-    if group.samples and (group.moe_layers, group.top_k) != (layers, top_k):
+    # a dense model's groups record no routing (and so no top-k)
+    if group.samples and (group.moe_layers != layers or (layers and group.top_k != top_k)):
         raise DataError(f"group {group.group_id} records routing for {group.moe_layers} MoE layers x top-{group.top_k} "
                         f"but the model has {layers} x top-{top_k}: run the rollout workers with the trainer's model config")
     rewards = np.array([s.reward for s in group.samples], dtype=np.float64)
