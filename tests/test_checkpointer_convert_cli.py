@@ -129,15 +129,17 @@ def test_an_export_carries_the_runs_tokenizer_and_chat_template(tmp_path):
 
     (tmp_path / "tok").mkdir()
     tok = _write_hf_tokenizer(tmp_path / "tok" / "tokenizer.json")
-    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<pad>"}))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({  # with a template the run did not train
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<pad>",
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
     (tmp_path / "chatml.jinja").write_text(CHATML)
     trained(tmp_path / "ckpt", ["model.vocab_size=304", f"data.tokenizer={tok}",
                                 f"data.chat_template={tmp_path / 'chatml.jinja'}"])
     out = tmp_path / "hf"
     assert convert("export", tmp_path / "ckpt", out, "--family", "mixtral") == 0
     assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
-    assert (out / "chat_template.jinja").read_text() == CHATML  # the tokenizer_config.json beside it holds none
+    assert (out / "chat_template.jinja").read_text() == CHATML  # the run's, the only one there
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     assert theirs.encode(TEXT, add_special_tokens=False) == load_tokenizer(str(tok)).encode(TEXT)
     turn = [{"role": "user", "content": "2+2?"}]

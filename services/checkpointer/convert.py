@@ -7,7 +7,8 @@
                                                         [section.key=value ...]
 
 HF_DIR may hold a published FP8 checkpoint (DeepSeek-V3's block-quantised weights are dequantised; its MTP layers
-become the model's multi-token prediction depths, model.mtp_num_layers), or a dense model (qwen3, llama, mistral) to upcycle.
+become the model's multi-token prediction depths, model.mtp_num_layers), or a dense model (qwen3, llama, mistral) to
+upcycle.
 CKPT is a committed checkpoint (a step_NNNNNNNN directory) or a `checkpoint.dir` (its newest one that verifies); its
 model config is the one the checkpoint records, unless `--config`/overrides give one (which must fit its weights).
 `export` writes OUT/config.json and OUT/model.safetensors, or past 4 GiB of weights, shards of it with their index.
@@ -252,8 +253,9 @@ def export_special_ids(data: dict[str, Any], out: Path) -> None:
 def export_tokenizer(data: dict[str, Any], out: Path) -> list[str]:
     """The tokenizer the run trained with (`data`: its recorded data section) beside the exported weights, so that the
     directory loads whole (transformers' AutoTokenizer, serving engines, `foldmoe generate`): its tokenizer.json and
-    the HF tokenizer files beside that, and the run's `data.chat_template` as chat_template.jinja where those files
-    hold none. Returns the files written; none for the byte tokenizer (which HF has no file for)."""
+    the HF tokenizer files beside that, and the run's `data.chat_template` as chat_template.jinja (the only template
+    there: one the copied tokenizer_config.json holds goes). Returns the files written; none for the byte tokenizer
+    (which HF has no file for)."""
     spec = data.get("tokenizer") or "byte"
     if spec == "byte":
         return []
@@ -267,11 +269,15 @@ def export_tokenizer(data: dict[str, Any], out: Path) -> list[str]:
         if (source.parent / name).is_file():
             shutil.copyfile(source.parent / name, out / name)
             written.append(name)
-    template = data.get("chat_template") or ""
-    if template and not hf_chat_template(out):
-        (out / "chat_template.jinja").write_text(load_chat_template(template).text, encoding="utf-8")
+    if data.get("chat_template"):  # the template the run trained with, whatever the tokenizer's files hold
+        config = out / "tokenizer_config.json"
+        if config.is_file():
+            fields = json.loads(config.read_text(encoding="utf-8"))
+            if isinstance(fields, dict) and fields.pop("chat_template", None) is not None:
+                config.write_text(json.dumps(fields, indent=1), encoding="utf-8")
+        (out / "chat_template.jinja").write_text(load_chat_template(data["chat_template"]).text, encoding="utf-8")
         written.append("chat_template.jinja")
-    return written
+    return sorted(set(written), key=written.index)
 
 
 def import_cmd(args: argparse.Namespace) -> None:
