@@ -237,16 +237,20 @@ def export_cmd(args: argparse.Namespace) -> None:
 
 
 def export_special_ids(data: dict[str, Any], out: Path) -> None:
-    """The run's end-of-document and padding ids in out/config.json and out/generation_config.json, so that
-    transformers' `generate` (and a serving engine) stops where the model learned documents end. Left out where the
-    run's tokenizer cannot be read any more (export_tokenizer warns)."""
+    """The run's end-of-document id in out/config.json, and it and the padding id in out/generation_config.json, so
+    that transformers' `generate` (and a serving engine) stops where the model learned documents end. Left out where
+    the checkpoint names no tokenizer (an imported one), or its tokenizer cannot be read any more (export_tokenizer
+    warns) or is wider than the model. (No pad_token_id in config.json: some families make it the embedding's
+    padding_idx.)"""
     try:
-        tok = load_tokenizer(data.get("tokenizer") or "byte")
-    except TokenizerError:
+        tok = load_tokenizer(data["tokenizer"])
+    except (KeyError, TokenizerError):
         return
-    ids = {"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, **ids}, indent=1))
+    if max(tok.eos_id, tok.pad_id) >= config["vocab_size"]:
+        return
+    (out / "config.json").write_text(json.dumps({**config, "eos_token_id": tok.eos_id}, indent=1))
+    ids = {"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     (out / "generation_config.json").write_text(json.dumps(ids, indent=1))
 
 
