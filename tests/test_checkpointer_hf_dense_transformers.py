@@ -27,7 +27,7 @@ from services.checkpointer.hf_families import config_from_hf
 from services.checkpointer.load import load_checkpoint
 from services.common.config import ModelConfig
 from services.trainer.model.transformer import MoETransformer
-from test_checkpointer_hf_transformers import ATOL, hf_logits, load_hf, ours_logits, tokens
+from test_checkpointer_hf_transformers import ATOL, hf_logits, load_hf, ours_logits, randomize, tokens
 
 SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=24, intermediate_size=56, rms_norm_eps=1e-5, max_position_embeddings=256,
@@ -45,11 +45,7 @@ def random_hf(family: str, tied: bool, **config):
         config.setdefault("sliding_window", None)  # as Mistral-7B v0.2 on; with a window it is refused (below)
     hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](**{**SHAPE, **config}, tie_word_embeddings=tied),
                                                        dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():  # random everything, norm scales (QK-norm included) too
-        gen = torch.Generator().manual_seed(4)
-        for p in hf.parameters():
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if p.ndim == 1 else
-                    0.1 * torch.randn(p.shape, generator=gen))
+    randomize(hf, seed=4)
     return hf
 
 
@@ -95,11 +91,7 @@ def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, fa
                       ffn_hidden_size=56, norm_eps=1e-5, rope_theta=5e5, first_k_dense=3, qk_norm=family == "qwen3",
                       **rope)
     ours = MoETransformer(cfg)
-    with torch.no_grad():  # random everything, large enough that positions matter in the logits
-        gen = torch.Generator().manual_seed(6)
-        for p in ours.parameters():
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if p.ndim == 1 else
-                    0.1 * torch.randn(p.shape, generator=gen))
+    randomize(ours, seed=6)
     ours.eval()
     out = export_hf(ours.state_dict(), cfg, family, tmp_path / "hf", dtype=torch.float32)
     config = json.loads((out / "config.json").read_text())

@@ -60,6 +60,16 @@ def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens[None]).logits[0]
 
 
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Random everything: norm scales (QK-norm included) around 1, matrices large enough that positions and routing
+    show in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if p.ndim == 1 else
+                0.1 * torch.randn(p.shape, generator=gen))
+
+
 def load_hf(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
@@ -120,11 +130,7 @@ def test_transformers_checkpoint_imports_with_the_same_logits(tmp_path, family, 
     torch.manual_seed(7)
     hf = AutoModelForCausalLM.from_config(hf_config(family, first_k_dense, norm_topk_prob), dtype=torch.float32,
                                           attn_implementation="eager").eval()
-    with torch.no_grad():  # random everything, norm scales (QK-norm included) too
-        gen = torch.Generator().manual_seed(8)
-        for p in hf.parameters():
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen) if p.ndim == 1 else
-                    0.1 * torch.randn(p.shape, generator=gen))
+    randomize(hf, seed=8)
     # transformers' own shards (several files and their index) in one layout, one file in the other
     hf.save_pretrained(tmp_path / "hf", save_original_format=original_format,
                        max_shard_size="200KB" if original_format else "1GB")

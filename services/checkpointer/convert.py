@@ -38,12 +38,13 @@ from rich.console import Console
 from rich.progress import track
 
 from services.checkpointer.fit import config_diff, diff_hint, state_mismatch
-from services.checkpointer.hf import HFError, export_hf, hf_config, open_hf, pieces, upcycle_pieces
+from services.checkpointer.hf import HFError, export_hf, hf_config, items, open_hf, pieces, upcycle_pieces
 from services.checkpointer.hf_families import FAMILIES
 from services.checkpointer.layout import CheckpointError, fsync_dir, read_manifest
 from services.checkpointer.load import load_checkpoint, resolve_checkpoint
 from services.checkpointer.store import CheckpointStore
 from services.common import logs
+from services.common.command import EXIT_USAGE
 from services.common.config import ConfigError, ModelConfig, load_config
 from services.common.tokenizer import TokenizerError, load_tokenizer
 from services.dataloader.chat import hf_chat_template, load_chat_template
@@ -53,7 +54,6 @@ from services.dataloader.errors import DataError
 from services.trainer.checkpointing import saved_value
 from services.trainer.model.transformer import MoETransformer
 
-EXIT_USAGE = 2
 HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")  # beside tokenizer.json
 PART_BYTES = 1 << 30  # tensors per shard file of an imported checkpoint (the writer streams each file)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -292,7 +292,7 @@ def import_cmd(args: argparse.Namespace) -> None:
         say(f"importing {src}")
         model = open_hf(src)
         state = progress(model.state(), "importing", pieces(model.cfg))
-        path = write_checkpoint(tmp, (item for piece in state for item in piece.items()), model.shapes(), model.cfg,
+        path = write_checkpoint(tmp, items(state), model.shapes(), model.cfg,
                                 "hf-import", f"HF model {src.resolve()}",
                                 "; its config.json does not describe the tensors beside it")
     tokenizer = src.resolve() / "tokenizer.json"
@@ -313,12 +313,12 @@ def upcycle_cmd(args: argparse.Namespace) -> None:
     with staged(args.out, args.force, ckpt) as tmp, model_state(ckpt, dense) as state:
         say(f"upcycling {ckpt} to {moe.num_experts} experts (top-{moe.top_k})")
         meta = {k: torch.empty(shape, device="meta") for k, shape in state.shapes.items()}
-        shapes = {k: tuple(t.shape) for piece in upcycle_pieces(meta, dense, moe) for k, t in piece.items()}
+        shapes = {k: tuple(t.shape) for k, t in items(upcycle_pieces(meta, dense, moe))}
         pieces = progress(upcycle_pieces(state, dense, moe, seed=args.seed), "upcycling", 1 + moe.num_layers)
         copied = ("head_dim", "qk_norm") + (("ffn_hidden_size",) if moe.first_k_dense else ())
         keep = [f"model.{k}={json.dumps(getattr(dense, k))}" for k in copied
                 if getattr(dense, k) != getattr(moe, k)]  # what upcycle copies but does not check
-        path = write_checkpoint(tmp, (item for piece in pieces for item in piece.items()), shapes, moe, "upcycle",
+        path = write_checkpoint(tmp, items(pieces), shapes, moe, "upcycle",
                                 f"upcycled dense checkpoint {ckpt.resolve()}",
                                 f"; the MoE model keeps the dense model's {', '.join(keep) or 'attention and MLPs'}")
     say(f"wrote {args.out / path.name}; start a run from it with checkpoint.init_from={args.out}")

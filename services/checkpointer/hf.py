@@ -73,9 +73,15 @@ def pieces(cfg: ModelConfig) -> int:
     return 1 + cfg.num_layers + cfg.mtp_num_layers
 
 
+def items(pieces: Iterable[dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of `pieces` (the `*_pieces` generators' output), in order, a piece at a time."""
+    for piece in pieces:
+        yield from piece.items()
+
+
 def to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:
     """Our full state dict -> HF names and layouts (the per-expert layout every transformers version reads)."""
-    return {k: t for piece in to_hf_pieces(state, cfg, family) for k, t in piece.items()}
+    return dict(items(to_hf_pieces(state, cfg, family)))
 
 
 def to_hf_pieces(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
@@ -181,7 +187,7 @@ def from_hf(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family,
     tensor must be used, so nothing the family computes with is dropped. `rope_interleave`: deepseek_v3's config
     field of that name (whether its rope rows are interleaved pairs).
     """
-    return {k: t for piece in from_hf_pieces(hf, cfg, family, rope_interleave) for k, t in piece.items()}
+    return dict(items(from_hf_pieces(hf, cfg, family, rope_interleave)))
 
 
 def from_hf_pieces(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family,
@@ -282,14 +288,13 @@ def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Famil
         save_file(shard, str(path), metadata={"format": "pt"})
         written.append((path, list(shard)))
 
-    for piece in track(to_hf_pieces(state, cfg, family)):
-        for name, t in piece.items():
-            t = t.detach().to("cpu", torch.float32 if name.endswith("e_score_correction_bias") else dtype).contiguous()
-            if shard and size + t.nbytes > shard_bytes:
-                flush()
-                shard, size = {}, 0
-            shard[name] = t
-            size, total = size + t.nbytes, total + t.nbytes
+    for name, t in items(track(to_hf_pieces(state, cfg, family))):
+        t = t.detach().to("cpu", torch.float32 if name.endswith("e_score_correction_bias") else dtype).contiguous()
+        if shard and size + t.nbytes > shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = t
+        size, total = size + t.nbytes, total + t.nbytes
     flush()
     names = ["model.safetensors"] if len(written) == 1 else [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
                                                               for i in range(len(written))]
@@ -416,8 +421,8 @@ class HFModel:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Our state's names and shapes, by a pass over the tensors' shapes alone (nothing is read); refuses what the
         conversion would refuse for want of a value or a tensor it would drop."""
-        return {k: tuple(t.shape) for piece in from_hf_pieces(self.tensors.as_meta(), self.cfg, self.family,
-                                                              self.rope_interleave) for k, t in piece.items()}
+        meta = from_hf_pieces(self.tensors.as_meta(), self.cfg, self.family, self.rope_interleave)
+        return {k: tuple(t.shape) for k, t in items(meta)}
 
     def state(self) -> Iterator[dict[str, torch.Tensor]]:
         """Our state, a piece at a time (`pieces(cfg)` of them): host memory holds one layer's weights."""
@@ -449,7 +454,7 @@ def open_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> HFModel:
 def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """`open_hf`'s model, read whole into our state dict, and its config."""
     model = open_hf(src, dtype)
-    return {k: t for piece in model.state() for k, t in piece.items()}, model.cfg
+    return dict(items(model.state())), model.cfg
 
 
 def _mtp_depths_present(cfg: ModelConfig, hf: Mapping[str, torch.Tensor], src: Path) -> ModelConfig:
@@ -479,7 +484,7 @@ def upcycle(dense: Mapping[str, torch.Tensor], dense_cfg: ModelConfig, moe_cfg: 
             seed: int = 0) -> dict[str, torch.Tensor]:
     """A dense model's state -> an MoE model's (sparse upcycling): every expert starts as a copy of the layer's MLP and
     the router is freshly initialised, so the MoE computes the dense function whenever top-k weights sum to 1."""
-    return {k: t for piece in upcycle_pieces(dense, dense_cfg, moe_cfg, seed) for k, t in piece.items()}
+    return dict(items(upcycle_pieces(dense, dense_cfg, moe_cfg, seed)))
 
 
 def upcycle_pieces(dense: Mapping[str, torch.Tensor], dense_cfg: ModelConfig, moe_cfg: ModelConfig,

@@ -42,14 +42,13 @@ from rich.progress import Progress
 
 from services.checkpointer.convert import (ConvertError, check_fits, find_checkpoint, iter_model_state, recorded_config,
                                            say, trained_config)
-from services.checkpointer.hf import open_hf
+from services.checkpointer.hf import items, open_hf
 from services.checkpointer.hf_families import HFError
 from services.checkpointer.layout import CheckpointError
 from services.common.command import run_command
 from services.common.config import Config, ConfigError, load_config
 from services.common.tokenizer import Tokenizer, TokenizerError, load_tokenizer
-from services.dataloader.chat import ChatTemplate, load_chat_template
-from services.dataloader.chat import hf_chat_template
+from services.dataloader.chat import ChatTemplate, hf_chat_template, load_chat_template
 from services.dataloader.errors import DataError
 from services.rl_rollout.engine import Completion, Engine, EngineError, Request
 from services.rl_rollout.prompts import ANSWER_CHECKS, Prompt, load_reward, read_records
@@ -121,7 +120,7 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
         bundled = spec / "tokenizer.json"
         recorded = str(bundled) if bundled.is_file() else None
         chat_template = hf_chat_template(spec)
-        state = (item for piece in hf.state() for item in piece.items())
+        state = items(hf.state())
     else:
         ckpt = find_checkpoint(spec)
         model_cfg = trained_config(ckpt)
