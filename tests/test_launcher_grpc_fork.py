@@ -30,14 +30,19 @@ server.stop(0)
 """
 
 
-def fork_handler_lines(first: str) -> int:
+def forks(first: str) -> tuple[int, int, str]:
+    """(exit status, gRPC log lines of fork handlers, stderr's tail) of 20 forks under a busy gRPC server."""
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
     res = subprocess.run([sys.executable, "-c", FORKS.format(first=first)], cwd=ROOT, capture_output=True, text=True,
                          env={**env, "GRPC_VERBOSITY": "INFO"}, timeout=120)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return sum("fork_posix" in line for line in res.stderr.splitlines())
+    return res.returncode, sum("fork_posix" in line for line in res.stderr.splitlines()), res.stderr[-3000:]
 
 
 def test_grpc_runs_its_fork_handlers_unless_the_launcher_was_imported_first():
-    assert fork_handler_lines(first="") > 0  # gRPC's default: the handlers run at every fork
-    assert fork_handler_lines(first="import services.launcher") == 0
+    # gRPC's default: the handlers run at every fork. They are the fault this guards against, so the baseline may
+    # itself abort in them (it did once in CI: SIGABRT, epoll_wait on a closed descriptor); its log still shows them.
+    _, handler_lines, err = forks(first="")
+    assert handler_lines > 0, err
+    status, handler_lines, err = forks(first="import services.launcher")
+    assert status == 0, err
+    assert handler_lines == 0, err
