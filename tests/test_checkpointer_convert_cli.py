@@ -174,7 +174,8 @@ def bad_inputs(ckpts: dict, tmp: Path) -> list[tuple[list, str]]:
          r"holds another model than the model config describes: 'embed.weight' is \[264, 128\] there but "
          r"\[264, 64\] .*model.hidden_size=128 there, 64 here"),
         (["export", mixtral, out, "--family", "gpt2", "--config", TINY],
-         r"unknown HF family 'gpt2'; choose one of mixtral, qwen3_moe, deepseek_v3, qwen3, llama, mistral"),
+         r"unknown HF family 'gpt2'; choose one of mixtral, qwen3_moe, qwen2_moe, deepseek_v3, qwen3, qwen2, llama, "
+         r"mistral"),
         (["export", mixtral, out, "--family", "llama", "--config", TINY],
          r"llama is a dense model: it needs `model.first_k_dense=model.num_layers` \(4\), got 0; export MoE models"),
         (["export", mixtral, out, "--family", "qwen3_moe", "--config", TINY],
@@ -184,7 +185,7 @@ def bad_inputs(ckpts: dict, tmp: Path) -> list[tuple[list, str]]:
         (["import", tmp / "missing", out], r"missing: no such directory; point at an HF model directory"),
         (["import", tmp, out], r"config.json is missing; point at an HF model directory"),
         (["import", gpt2, out], r"model_type 'gpt2' is not supported: only models of the families mixtral, .* "
-                                r"\(the dense ones, qwen3, llama, mistral, to upcycle\)"),
+                                r"\(the dense ones, qwen3, qwen2, llama, mistral, to upcycle\)"),
         (["import", partial, out], r"config.json has no 'num_hidden_layers' field: not a complete HF model config"),
         (["upcycle", mixtral, out, "--config", TINY], r"is an MoE model .*upcycle starts from a dense one"),
         (["upcycle", dense, out, "--config", TINY, "model.moe_ffn_hidden_size=128"],

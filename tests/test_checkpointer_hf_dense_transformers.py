@@ -1,4 +1,4 @@
-"""Dense HF models (Qwen3ForCausalLM, LlamaForCausalLM, MistralForCausalLM) against the `transformers` library itself,
+"""Dense HF models (Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM) against the `transformers` library itself,
 and sparse upcycling from one.
 
 Specification: a random transformers dense model written by `save_pretrained` imports with `import_hf` into a
@@ -6,7 +6,7 @@ foldmoe model (every layer's MLP dense) with the same logits (fp32, atol 1e-4), 
 foldmoe dense model exported with `export_hf` loads in `from_pretrained` with the same logits; through the command
 line, an imported dense model upcycled to an MoE (every expert a copy of the MLP, top-k weights summing to 1) computes
 the transformers model's logits. The tiny models have GQA, head_dim != hidden/heads, non-default RoPE theta and norm
-eps and non-unit norm scales (Qwen3's QK-norm included), so a wrong name, layout or config field shows in the logits.
+eps and non-unit norm scales (Qwen3's QK-norm included) and biases (Qwen2's q/k/v), so a wrong name, layout or config field shows in the logits.
 Llama 3.1's context extension (rope type "llama3") converts both ways with the same logits, its original context short
 enough that some frequencies are kept, some interpolated and some blended. A dense family refuses an MoE model and an
 MoE family a dense one, naming the fix.
@@ -32,7 +32,8 @@ from test_checkpointer_hf_transformers import ATOL, hf_logits, load_hf, ours_log
 SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=24, intermediate_size=56, rms_norm_eps=1e-5, max_position_embeddings=256,
              rope_parameters={"rope_type": "default", "rope_theta": 5e5})
-CONFIGS = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}
+CONFIGS = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+           "mistral": transformers.MistralConfig}
 
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -57,15 +58,16 @@ def assert_rope_scaling_matters(ours: MoETransformer, cfg: ModelConfig, toks: to
     assert (ours_logits(plain, toks) - expected).abs().max() > 100 * ATOL
 
 
-@pytest.mark.parametrize("family, tied, rope", [("qwen3", True, None), ("llama", False, None),
+@pytest.mark.parametrize("family, tied, rope", [("qwen3", True, None), ("qwen2", True, None), ("llama", False, None),
                                                ("llama", False, LLAMA3), ("mistral", False, None)],
-                         ids=["qwen3", "llama", "llama3_rope", "mistral"])
+                         ids=["qwen3", "qwen2", "llama", "llama3_rope", "mistral"])
 def test_a_transformers_dense_model_imports_with_the_same_logits(tmp_path, family, tied, rope):
     hf = random_hf(family, tied, **({"rope_parameters": rope} if rope else {}))
     hf.save_pretrained(tmp_path / "hf")
     state, cfg = import_hf(tmp_path / "hf")
     assert (cfg.first_k_dense, cfg.num_layers, cfg.qk_norm, cfg.ffn_hidden_size) == (3, 3, family == "qwen3", 56)
     assert (cfg.kv_channels, cfg.num_kv_heads, cfg.rope_theta, cfg.norm_eps) == (24, 2, 5e5, 1e-5)
+    assert cfg.qkv_bias == (family == "qwen2")
     ours = MoETransformer(cfg).eval()
     ours.load_state_dict(state)  # strict: every parameter and buffer of our model is set
     assert not any("experts" in name for name in state)
@@ -84,12 +86,12 @@ def test_a_transformers_dense_model_imports_with_the_same_logits(tmp_path, famil
 LLAMA3_OURS = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_position": 64}
 
 
-@pytest.mark.parametrize("family, rope", [("qwen3", {}), ("llama", {}), ("llama", LLAMA3_OURS), ("mistral", {})],
-                         ids=["qwen3", "llama", "llama3_rope", "mistral"])
+@pytest.mark.parametrize("family, rope", [("qwen3", {}), ("qwen2", {}), ("llama", {}), ("llama", LLAMA3_OURS),
+                                         ("mistral", {})], ids=["qwen3", "qwen2", "llama", "llama3_rope", "mistral"])
 def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, family, rope):
     cfg = ModelConfig(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24,
                       ffn_hidden_size=56, norm_eps=1e-5, rope_theta=5e5, first_k_dense=3, qk_norm=family == "qwen3",
-                      **rope)
+                      qkv_bias=family == "qwen2", **rope)
     ours = MoETransformer(cfg)
     randomize(ours, seed=6)
     ours.eval()
@@ -106,10 +108,11 @@ def test_a_dense_model_exports_to_transformers_with_the_same_logits(tmp_path, fa
         assert_rope_scaling_matters(ours, cfg, toks, expected)
 
 
-def test_an_imported_dense_model_upcycles_to_an_moe_computing_its_logits(tmp_path, capsys):
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_an_imported_dense_model_upcycles_to_an_moe_computing_its_logits(tmp_path, capsys, family):
     from test_tokenizer import _write_hf_tokenizer
 
-    hf = random_hf("qwen3", tied=True)
+    hf = random_hf(family, tied=True)
     hf.save_pretrained(tmp_path / "hf")
     _write_hf_tokenizer(tmp_path / "hf" / "tokenizer.json", vocab_size=96)
     assert convert(["import", str(tmp_path / "hf"), str(tmp_path / "dense")]) == 0
@@ -134,6 +137,15 @@ def test_dense_and_moe_families_refuse_each_others_models():
         export_hf({}, ModelConfig(num_layers=2, qk_norm=True), "qwen3", "/nonexistent")
     with pytest.raises(HFError, match=r"llama has no per-head q/k RMSNorm: it needs `model.qk_norm=false`"):
         export_hf({}, ModelConfig(num_layers=2, first_k_dense=2, qk_norm=True), "llama", "/nonexistent")
+    with pytest.raises(HFError, match=r"qwen2 has q/k/v biases: it needs `model.qkv_bias=true`"):
+        export_hf({}, ModelConfig(num_layers=2, first_k_dense=2), "qwen2", "/nonexistent")
+    with pytest.raises(HFError, match=r"llama has no q/k/v biases but `model.qkv_bias=true`; export it as qwen2"):
+        export_hf({}, ModelConfig(num_layers=2, first_k_dense=2, qkv_bias=True), "llama", "/nonexistent")
+    with pytest.raises(HFError, match=r"qwen2_moe has a shared expert with a sigmoid gate"):
+        export_hf({}, ModelConfig(num_layers=2, shared_expert_ffn_hidden_size=16), "qwen2_moe", "/nonexistent")
+    with pytest.raises(HFError, match=r"qwen3_moe has no shared expert"):
+        export_hf({}, ModelConfig(num_layers=2, qk_norm=True, shared_expert_ffn_hidden_size=16,
+                                  shared_expert_gate=True), "qwen3_moe", "/nonexistent")
     with pytest.raises(HFError, match="mixtral has no dense layers"):
         export_hf({}, ModelConfig(num_layers=2, first_k_dense=2), "mixtral", "/nonexistent")
     with pytest.raises(HFError, match=r"sliding_window=4096: our attention is full causal"):

@@ -1,13 +1,14 @@
 """HF interop against the `transformers` library itself (a test dependency: the `test` extra installs it).
 
-Specification: for Mixtral and Qwen3-MoE, a random foldmoe model exported with `export_hf` loads in
+Specification: for Mixtral, Qwen3-MoE and Qwen2-MoE, a random foldmoe model exported with `export_hf` loads in
 `AutoModelForCausalLM.from_pretrained` and computes the same logits as foldmoe on the same sequence (fp32, atol 1e-4);
 and a random transformers model written by `save_pretrained` (per-expert layout, and transformers 5's fused layout)
 imports with `import_hf` into a foldmoe model with the same logits. The tiny models have GQA, head_dim != hidden/heads,
 6 experts with top-2 routing, non-default RoPE theta and norm eps, non-unit norm scales (QK-norm included) and, for
-Qwen3, a leading dense layer, so a wrong name, layout or config field shows in the logits. Routing normalisation is
+Qwen3/Qwen2-MoE, a leading dense layer (Qwen2-MoE also q/k/v biases and a gated shared expert), so a wrong name, layout
+or config field shows in the logits. Routing normalisation is
 checked both ways: Mixtral renormalises the top-k softmax probabilities (the same as a softmax over the top-k logits),
-Qwen3 does so only with `norm_topk_prob` (run with both settings); each comparison also shows that the other
+Qwen3 and Qwen2 do so only with `norm_topk_prob` (run with both settings); each comparison also shows that the other
 normalisation would be detected.
 """
 
@@ -28,13 +29,14 @@ ATOL = 1e-4
 SHAPE = dict(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=24, num_experts=6,
              top_k=2, moe_ffn_hidden_size=40, ffn_hidden_size=56, norm_eps=1e-5, rope_theta=5e5, init_std=0.1)
 # (family, first_k_dense, norm_topk_prob)
-CASES = [("mixtral", 0, True), ("qwen3_moe", 1, True), ("qwen3_moe", 1, False)]
-IDS = ["mixtral", "qwen3_moe", "qwen3_moe-no_norm_topk"]
+CASES = [("mixtral", 0, True), ("qwen3_moe", 1, True), ("qwen3_moe", 1, False), ("qwen2_moe", 1, False)]
+IDS = ["mixtral", "qwen3_moe", "qwen3_moe-no_norm_topk", "qwen2_moe"]
+QWEN2_MOE = dict(qkv_bias=True, shared_expert_ffn_hidden_size=48, shared_expert_gate=True)  # ours
 
 
 def our_config(family: str, first_k_dense: int, norm_topk_prob: bool) -> ModelConfig:
     return ModelConfig(**SHAPE, first_k_dense=first_k_dense, norm_topk_prob=norm_topk_prob,
-                       qk_norm=family == "qwen3_moe")
+                       qk_norm=family == "qwen3_moe", **(QWEN2_MOE if family == "qwen2_moe" else {}))
 
 
 def hf_config(family: str, first_k_dense: int, norm_topk_prob: bool):
@@ -44,6 +46,10 @@ def hf_config(family: str, first_k_dense: int, norm_topk_prob: bool):
                   rope_parameters={"rope_type": "default", "rope_theta": 5e5}, max_position_embeddings=256)
     if family == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=6, intermediate_size=40)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**common, num_experts=6, moe_intermediate_size=40, intermediate_size=56,
+                                           shared_expert_intermediate_size=48, norm_topk_prob=norm_topk_prob,
+                                           mlp_only_layers=list(range(first_k_dense)))
     return transformers.Qwen3MoeConfig(**common, num_experts=6, moe_intermediate_size=40, intermediate_size=56,
                                        mlp_only_layers=list(range(first_k_dense)), norm_topk_prob=norm_topk_prob)
 
@@ -107,13 +113,16 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family, fir
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == family and config["tie_word_embeddings"] is False
     hf = load_hf(out)
-    assert type(hf).__name__ == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+    assert type(hf).__name__ == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                 "qwen2_moe": "Qwen2MoeForCausalLM"}[family]
     c = hf.config
     assert (c.num_key_value_heads, c.head_dim, c.num_experts_per_tok, c.rms_norm_eps) == (2, 24, 2, 1e-5)
     assert c.rope_parameters["rope_theta"] == 5e5 and c.rope_parameters["rope_type"] == "default"
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen2_moe"):
         assert (c.norm_topk_prob, c.mlp_only_layers, c.moe_intermediate_size) == (norm_topk_prob, [0], 40)
-        assert type(hf.model.layers[0].mlp).__name__ == "Qwen3MoeMLP"  # the dense first layer
+        assert type(hf.model.layers[0].mlp).__name__.endswith("MoeMLP")  # the dense first layer
+    if family == "qwen2_moe":
+        assert (c.qkv_bias, c.shared_expert_intermediate_size) == (True, 48)
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
 
     toks = tokens()
@@ -140,6 +149,8 @@ def test_transformers_checkpoint_imports_with_the_same_logits(tmp_path, family, 
     state, cfg = import_hf(tmp_path / "hf")
     assert (cfg.qk_norm, cfg.norm_topk_prob, cfg.first_k_dense) == (family == "qwen3_moe", norm_topk_prob,
                                                                    first_k_dense)
+    qwen2 = family == "qwen2_moe"
+    assert (cfg.qkv_bias, cfg.shared_expert_gate, cfg.shared_expert_ffn_hidden_size) == (qwen2, qwen2, 48 * qwen2)
     assert (cfg.kv_channels, cfg.num_kv_heads, cfg.rope_theta, cfg.norm_eps) == (24, 2, 5e5, 1e-5)
     ours = MoETransformer(cfg).eval()
     ours.load_state_dict(state)  # strict: every parameter and buffer of our model is set

@@ -202,37 +202,45 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _linear_run(fp8: str, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor):
-    layer = FP8Linear(weight.shape[1], weight.shape[0], fp8=fp8).cuda()
+def _linear_run(fp8: str, weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, bias: torch.Tensor | None = None):
+    layer = FP8Linear(weight.shape[1], weight.shape[0], fp8=fp8, bias=bias is not None).cuda()
     with torch.no_grad():
         layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
     x = x.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = layer(x)
     out.backward(dy)
-    return layer, out, x.grad, layer.weight.grad
+    return layer, out, x.grad, layer.weight.grad, None if bias is None else layer.bias.grad
 
 
 @gpu_te
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])  # Qwen2's q/k/v biases: added after the FP8 GEMM
 @pytest.mark.parametrize("rows", [4096, 4093])  # 4093: not a multiple of 16, padded for TE and cut off again
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_gpu_fp8_linear_forward_and_grads_are_close_to_bf16(recipe, rows):
+def test_gpu_fp8_linear_forward_and_grads_are_close_to_bf16(recipe, rows, bias):
     _te()
     g = torch.Generator(device="cuda").manual_seed(0)
     K, N = 2048, 1536  # Qwen3-30B-A3B-like hidden -> a projection width
     w = torch.randn(N, K, device="cuda", generator=g) * 0.02  # fp32 master weight, as in training
     x = torch.randn(rows, K, device="cuda", generator=g)
     dy = torch.randn(rows, N, device="cuda", generator=g, dtype=torch.bfloat16)
-    layer, *got = _linear_run(recipe, w, x, dy)
-    _, *want = _linear_run("", w, x, dy)
+    b = torch.randn(N, device="cuda", generator=g) if bias else None  # as large as the outputs: a lost one shows
+    layer, *got = _linear_run(recipe, w, x, dy, b)
+    _, *want = _linear_run("", w, x, dy, b)
     assert layer._te.module is not None  # the TE path ran (not F.linear)
     assert got[0].dtype == want[0].dtype == torch.bfloat16 and got[2].dtype == torch.float32
     assert not torch.equal(got[0], want[0])  # FP8 rounding shows: it really was not the bf16 GEMM
-    for name, a, b, tol in zip(("out", "grad x", "grad w"), got, want, (0.05, 0.08, 0.08)):
+    for name, a, b, tol in zip(("out", "grad x", "grad w", "grad bias"), got, want, (0.05, 0.08, 0.08, 0.01)):
+        if b is None:
+            assert a is None, name
+            continue
         assert a.shape == b.shape, name
         assert _rel(a, b) < tol, (name, _rel(a, b))
-    assert list(layer.state_dict()) == ["weight"]  # no TE `_extra_state`, no TE submodule
-    assert [n for n, _ in layer.named_parameters()] == ["weight"] and list(layer.children()) == []
+    names = ["weight", "bias"] if bias else ["weight"]
+    assert list(layer.state_dict()) == names  # no TE `_extra_state`, no TE submodule
+    assert [n for n, _ in layer.named_parameters()] == names and list(layer.children()) == []
 
 
 @gpu_te

@@ -8,7 +8,9 @@ The MoE layer under sequence parallelism routes its rank's token shard; the aux 
 over the tokens one rank sees (test_parallel_pp covers aux-loss parity).
 With `model.qk_norm` the per-head q/k RMSNorm scales stay whole on every rank while each rank applies them to its own
 heads, so their gradients must be summed over TP with and without sequence parallelism; the dense run without sequence
-parallelism has QK-norm on (it is where no other norm needs that sum).
+parallelism has QK-norm on (it is where no other norm needs that sum). Qwen2's q/k/v biases are split with their heads
+and the shared expert's sigmoid gate, whole on every rank and read from the rank's tokens, sums its gradient over TP
+(`qwen2`: both on).
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ from parallel_harness import (assert_bf16_run_matches_fp32_run, assert_parity, m
                               run_parallel, run_reference, spawn_ranks, tiny_config)
 
 
-def tp_config(qk_norm: bool = False, **parallel):
+QWEN2 = dict(qkv_bias=True, shared_expert_gate=True)
+
+
+def tp_config(qk_norm: bool = False, model: dict | None = None, **parallel):
     cfg = tiny_config(**parallel)
     cfg.model.qk_norm = qk_norm
+    for key, value in (model or {}).items():
+        setattr(cfg.model, key, value)
     cfg.optimizer.lr = 2e-3
     cfg.model.first_k_dense = 1  # one dense SwiGLU layer, then MoE with a shared expert: every TP region kind
     cfg.model.shared_expert_ffn_hidden_size = 16
@@ -30,9 +37,9 @@ def tp_config(qk_norm: bool = False, **parallel):
     return cfg
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
-def test_tp2_with_sequence_parallel_matches_single_process(tmp_path, qk_norm):
-    cfg = tp_config(qk_norm, tp=2)
+@pytest.mark.parametrize("qk_norm, model", [(False, {}), (True, {}), (False, QWEN2)], ids=["plain", "qk_norm", "qwen2"])
+def test_tp2_with_sequence_parallel_matches_single_process(tmp_path, qk_norm, model):
+    cfg = tp_config(qk_norm, model, tp=2)
     batches = make_batches(cfg.model, steps=3, micro=2, tokens=32)
     assert_parity(run_reference(cfg, batches), run_parallel(cfg, batches, world=2, out_dir=str(tmp_path)))
 

@@ -315,7 +315,7 @@ def upcycle_cmd(args: argparse.Namespace) -> None:
         meta = {k: torch.empty(shape, device="meta") for k, shape in state.shapes.items()}
         shapes = {k: tuple(t.shape) for k, t in items(upcycle_pieces(meta, dense, moe))}
         pieces = progress(upcycle_pieces(state, dense, moe, seed=args.seed), "upcycling", 1 + moe.num_layers)
-        copied = ("head_dim", "qk_norm") + (("ffn_hidden_size",) if moe.first_k_dense else ())
+        copied = ("head_dim", "qk_norm", "qkv_bias") + (("ffn_hidden_size",) if moe.first_k_dense else ())
         keep = [f"model.{k}={json.dumps(getattr(dense, k))}" for k in copied
                 if getattr(dense, k) != getattr(moe, k)]  # what upcycle copies but does not check
         path = write_checkpoint(tmp, items(pieces), shapes, moe, "upcycle",

@@ -1,33 +1,36 @@
 """Hugging Face interop: our full (unsharded) model state dict <-> HF safetensors + config.json, and dense -> MoE upcycling.
 
 The checkpointer knows parameter names here only (with hf_deepseek.py: DeepSeek-V3's attention and FP8 layouts;
-hf_families.py maps config.json); they follow `services/trainer/model/` (MoETransformer):
-`embed`, `layers.{i}.attn.{q,k,v,o}_proj`, `attn.{q,k}_norm` (with `model.qk_norm`) or MLA's `attn.{q_proj | q_a_proj,
-q_a_layernorm, q_b_proj}`, `attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}` (with
-`model.attention=mla`), `attn_norm`, `mlp_norm`, dense `mlp.{gate,up,down}_proj`, MoE `mlp.router.weight` /
-`mlp.router.expert_bias` / `mlp.experts.w13` [E, h, 2f] (gate columns first) / `mlp.experts.w2` [E, f, h] /
-`mlp.shared_expert.{gate,up,down}_proj`, `norm`, `output`. HF `nn.Linear` weights are [out, in]; our stacked experts
-are [in, out], hence transposes.
+hf_families.py maps config.json); they follow `services/trainer/model/` (MoETransformer): `embed`,
+`layers.{i}.attn.{q,k,v,o}_proj` (q/k/v `.bias` with `model.qkv_bias`), `attn.{q,k}_norm` (with `model.qk_norm`) or
+MLA's `attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}`, `attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+o_proj}` (with `model.attention=mla`), `attn_norm`, `mlp_norm`, dense `mlp.{gate,up,down}_proj`, MoE `mlp.router.weight`
+/ `mlp.router.expert_bias` / `mlp.experts.w13` [E, h, 2f] (gate columns first) / `mlp.experts.w2` [E, f, h] /
+`mlp.shared_expert.{gate,up,down}_proj` / `mlp.shared_expert_gate` (with `model.shared_expert_gate`), `norm`, `output`.
+HF `nn.Linear` weights are [out, in]; our stacked experts are [in, out], hence transposes.
 
 Families: "mixtral" (MixtralForCausalLM: `block_sparse_moe.gate`, `experts.{e}.w1/w3/w2`, no QK-norm, top-k
 probabilities always renormalised), "qwen3_moe" (Qwen3MoeForCausalLM: `mlp.gate`, `experts.{e}.gate_proj/up_proj/
-down_proj`, per-head `self_attn.{q,k}_norm`, `norm_topk_prob` as configured, leading dense layers as `mlp_only_layers`)
-and "deepseek_v3" (DeepseekV3ForCausalLM: MLA attention with its RoPE rows reordered, sigmoid
-group-limited routing whose `mlp.gate.e_score_correction_bias` is our expert bias, `mlp.shared_experts`, YaRN RoPE,
-leading dense layers as `first_k_dense_replace`); and the dense "qwen3" (Qwen3ForCausalLM: QK-norm), "llama"
-(LlamaForCausalLM, Llama 3.1's RoPE scaling too) and "mistral" (MistralForCausalLM, without a sliding window): our model
-with every layer's MLP dense (`model.first_k_dense=num_layers`), to upcycle. Export writes the per-expert ("original")
-layout, which every transformers version loads; import also reads the fused layout transformers 5 keeps in memory
-(`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`), FP8 block-quantised weights (the
-published DeepSeek-V3 checkpoints: dequantised on import). DeepSeek-V3's multi-token-prediction layers
-(`model.layers.{L..}`, `num_nextn_predict_layers`) are our `mtp.{k}` depths (`mtp.{k}.block.*` the decoder layer,
-`enorm`, `hnorm`, `eh_proj`, `norm` for shared_head.norm), both ways.
+down_proj`, per-head `self_attn.{q,k}_norm`, `norm_topk_prob` as configured, leading dense layers as `mlp_only_layers`),
+"qwen2_moe" (Qwen2MoeForCausalLM, Qwen1.5-MoE and Qwen2-MoE: as qwen3_moe without QK-norm, with q/k/v biases and a
+`mlp.shared_expert` whose output is scaled by sigmoid(`mlp.shared_expert_gate`)) and "deepseek_v3"
+(DeepseekV3ForCausalLM: MLA attention with its RoPE rows reordered, sigmoid group-limited routing whose
+`mlp.gate.e_score_correction_bias` is our expert bias, `mlp.shared_experts`, YaRN RoPE, leading dense layers as
+`first_k_dense_replace`); and the dense "qwen3" (Qwen3ForCausalLM: QK-norm), "qwen2" (Qwen2ForCausalLM, Qwen2 and
+Qwen2.5: q/k/v biases), "llama" (LlamaForCausalLM, Llama 3.1's RoPE scaling too) and "mistral" (MistralForCausalLM,
+without a sliding window): our model with every layer's MLP dense (`model.first_k_dense=num_layers`), to upcycle. Export
+writes the per-expert ("original") layout, which every transformers version loads; import also reads the fused layout
+transformers 5 keeps in memory (`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`), FP8
+block-quantised weights (the published DeepSeek-V3 checkpoints: dequantised on import). DeepSeek-V3's
+multi-token-prediction layers (`model.layers.{L..}`, `num_nextn_predict_layers`) are our `mtp.{k}` depths
+(`mtp.{k}.block.*` the decoder layer, `enorm`, `hnorm`, `eh_proj`, `norm` for shared_head.norm), both ways.
 
-Conversion is exact or refused: a config or state the family cannot express (a shared expert, sigmoid or group-limited
-routing, expert capacity, a trained expert bias, QK-norm on Mixtral or its absence on Qwen3, MLA or YaRN outside
-DeepSeek-V3, RoPE types other than plain and YaRN, attention biases, sliding windows, ...) raises `HFError` naming what
-does not fit, and so does an HF tensor that import would otherwise drop. tests/test_checkpointer_hf_transformers.py
-and tests/test_checkpointer_hf_deepseek_transformers.py check that transformers computes the same logits.
+Conversion is exact or refused: a config or state the family cannot express (a shared expert outside Qwen2-MoE and
+DeepSeek-V3, sigmoid or group-limited routing, expert capacity, a trained expert bias, QK-norm on Mixtral or its absence
+on Qwen3, MLA or YaRN outside DeepSeek-V3, RoPE types other than plain and YaRN, an output projection's bias, sliding
+windows, ...) raises `HFError` naming what does not fit, and so does an HF tensor that import would otherwise drop.
+tests/test_checkpointer_hf_transformers.py, tests/test_checkpointer_hf_dense_transformers.py and
+tests/test_checkpointer_hf_deepseek_transformers.py check that transformers computes the same logits.
 """
 
 from __future__ import annotations
@@ -53,9 +56,12 @@ from services.common.config import ModelConfig
 
 _MOE = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
         "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+        "qwen2_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
         "deepseek_v3": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _QK_NORM = ("q_norm", "k_norm")
+_QKV_BIAS = ("q_proj.bias", "k_proj.bias", "v_proj.bias")  # with model.qkv_bias (Qwen2)
+_SHARED = {"deepseek_v3": "shared_experts", "qwen2_moe": "shared_expert"}  # the families' shared expert, HF's name
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _MTP = ("enorm", "hnorm", "eh_proj")  # an MTP depth's own weights beside its decoder block and shared_head.norm
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # a non-persistent buffer some older HF checkpoints still hold
@@ -111,6 +117,8 @@ def _block_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Fa
         out.update(mla_to_hf(state, cfg, ours, hf))
     for p in () if cfg.attention == "mla" else _ATTN + (_QK_NORM if cfg.qk_norm else ()):
         out[f"{hf}self_attn.{p}.weight"] = state[f"{ours}attn.{p}.weight"]
+    for p in _QKV_BIAS if cfg.qkv_bias else ():
+        out[f"{hf}self_attn.{p}"] = state[f"{ours}attn.{p}"]
     if layer_id < cfg.first_k_dense:
         out.update({f"{hf}mlp.{p}.weight": state[f"{ours}mlp.{p}.weight"] for p in _MLP})
     else:
@@ -138,7 +146,11 @@ def _moe_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
     out = {gate + "weight": state[ours + "mlp.router.weight"]}
     if family == "deepseek_v3":  # the same role: added to the scores for selection only (the others have none)
         out[gate + "e_score_correction_bias"] = state[ours + "mlp.router.expert_bias"]
-        out.update({f"{hf}mlp.shared_experts.{p}.weight": state[f"{ours}mlp.shared_expert.{p}.weight"] for p in _MLP})
+    if family in _SHARED:
+        out.update({f"{hf}mlp.{_SHARED[family]}.{p}.weight": state[f"{ours}mlp.shared_expert.{p}.weight"]
+                    for p in _MLP})
+    if cfg.shared_expert_gate:
+        out[f"{hf}mlp.shared_expert_gate.weight"] = state[f"{ours}mlp.shared_expert_gate.weight"]
     w13, w2 = state[ours + "mlp.experts.w13"], state[ours + "mlp.experts.w2"]
     for e in range(cfg.num_experts):
         prefix = f"{hf}{block}.experts.{e}."
@@ -213,6 +225,8 @@ def _block_from_hf(take: _Reader, cfg: ModelConfig, family: Family, ours: str, p
         out.update(mla_from_hf(take, cfg, ours, pre, take.rope_interleave))
     for p in () if cfg.attention == "mla" else _ATTN + (_QK_NORM if cfg.qk_norm else ()):
         out[f"{ours}attn.{p}.weight"] = take(f"{pre}self_attn.{p}.weight")
+    for p in _QKV_BIAS if cfg.qkv_bias else ():
+        out[f"{ours}attn.{p}"] = take(f"{pre}self_attn.{p}")
     if layer_id < cfg.first_k_dense:
         out.update({f"{ours}mlp.{p}.weight": take(f"{pre}mlp.{p}.weight") for p in _MLP})
     else:
@@ -240,9 +254,13 @@ def _moe_from_hf(take: _Reader, cfg: ModelConfig, family: Family, ours: str, pre
     out = {ours + "mlp.router.weight": take(f"{pre}{block}.{gate_name}.weight", f"{pre}mlp.gate.weight")}
     if family == "deepseek_v3":
         out[ours + "mlp.router.expert_bias"] = take(f"{pre}mlp.gate.e_score_correction_bias").float()
-        out.update({f"{ours}mlp.shared_expert.{p}.weight": take(f"{pre}mlp.shared_experts.{p}.weight") for p in _MLP})
     else:
         out[ours + "mlp.router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
+    if family in _SHARED:
+        out.update({f"{ours}mlp.shared_expert.{p}.weight": take(f"{pre}mlp.{_SHARED[family]}.{p}.weight")
+                    for p in _MLP})
+    if cfg.shared_expert_gate:
+        out[ours + "mlp.shared_expert_gate.weight"] = take(f"{pre}mlp.shared_expert_gate.weight")
     fused = f"{pre}mlp.experts."
     if take.has(fused + "gate_up_proj"):  # [E, 2f, h] (gate rows first) and [E, h, f]
         out[ours + "mlp.experts.w13"] = take(fused + "gate_up_proj").transpose(1, 2).contiguous()
@@ -267,7 +285,7 @@ def _moe_from_hf(take: _Reader, cfg: ModelConfig, family: Family, ours: str, pre
 def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family, out_dir: str | Path,
               dtype: torch.dtype = torch.bfloat16, max_positions: int = 4096, shard_bytes: int = SHARD_BYTES,
               track: Callable[[Iterator[dict[str, torch.Tensor]]], Iterable[dict[str, torch.Tensor]]] = iter) -> Path:
-    """Write `config.json` and the weights, loadable by transformers' {Mixtral,Qwen3Moe,DeepseekV3}ForCausalLM:
+    """Write `config.json` and the weights, loadable by transformers' <family>ForCausalLM:
     `model.safetensors`, or where they pass `shard_bytes`, `model-0000i-of-0000n.safetensors` files and the
     `model.safetensors.index.json` that maps names to them (as transformers shards). `state` is read a layer at a
     time and a shard is held at a time (with a `state` that reads on demand, convert.py's, host memory holds that, not

@@ -2,7 +2,7 @@
 
 Used by services/checkpointer/hf.py (the weights); the rule is the same: a config the family would compute differently
 is refused with `HFError`, naming the field and the value it needs. The dense families (Qwen3ForCausalLM,
-LlamaForCausalLM, MistralForCausalLM) are our model with every layer's MLP dense (`model.first_k_dense=num_layers`):
+Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM) are our model with every layer's MLP dense (`model.first_k_dense=num_layers`):
 imported to be upcycled into an MoE (convert.py `upcycle`), or exported after dense training.
 """
 
@@ -13,12 +13,14 @@ from typing import Literal
 from services.checkpointer.hf_deepseek import LATENT_NORM_EPS
 from services.common.config import ModelConfig
 
-Family = Literal["mixtral", "qwen3_moe", "deepseek_v3", "qwen3", "llama", "mistral"]
-FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3", "qwen3", "llama", "mistral")
-DENSE = ("qwen3", "llama", "mistral")  # dense models (every layer's MLP dense: model.first_k_dense=num_layers)
-_ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+Family = Literal["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "mistral"]
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "mistral")
+DENSE = ("qwen3", "qwen2", "llama", "mistral")  # dense models (every layer's MLP dense: model.first_k_dense=num_layers)
+_ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+         "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 _QK_NORM = ("qwen3_moe", "qwen3")  # the families with per-head q/k RMSNorm
+_QKV_BIAS = ("qwen2_moe", "qwen2")  # the families with q/k/v biases (Qwen2-MoE: unless its config's qkv_bias=false)
 _ROPE_SCALING = {"deepseek_v3": "yarn", "llama": "llama3"}  # the context extension each family has (model.rope_scaling)
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}  # transformers' values for a missing (or null) field
 
@@ -34,8 +36,8 @@ def check_family(cfg: ModelConfig, family: str) -> None:
     if family in DENSE:
         if cfg.first_k_dense != cfg.num_layers:
             raise HFError(f"{family} is a dense model: it needs `model.first_k_dense=model.num_layers` "
-                          f"({cfg.num_layers}), got {cfg.first_k_dense}; export MoE models as mixtral, qwen3_moe or "
-                          "deepseek_v3")
+                          f"({cfg.num_layers}), got {cfg.first_k_dense}; export MoE models as mixtral, qwen3_moe, "
+                          "qwen2_moe or deepseek_v3")
     elif cfg.capacity_factor > 0:
         raise HFError(f"{family} is dropless but `model.capacity_factor={cfg.capacity_factor}` drops tokens")
     if family == "deepseek_v3":
@@ -47,9 +49,18 @@ def check_family(cfg: ModelConfig, family: str) -> None:
                       "models as deepseek_v3")
     _check_rope(cfg, family)
     moe = family not in DENSE
-    if moe and cfg.shared_expert_ffn_hidden_size:
+    if family == "qwen2_moe" and not (cfg.shared_expert_ffn_hidden_size and cfg.shared_expert_gate):
+        raise HFError("qwen2_moe has a shared expert with a sigmoid gate: it needs `model.shared_expert_ffn_hidden_size`"
+                      f" > 0 (got {cfg.shared_expert_ffn_hidden_size}) and `model.shared_expert_gate=true` (got "
+                      f"{str(cfg.shared_expert_gate).lower()})")
+    if moe and family != "qwen2_moe" and cfg.shared_expert_ffn_hidden_size:
         raise HFError(f"{family} has no shared expert but `model.shared_expert_ffn_hidden_size="
                       f"{cfg.shared_expert_ffn_hidden_size}`")
+    if family == "qwen2" and not cfg.qkv_bias:  # (Qwen2-MoE's config says whether it has them)
+        raise HFError("qwen2 has q/k/v biases: it needs `model.qkv_bias=true`; export a model without them as llama")
+    if cfg.qkv_bias and family not in _QKV_BIAS:
+        raise HFError(f"{family} has no q/k/v biases but `model.qkv_bias=true`; export it as "
+                      f"{'qwen2' if family in DENSE else 'qwen2_moe'}")
     if family == "mixtral" and cfg.first_k_dense:
         raise HFError(f"mixtral has no dense layers but `model.first_k_dense={cfg.first_k_dense}`")
     if cfg.qk_norm != (family in _QK_NORM):
@@ -92,6 +103,8 @@ def _check_deepseek(cfg: ModelConfig) -> None:
     if cfg.num_groups and cfg.num_experts // cfg.num_groups < 2:
         raise HFError(f"deepseek_v3 ranks expert groups by their two best scores: `model.num_groups="
                       f"{cfg.num_groups}` leaves fewer than 2 of `model.num_experts={cfg.num_experts}` per group")
+    if cfg.shared_expert_gate:
+        raise HFError("deepseek_v3's shared experts are not gated but `model.shared_expert_gate=true`")
     if cfg.norm_eps != LATENT_NORM_EPS:
         raise HFError(f"deepseek_v3's MLA latent norms (q_a_layernorm, kv_a_layernorm) always use eps "
                       f"{LATENT_NORM_EPS}, ours use `model.norm_eps={cfg.norm_eps}`: it needs "
@@ -129,6 +142,8 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str = "bfloat16", max_pos
     if family == "mixtral":  # always renormalises the top-k probabilities: no norm_topk_prob field
         return {**common, "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.num_experts,
                 "router_jitter_noise": 0.0}
+    if family == "qwen2_moe":
+        common.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.shared_expert_ffn_hidden_size)
     return {**common, "intermediate_size": cfg.ffn_hidden_size, "moe_intermediate_size": cfg.moe_ffn_hidden_size,
             "num_experts": cfg.num_experts, "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
             "mlp_only_layers": list(range(cfg.first_k_dense)), "use_sliding_window": False}
@@ -210,8 +225,8 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
                       f"{', '.join(FAMILIES)} convert (the dense ones, {', '.join(DENSE)}, to upcycle)")
     if config.get("hidden_act", "silu") != "silu":
         raise HFError(f"hidden_act={config['hidden_act']!r}: our experts are SwiGLU (silu)")
-    if config.get("attention_bias"):
-        raise HFError("attention_bias=true: our attention projections have no biases")
+    if config.get("attention_bias"):  # (Llama's and Mistral's: on o_proj too; Qwen2's q/k/v biases are below)
+        raise HFError("attention_bias=true: our attention's output projection has no bias")
     rope = _rope_fields(config, family)
     if family == "deepseek_v3":
         return _deepseek_config(config, rope), family
@@ -224,6 +239,7 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
                  num_heads=config["num_attention_heads"],
                  num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
                  head_dim=config.get("head_dim") or 0, norm_eps=config["rms_norm_eps"], qk_norm=family in _QK_NORM,
+                 qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(config.get("qkv_bias", True))),
                  init_std=config.get("initializer_range", ModelConfig.init_std), **rope)
     if family in DENSE:
         if config.get("mlp_bias"):
@@ -234,16 +250,21 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
         raise HFError(f"num_experts={num_experts}: not an MoE model")
     step = config.get("decoder_sparse_step", 1) or 1
     dense = sorted(set(config.get("mlp_only_layers") or []) | {i for i in range(num_layers) if (i + 1) % step})
-    if family == "qwen3_moe" and dense != list(range(len(dense))):
+    sparse_step = family in ("qwen3_moe", "qwen2_moe")  # families whose dense layers config.json lists
+    if sparse_step and dense != list(range(len(dense))):
         raise HFError(f"dense layers {dense} (mlp_only_layers, decoder_sparse_step={step}) must be the leading layers "
                       "(our model's first_k_dense)")
+    shared = {}
+    if family == "qwen2_moe":  # a shared expert with a sigmoid gate in every MoE layer
+        shared = dict(shared_expert_ffn_hidden_size=config["shared_expert_intermediate_size"], shared_expert_gate=True)
     cfg = ModelConfig(**trunk, num_experts=num_experts, top_k=config["num_experts_per_tok"],
-                      first_k_dense=len(dense) if family == "qwen3_moe" else 0,
-                      # transformers' defaults: Mixtral always renormalises, Qwen3-MoE only with norm_topk_prob
+                      first_k_dense=len(dense) if sparse_step else 0,
+                      # transformers' defaults: Mixtral always renormalises, Qwen3/Qwen2-MoE only with norm_topk_prob
                       norm_topk_prob=True if family == "mixtral" else bool(config.get("norm_topk_prob", False)),
                       aux_loss_coeff=config.get("router_aux_loss_coef", 0.001),
                       moe_ffn_hidden_size=config.get("moe_intermediate_size", config["intermediate_size"]),
-                      ffn_hidden_size=config["intermediate_size"] if family == "qwen3_moe" else ModelConfig.ffn_hidden_size)
+                      ffn_hidden_size=config["intermediate_size"] if sparse_step else ModelConfig.ffn_hidden_size,
+                      **shared)
     return cfg, family
 
 

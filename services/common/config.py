@@ -48,6 +48,9 @@ class ModelConfig:
     top_k: int = 2  # experts each token is sent to
     moe_ffn_hidden_size: int = 256  # per-expert SwiGLU width
     shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
+    # the shared expert's output times sigmoid(x . w_gate), w_gate a learned [1, hidden] row per MoE layer read from the
+    # layer's input (Qwen2-MoE's shared_expert_gate, Megatron's moe_shared_expert_gate); needs a shared expert
+    shared_expert_gate: bool = False
     score_func: Literal["softmax", "sigmoid"] = "softmax"  # router scores: softmax over experts, or an independent
     #                                                        sigmoid per expert (DeepSeek-V3)
     norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1
@@ -98,6 +101,9 @@ class ModelConfig:
     mtp_num_layers: int = 0
     mtp_loss_coeff: float = 0.3  # λ: the depths' mean cross-entropy joins the loss's gradient with this weight
     qk_norm: bool = False  # RMSNorm of each query/key head over head_dim before RoPE (Qwen3), eps = norm_eps
+    # biases on the q/k/v projections (Qwen2, Qwen2-MoE; GQA only): zero at initialisation, not weight-decayed, split
+    # with their heads under tensor parallelism. The output projection and the MLPs stay bias-free
+    qkv_bias: bool = False
     init_std: float = 0.02  # std of the normal init of weight matrices; residual-branch outputs: / sqrt(2 * num_layers)
     # torch.compile the decoder's memory-bound glue into fused kernels, forward and backward: QK-norm + RoPE of the
     # projected heads, and each residual add with the RMSNorm that reads its sum. The GEMMs, attention core and MoE
@@ -477,6 +483,8 @@ def _check_attention(m: ModelConfig) -> None:
         _check(m.qk_rope_head_dim % 2 == 0, f"`model.qk_rope_head_dim={m.qk_rope_head_dim}` must be even for RoPE")
         _check(not m.qk_norm, "`model.qk_norm` (Qwen3's per-head RMSNorm) is not part of `model.attention=mla`, "
                               "which normalises its latents instead (q_a_layernorm, kv_a_layernorm); drop qk_norm")
+        _check(not m.qkv_bias, "`model.qkv_bias` (Qwen2's q/k/v biases) is not part of `model.attention=mla`, whose "
+                               "projections are bias-free; drop qkv_bias")
     _check(m.rope_scaling_factor >= 1, f"`model.rope_scaling_factor={m.rope_scaling_factor}` must be >= 1 "
                                        "(1: no YaRN)")
     for name in _YARN:
@@ -614,6 +622,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _check(m.topk_groups * per_group >= m.top_k,
                f"`model.topk_groups={m.topk_groups}` groups of {per_group} experts cannot hold `model.top_k={m.top_k}`")
     _check(m.capacity_factor >= 0, f"`model.capacity_factor` must be >= 0, got {m.capacity_factor}")
+    _check(not m.shared_expert_gate or m.shared_expert_ffn_hidden_size > 0,
+           "`model.shared_expert_gate` gates the shared expert, but `model.shared_expert_ffn_hidden_size=0` (none): "
+           "set its width or drop the gate")
     _check_balancing(m, p)
     _check_mtp(cfg)
     for name in ("norm_eps", "rope_theta"):

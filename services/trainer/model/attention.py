@@ -136,9 +136,10 @@ class Attention(PackedAttention):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.kv_channels
         # nn.Linear layers (names, shapes, state_dict as nn.Linear's) whose matmuls run in FP8 on CUDA with `model.fp8`.
-        self.q_proj = FP8Linear(cfg.hidden_size, self.num_heads * self.head_dim, fp8=cfg.fp8)
-        self.k_proj = FP8Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, fp8=cfg.fp8)
-        self.v_proj = FP8Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, fp8=cfg.fp8)
+        # Qwen2's q/k/v biases with `model.qkv_bias`.
+        self.q_proj = FP8Linear(cfg.hidden_size, self.num_heads * self.head_dim, fp8=cfg.fp8, bias=cfg.qkv_bias)
+        self.k_proj = FP8Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, fp8=cfg.fp8, bias=cfg.qkv_bias)
+        self.v_proj = FP8Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, fp8=cfg.fp8, bias=cfg.qkv_bias)
         self.o_proj = FP8Linear(self.num_heads * self.head_dim, cfg.hidden_size, fp8=cfg.fp8)
         # Qwen3's QK-norm: RMSNorm of every query and key head over head_dim (one scale shared by all heads), before RoPE.
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None

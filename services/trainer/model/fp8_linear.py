@@ -1,9 +1,10 @@
 """The dense linears in FP8 on CUDA through Transformer Engine (config `model.fp8`); nn.Linear everywhere else.
 
-`FP8Linear` is an `nn.Linear` (bias-free here) that owns its `weight` exactly as nn.Linear does: same parameter name,
-shape and state_dict key, so checkpoints, HF export, the optimizer, the weight gather and tensor parallelism (which
-replaces `weight` with its shard in place) see no difference. Only the matmul changes, and only when all three hold:
-`fp8` is set, the input is a CUDA tensor, and `transformer_engine` imports. Otherwise it is `F.linear`, bit for bit.
+`FP8Linear` is an `nn.Linear` that owns its `weight` (and `bias`, Qwen2's q/k/v only) exactly as nn.Linear does: same
+name, shape and state_dict key, so checkpoints, HF export, the optimizer, the weight gather and tensor parallelism
+(which replaces `weight` with its shard in place) see no difference. Only the matmul changes, and only when all three
+hold: `fp8` is set, the input is a CUDA tensor, and `transformer_engine` imports. Otherwise it is `F.linear`, bit for
+bit.
 
 What runs in FP8 (TE's `Linear` does all three GEMMs of a linear layer in FP8): forward (y = x Wᵀ), dgrad (dx = dy W)
 and wgrad (dW = dyᵀ x), on operands TE quantises each call from the high-precision tensors (the fp32 master weight as it
@@ -139,8 +140,6 @@ class FP8Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, fp8: str = "", bias: bool = False):
         require_te_on_cuda(fp8)
-        if fp8 and bias:
-            raise ValueError("FP8Linear is bias-free in FP8 mode (the model has no biases)")
         super().__init__(in_features, out_features, bias=bias)
         self.fp8 = fp8
         self._te = _TEHandle()
@@ -184,4 +183,6 @@ class FP8Linear(nn.Linear):
             out = mod(rows)
         if pad:
             out = out[:n]
+        if self.bias is not None:  # added in the output's precision, outside the FP8 GEMM (its dgrad: a row sum)
+            out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -12,11 +12,11 @@ whole model's memory and random numbers: 120 GB of fp32 and minutes of `randn` p
   rank reads its own box of each parameter the way it reads a checkpoint (parallel/checkpoint_shards.py `read_local`).
 
 Values: matrices are normal(0, std) (std / sqrt(2 L) for the residual branches' output projections, GPT-2 style),
-vectors (norm scales) are ones. The random numbers are drawn in blocks of whole rows of the parameter's first
-dimension, each from its own CPU generator seeded by (seed, name, block), not from one generator over the model in
-order (which makes every rank draw every number before its own, on one core): so they are the same on any device and
-for any box, a box costs only the blocks its rows touch (an expert-parallel rank draws its own experts only; a box
-cut along a later dimension, as TP's and ETP's are, draws its rows whole), and the blocks are drawn on all cores.
+vectors are ones (norm scales) or zeros (biases). The random numbers are drawn in blocks of whole rows of the
+parameter's first dimension, each from its own CPU generator seeded by (seed, name, block), not from one generator over
+the model in order (which makes every rank draw every number before its own, on one core): so they are the same on any
+device and for any box, a box costs only the blocks its rows touch (an expert-parallel rank draws its own experts only;
+a box cut along a later dimension, as TP's and ETP's are, draws its rows whole), and the blocks are drawn on all cores.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class SeededInit:
         (w13 as [E, h, 2, f] or [E, h, 2f]): the values are the same."""
         g = self.shapes[name]
         lo, size = resolve_box(name, g, offsets, shape)
+        if name.endswith(".bias"):
+            return torch.zeros(size)
         if len(g) < 2:
             return torch.ones(size)
         std = self.out_std if name.endswith(RESIDUAL_OUTPUTS) else self.std

@@ -4,14 +4,14 @@ Attention and every dense SwiGLU (dense layers, shared experts) become a *TP reg
 gate/up) keep a slice of their output features (whole heads; whole FFN columns), the output projection (o_proj, down)
 keeps the matching slice of its input features, so a region needs one collective on the way in and one on the way out.
 With sequence parallelism the residual stream between regions is sharded along tokens over TP: the region entry
-all-gathers tokens, the exit reduce-scatters them. Norms, the router and the routed experts then run on the rank's
-token shard, which is why their parameter gradients are partial over TP (the norm scales and the router weight get a
-backward hook that all-reduces them over TP; the routed experts are reduced over EDP by the expert grouping). The
-optional QK-norm scales live inside the attention region, whole on every rank but applied to the rank's heads only, so
-they get the same hook, with or without sequence parallelism. Multi-head Latent Attention splits its heads the same way
-(q_proj or q_b_proj and kv_b_proj column parallel, o_proj row parallel); its latent projections and norms (q_a_proj,
-q_a_layernorm, kv_a_proj_with_mqa with the shared RoPE key, kv_a_layernorm) are whole on every rank and feed only the
-rank's heads, so their gradients are partial over TP too and get the hook.
+all-gathers tokens, the exit reduce-scatters them. Norms, the router and the routed experts then run on the rank's token
+shard, which is why their parameter gradients are partial over TP (the norm scales, the router weight and the shared
+expert's gate get a backward hook that all-reduces them over TP; the routed experts are reduced over EDP by the expert
+grouping). The optional QK-norm scales live inside the attention region, whole on every rank but applied to the rank's
+heads only, so they get the same hook, with or without sequence parallelism. Multi-head Latent Attention splits its
+heads the same way (q_proj or q_b_proj and kv_b_proj column parallel, o_proj row parallel); its latent projections and
+norms (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa with the shared RoPE key, kv_a_layernorm) are whole on every rank and
+feed only the rank's heads, so their gradients are partial over TP too and get the hook.
 
 The embedding and output layer are split over the vocabulary; the loss is a vocab-parallel cross-entropy in fp32, so
 no rank ever materialises full-vocabulary logits. With `model.moe_kernels: [cross_entropy]` (the default) the output
@@ -21,8 +21,9 @@ With `model.fp8` the sharded projections are `FP8Linear`s (services/trainer/mode
 runs on the rank's shard, in FP8 through Transformer Engine on CUDA, with TE in its non-parallel mode; the region
 hooks here do all the communication, in the activations' dtype, exactly as without FP8.
 
-Sharded parameters carry `tensor_parallel_dim` (the dim split over TP) so checkpointing and tests can reassemble them;
-parameters whose gradient a hook all-reduces over TP carry `sequence_parallel=True`.
+The q/k/v biases (`model.qkv_bias`) are split with their heads. Sharded parameters carry `tensor_parallel_dim` (the dim
+split over TP) so checkpointing and tests can reassemble them; parameters whose gradient a hook all-reduces over TP
+carry `sequence_parallel=True`.
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ def shard_parameter(param: nn.Parameter, dim: int, group: ProcessGroup) -> nn.Pa
 
 
 def _shard_linear(linear: nn.Linear, dim: int, group: ProcessGroup) -> None:
-    """dim 0: keep a slice of output features (column parallel); dim 1: of input features (row parallel)."""
+    """dim 0: keep a slice of output features (column parallel) and of the bias (Qwen2's q/k/v); dim 1: of input
+    features (row parallel: bias-free, as a bias there would be summed tp times)."""
     if linear.bias is not None:
-        raise ValueError("tensor parallel linears here are bias-free; the model has no biases")
+        if dim != 0:
+            raise ValueError("a row-parallel linear cannot have a bias (each rank's partial sum would add it)")
+        linear.bias = shard_parameter(linear.bias, 0, group)
     linear.weight = shard_parameter(linear.weight, dim, group)
     linear.out_features, linear.in_features = linear.weight.shape
 
@@ -271,6 +275,8 @@ def apply_tensor_parallel(model: nn.Module, group: ProcessGroup | None, sequence
         elif isinstance(module, MoELayer) and sequence_parallel:
             module.register_forward_pre_hook(partial(_moe_on_token_shard, group))
             mark_sequence_parallel(module.router.weight, group)
+            if module.shared_expert_gate is not None:  # read from the rank's tokens, as the router
+                mark_sequence_parallel(module.shared_expert_gate.weight, group)
             module.router.sp_group = group  # aux/z-loss statistics over the whole micro-batch
         elif (isinstance(module, nn.RMSNorm) and sequence_parallel and module.weight is not None
               and not getattr(module.weight, "sequence_parallel", False)):  # QK/latent norms: hooked by attention

@@ -1,8 +1,9 @@
-"""The MoE FFN: route -> dispatch (permute) -> experts -> combine (unpermute) [+ shared expert]."""
+"""The MoE FFN: route -> dispatch (permute) -> experts -> combine (unpermute) [+ shared expert, optionally gated]."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.common.config import ModelConfig
@@ -44,6 +45,8 @@ class MoELayer(nn.Module):
                                       fused_activation="activation" in cfg.moe_kernels, fp8=cfg.fp8)
         self.shared_expert = (SwiGLUMLP(cfg.hidden_size, cfg.shared_expert_ffn_hidden_size, fp8=cfg.fp8)
                               if cfg.shared_expert_ffn_hidden_size else None)
+        # `model.shared_expert_gate` (Qwen2-MoE): the shared expert's output times sigmoid(x . w), per token
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
         # Replaced by an EP dispatcher when parallelized.
         self.dispatcher = LocalDispatcher(cfg.num_experts, fused="permutation" in cfg.moe_kernels)
         self.aux_loss_scale = 1.0  # the training loop sets 1/num_micro_batches so aux gradients average like the loss
@@ -64,7 +67,7 @@ class MoELayer(nn.Module):
         # kept; the values the GEMMs see are the same).
         # The shared expert runs while the dispatch's all-to-all is in flight (forward and backward; EP only).
         shared: list[torch.Tensor] = []
-        run_shared = (lambda: shared.append(self.shared_expert(x))) if self.shared_expert is not None else None
+        run_shared = (lambda: shared.append(self._shared(x))) if self.shared_expert is not None else None
         hidden = to_compute_dtype(x)
         dispatched = yield from _staged(self.dispatcher, "dispatch", hidden, routing, in_flight=run_shared)
         expert_out = self._experts(hidden, dispatched)
@@ -75,6 +78,13 @@ class MoELayer(nn.Module):
         if routing.aux_loss.requires_grad:
             out = AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
         return out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shared_expert(x)
+        if self.shared_expert_gate is None:
+            return out
+        # the gate's logit from x as it comes (as the router's scores), the product in the expert output's dtype
+        return out * torch.sigmoid(F.linear(x, self.shared_expert_gate.weight.to(x.dtype))).to(out.dtype)
 
     def _experts(self, hidden: torch.Tensor, dispatched) -> torch.Tensor:
         run = lambda: self.experts(dispatched.hidden, dispatched.tokens_per_expert, dispatched.weights)  # noqa: E731
