@@ -261,11 +261,13 @@ def test_gpu_fp8_linear_follows_a_weight_replaced_in_place_by_tensor_parallel_sh
 
 
 @gpu_te
+@pytest.mark.parametrize("extra", [{}, {"qkv_bias": True, "shared_expert_gate": True}], ids=["", "qwen2"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_gpu_moe_transformer_in_fp8_trains_a_step_with_a_loss_close_to_bf16(recipe):
+def test_gpu_moe_transformer_in_fp8_trains_a_step_with_a_loss_close_to_bf16(recipe, extra):
     _te()
     cfg = dict(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden_size=512,
-               first_k_dense=1, num_experts=8, top_k=2, moe_ffn_hidden_size=256, shared_expert_ffn_hidden_size=256)
+               first_k_dense=1, num_experts=8, top_k=2, moe_ffn_hidden_size=256, shared_expert_ffn_hidden_size=256,
+               **extra)
     batch = packed_batch(2 * 512 + 5, 1024, device="cuda", seed=1)
     runs = {}
     for fp8 in ("", recipe):
