@@ -86,7 +86,8 @@ def items(pieces: Iterable[dict[str, torch.Tensor]]) -> Iterator[tuple[str, torc
 
 
 def to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:
-    """Our full state dict -> HF names and layouts (the per-expert layout every transformers version reads)."""
+    """Our full state dict -> HF names and layouts (the per-expert layout every transformers version reads; each
+    expert's tensors are transposed views of the stacked ones)."""
     return dict(items(to_hf_pieces(state, cfg, family)))
 
 
@@ -151,12 +152,14 @@ def _moe_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, family: Family,
                     for p in _MLP})
     if cfg.shared_expert_gate:
         out[f"{hf}mlp.shared_expert_gate.weight"] = state[f"{ours}mlp.shared_expert_gate.weight"]
+    # views of the stacked experts (transposed, not contiguous): a copy of each is made once, by whoever stores it
+    # (export_hf's, in the export dtype), not here in the checkpoint's dtype first
     w13, w2 = state[ours + "mlp.experts.w13"], state[ours + "mlp.experts.w2"]
     for e in range(cfg.num_experts):
         prefix = f"{hf}{block}.experts.{e}."
-        out[prefix + f"{w_gate}.weight"] = w13[e, :, :f].T.contiguous()
-        out[prefix + f"{w_up}.weight"] = w13[e, :, f:].T.contiguous()
-        out[prefix + f"{w_down}.weight"] = w2[e].T.contiguous()
+        out[prefix + f"{w_gate}.weight"] = w13[e, :, :f].T
+        out[prefix + f"{w_up}.weight"] = w13[e, :, f:].T
+        out[prefix + f"{w_down}.weight"] = w2[e].T
     return out
 
 
@@ -307,7 +310,9 @@ def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Famil
         written.append((path, list(shard)))
 
     for name, t in items(track(to_hf_pieces(state, cfg, family))):
-        t = t.detach().to("cpu", torch.float32 if name.endswith("e_score_correction_bias") else dtype).contiguous()
+        # one contiguous copy in the export dtype (a view in that dtype already: `.to` keeps it, `.contiguous` copies)
+        t = t.detach().to("cpu", torch.float32 if name.endswith("e_score_correction_bias") else dtype,
+                          memory_format=torch.contiguous_format).contiguous()
         if shard and size + t.nbytes > shard_bytes:
             flush()
             shard, size = {}, 0
