@@ -317,31 +317,39 @@ def test_each_prompt_place_is_trained_on_once_and_a_dropped_or_lost_one_is_asked
     ids, st = step(("c", 0, 1), ("d", 1, 4), ("e", 1, 5))
     assert ids == ["c", "e"] and st["dropped_duplicate"] == 1
     assert (st["prompts_next"], st["prompts_missing"]) == (5, [2])
-    # place 2's group comes too late (version 0 at step 2 with staleness 1): dropped, asked again at once
+    # place 2's group comes too late (version 0 at step 2 with staleness 1) and is dropped, but h of the same step
+    # answers it: trained on, not asked again
     ids, st = step(("f", 0, 3), ("g", 2, 6), ("h", 2, 3))
-    assert ids == ["g", "h"] and st["dropped_stale"] == 1 and again(stream_key) == [2]
+    assert ids == ["g", "h"] and st["dropped_stale"] == 1 and again(stream_key) == []
     assert (st["prompts_next"], st["prompts_missing"]) == (6, [])
-    # a place that never comes (its worker died) is asked again after rl.rollout_timeout_s, by one of the replicas
-    ids, st = step(("i", 3, 8), ("j", 3, 9))
+    # place 6's group comes too late too (version 1 at step 3): dropped and asked again at once
+    ids, st = step(("k", 1, 7), ("i", 3, 8), ("j", 3, 9))
+    assert ids == ["i", "j"] and st["dropped_stale"] == 2 and again(stream_key) == [6]
     assert st["prompts_missing"] == [6]
+    # and while it stays missing (its new group lost with a worker), again after rl.rollout_timeout_s, by one of the
+    # replicas
     other = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)  # a second replica at the same position
     other.reset(stream.state())
     stream.ready(), other.ready()
     time.sleep(0.4)
     assert not stream.ready() and not other.ready()  # no group to build step 4 from; place 6 missing too long
-    assert again(stream_key) == [2, 6]  # once, though both replicas found it missing
+    assert again(stream_key) == [6, 6]  # once, though both replicas found it missing
     time.sleep(0.4)
     stream.ready()
-    assert again(stream_key) == [2, 6, 6]  # and again while it stays missing
+    assert again(stream_key) == [6, 6, 6]  # and again while it stays missing
     # a place the counter has not passed (set back by a resume) is left to it, however missing
     client.set(rollout_stream.prompt_cursor_key(stream_key), 5)
     time.sleep(0.4)
     stream.ready()
-    assert again(stream_key) == [2, 6, 6]
+    assert again(stream_key) == [6, 6, 6]
+    client.set(rollout_stream.prompt_cursor_key(stream_key), 9)
     # the position survives a restart: the same ledger from the saved state
     again_stream = RolloutStepStream(TrajectoryLog(REDIS_URL, stream_key), cfg, 1)
     again_stream.reset(stream.state())
     assert again_stream.node.get_state() == stream.node.get_state()
+    # a group of place 6 comes after all (a slow worker's, not lost): trained on, and no worker is left to ask it
+    ids, st = step(("l", 3, 7), ("m", 3, 10))
+    assert ids == ["l", "m"] and st["prompts_missing"] == [] and again(stream_key) == []
 
 
 def test_the_workers_room_leaves_out_groups_too_stale_for_the_steps_that_would_read_them(stream_key):

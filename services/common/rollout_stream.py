@@ -71,6 +71,15 @@ def ask_again(client: redis.Redis, stream: str, places: list[int], once_in_s: fl
     return queued
 
 
+def withdraw_asks(client: redis.Redis, stream: str, places: list[int]) -> None:
+    """`places` were answered after all (a late group of a place asked again): no worker need ask them now. What a
+    worker claimed already is generated anyway, and dropped as a duplicate."""
+    pipe = client.pipeline()
+    for place in places:
+        pipe.lrem(prompt_again_key(stream), 0, place)
+    pipe.execute()
+
+
 def set_prompt_places(client: redis.Redis, stream: str, next_place: int, missing: list[int]) -> None:
     """Where a starting trainer's workers ask from: the counter at `next_place` and the `missing` places below it (its
     data position's) to be asked first."""

@@ -170,6 +170,11 @@ class TrajectoryLog:
         if self._resolve():
             rollout_stream.ask_again(self.client, self.key, places, once_in_s)
 
+    def withdraw_asks(self, places: list[int]) -> None:
+        """Places answered after all: off the list of those to ask again (rollout_stream.withdraw_asks)."""
+        if places and self._resolve():
+            rollout_stream.withdraw_asks(self.client, self.key, places)
+
     def trim_through(self, entry_id: str) -> None:
         if entry_id == START or not self._resolve():
             return
@@ -207,8 +212,10 @@ class PromptPlaces:
 
 class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
     """The accepted groups of each step, in stream order (the module docstring's filter), and what becomes of
-    `rl.prompts`' places: a dropped group's place is asked again at once, a place missing for `lost_after_s` (its
-    group lost with a worker) then, and a group of a place trained on already is dropped (`dropped_duplicate`).
+    `rl.prompts`' places: a dropped group's place is asked again at once (unless the same step trains another group of
+    it), a place missing for `lost_after_s` (its group lost with a worker) then, and a group of a place trained on
+    already is dropped (`dropped_duplicate`). A place trained on while it waits to be asked again (its group was late,
+    not lost) is taken off that list, so that no worker generates it for nothing.
 
     State: {"after": id of the last consumed entry, "step", "dropped_stale", "dropped_foreign", "dropped_duplicate",
     "prompts_next", "prompts_missing" (the places, `PromptPlaces`), "prompt_records"}. `next` never blocks: callers ask
@@ -271,6 +278,7 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
                             f"after entry {self.after} of the rollout stream {self.log.key!r} (not generated yet)")
         taken: list[rollout_pb2.TrajectoryGroup] = []
         dropped: list[int] = []  # places whose group came too stale: asked again at once
+        gaps = set(self.places.missing)  # places out before this step: one trained on now may be queued to ask again
         used = 0
         for used, (entry_id, group, verdict) in enumerate(self._verdicts(self.places), start=1):
             if verdict == "taken":
@@ -290,9 +298,11 @@ class StepGroups(BaseNode[list[rollout_pb2.TrajectoryGroup]]):
                 break
         del self._read[:used]
         self.step += 1
+        dropped = [p for p in dropped if p in self.places.missing]  # not answered by another group of the step
         if dropped:
             self.log.ask_again(dropped, self.lost_after_s)
             self._missing_since.update(dict.fromkeys(dropped, time.monotonic()))
+        self.log.withdraw_asks(sorted(gaps - self.places.missing))
         return taken
 
     def _ask_lost_again(self) -> None:
