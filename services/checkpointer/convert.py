@@ -1,6 +1,6 @@
 """Command line for Hugging Face interop (services/checkpointer/hf.py): export, import, upcycle.
 
-    python -m services.checkpointer.convert export CKPT OUT --family {mixtral,qwen3_moe,deepseek_v3,qwen3,llama,mistral}
+    python -m services.checkpointer.convert export CKPT OUT --family {mixtral,qwen3_moe,qwen2_moe,deepseek_v3,qwen3,qwen2,llama,mistral}
                                                         [--config FILE] [--dtype D] [--force] [section.key=value ...]
     python -m services.checkpointer.convert import HF_DIR OUT [--force]
     python -m services.checkpointer.convert upcycle DENSE_CKPT OUT [--config FILE] [--seed N] [--force]
