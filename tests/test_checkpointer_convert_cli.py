@@ -174,7 +174,8 @@ def bad_inputs(ckpts: dict, tmp: Path) -> list[tuple[list, str]]:
          r"holds another model than the model config describes: 'embed.weight' is \[264, 128\] there but "
          r"\[264, 64\] .*model.hidden_size=128 there, 64 here"),
         (["export", mixtral, out, "--family", "gpt2", "--config", TINY],
-         r"unknown HF family 'gpt2'; choose one of mixtral, qwen3_moe, qwen2_moe, deepseek_v3, qwen3, qwen2, llama, "
+         r"unknown HF family 'gpt2'; choose one of mixtral, qwen3_moe, qwen2_moe, deepseek_v3, deepseek_v2, qwen3, qwen2, "
+         r"llama, "
          r"mistral"),
         (["export", mixtral, out, "--family", "llama", "--config", TINY],
          r"llama is a dense model: it needs `model.first_k_dense=model.num_layers` \(4\), got 0; export MoE models"),

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 HF interop against `transformers` itself (DeepseekV3ForCausalLM; a test dependency).
+"""DeepSeek-V3 and -V2 HF interop against `transformers` itself (DeepseekV3ForCausalLM, DeepseekV2ForCausalLM; a test
+dependency).
 
 Specification: a random tiny transformers DeepSeek-V3 (MLA with and without q_lora_rank, rope rows interleaved as
 published or not, YaRN with both mscales, 1 dense + 2 MoE layers, 8 experts in 4 groups of which tokens use 2, top-2
@@ -9,7 +10,9 @@ row order matter (dropping either moves the logits far beyond the tolerance). A 
 `export_hf` loads in `from_pretrained` with the same logits, in fp32 and in bf16 (against our model with the same
 bf16-rounded weights; the expert bias stays fp32). Through the command line, a published-style checkpoint (FP8 blocks,
 an MTP layer) imports, MTP layer included, and exports back to the HF model of its dequantised weights, with the same
-logits and the same MTP tensors.
+logits and the same MTP tensors. DeepSeek-V2 (softmax scores, greedy top-k, unnormalised scaled weights, two shared
+experts, rope rows as complex pairs) both ways with the same logits, and what transformers' V2 would compute otherwise
+(a group limit ranked by the best score, renormalisation, sigmoid scores, MTP) refused.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from services.checkpointer.convert import main as convert
@@ -194,3 +198,86 @@ def test_exported_mtp_depth_predicts_as_transformers_mtp_layer(tmp_path):
         got = ours.output(ours.mtp[0].norm(x + branch))
     assert expected.std() > 0.1
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+# ---------------------------------------------------------------- DeepSeek-V2 (DeepseekV2ForCausalLM)
+
+
+def tiny_v2_hf_config(q_lora_rank: int | None) -> transformers.DeepseekV2Config:
+    """A tiny DeepSeek-V2(-Lite): MLA as above (rope rows as complex pairs, YaRN with both mscales), 1 dense + 2 MoE
+    layers, 8 experts, greedy top-2 of softmax scores, unnormalised and scaled by 2.5, 2 shared experts."""
+    return transformers.DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        first_k_dense_replace=1, intermediate_size=56, moe_intermediate_size=24, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=2, routed_scaling_factor=2.5, topk_method="greedy",
+        norm_topk_prob=False, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 5e4, "factor": 4.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.7},
+        initializer_range=0.1)
+
+
+def our_v2_config(q_lora_rank: int) -> ModelConfig:
+    return dataclasses.replace(our_config(q_lora_rank), score_func="softmax", norm_topk_prob=False, num_groups=0,
+                               topk_groups=0, shared_expert_ffn_hidden_size=48)
+
+
+def assert_v2_routing_matters(cfg: ModelConfig, state: dict, reference: torch.Tensor, toks: torch.Tensor) -> None:
+    """The same weights with renormalised top-k weights give clearly different logits: the comparison would see the
+    normalisation mismatched."""
+    renormalised = dataclasses.replace(cfg, norm_topk_prob=True)
+    assert (ours_logits(our_model(renormalised, state), toks) - reference).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("original_format", [True, False], ids=["per_expert", "fused"])
+@pytest.mark.parametrize("q_lora_rank", [32, None], ids=["q_lora", "no_q_lora"])
+def test_a_transformers_deepseek_v2_imports_with_the_same_logits(tmp_path, q_lora_rank, original_format):
+    hf = random_hf_model(tiny_v2_hf_config(q_lora_rank))
+    hf.save_pretrained(tmp_path / "hf", save_original_format=original_format)
+    state, cfg = import_hf(tmp_path / "hf")
+    assert cfg == our_v2_config(q_lora_rank or 0)
+    assert not state["layers.1.mlp.router.expert_bias"].any()
+    toks = tokens(seed=3)
+    expected = hf_logits(hf, toks)
+    assert expected.std() > 0.1
+    torch.testing.assert_close(ours_logits(our_model(cfg, state), toks), expected, rtol=0, atol=ATOL)
+    assert_v2_routing_matters(cfg, state, expected, toks)
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, 0], ids=["q_lora", "no_q_lora"])
+def test_a_deepseek_v2_export_loads_in_transformers_with_the_same_logits(tmp_path, q_lora_rank):
+    cfg = our_v2_config(q_lora_rank)
+    ours = random_ours(cfg)
+    with torch.no_grad():
+        for name, t in ours.named_buffers():
+            if name.endswith("expert_bias"):
+                t.zero_()  # V2 has no selection bias (a nonzero one is refused: test_checkpointer_hf.py)
+    out = export_hf(ours.state_dict(), cfg, "deepseek_v2", tmp_path / "hf", dtype=torch.float32)
+    hf = load_hf(out)
+    assert type(hf).__name__ == "DeepseekV2ForCausalLM"
+    c = hf.config
+    assert (c.q_lora_rank, c.topk_method, c.n_shared_experts, c.first_k_dense_replace, c.routed_scaling_factor) == \
+        (q_lora_rank or None, "greedy", 2, 1, 2.5)
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in ours.parameters())
+    toks = tokens(seed=4)
+    expected = ours_logits(ours, toks)
+    assert expected.std() > 0.1
+    torch.testing.assert_close(hf_logits(hf, toks), expected, rtol=0, atol=ATOL)
+    assert_v2_routing_matters(cfg, ours.state_dict(), expected, toks)
+
+
+def test_deepseek_v2_refuses_what_transformers_would_compute_otherwise():
+    from services.checkpointer.hf import HFError
+    from services.checkpointer.hf_families import config_from_hf
+
+    with pytest.raises(HFError, match="topk_method='group_limited_greedy': deepseek_v2 converts with "
+                                      "topk_method='greedy' only"):
+        config_from_hf({**tiny_v2_hf_config(32).to_dict(), "topk_method": "group_limited_greedy"})
+    with pytest.raises(HFError, match="norm_topk_prob=true: transformers' DeepseekV2 ignores it"):
+        config_from_hf({**tiny_v2_hf_config(32).to_dict(), "norm_topk_prob": True})
+    for bad, message in ((dict(norm_topk_prob=True), "deepseek_v2 never renormalises"),
+                         (dict(score_func="sigmoid"), "deepseek_v2 routes with softmax scores"),
+                         (dict(num_groups=4, topk_groups=2), "deepseek_v2 converts with greedy top-k routing"),
+                         (dict(mtp_num_layers=1), "deepseek_v2 has no multi-token prediction layers")):
+        with pytest.raises(HFError, match=message):
+            export_hf({}, dataclasses.replace(our_v2_config(32), **bad), "deepseek_v2", "/nonexistent")

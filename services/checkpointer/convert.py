@@ -1,14 +1,15 @@
 """Command line for Hugging Face interop (services/checkpointer/hf.py): export, import, upcycle.
 
-    python -m services.checkpointer.convert export CKPT OUT --family {mixtral,qwen3_moe,qwen2_moe,deepseek_v3,qwen3,qwen2,llama,mistral}
+    python -m services.checkpointer.convert export CKPT OUT --family FAMILY  (mixtral, qwen3_moe, qwen2_moe,
+                                                        deepseek_v3, deepseek_v2, qwen3, qwen2, llama, mistral)
                                                         [--config FILE] [--dtype D] [--force] [section.key=value ...]
     python -m services.checkpointer.convert import HF_DIR OUT [--force]
     python -m services.checkpointer.convert upcycle DENSE_CKPT OUT [--config FILE] [--seed N] [--force]
                                                         [section.key=value ...]
 
 HF_DIR may hold a published FP8 checkpoint (DeepSeek-V3's block-quantised weights are dequantised; its MTP layers
-become the model's multi-token prediction depths, model.mtp_num_layers), or a dense model (qwen3, llama, mistral) to
-upcycle.
+become the model's multi-token prediction depths, model.mtp_num_layers), or a dense model (qwen3, qwen2, llama,
+mistral) to upcycle.
 CKPT is a committed checkpoint (a step_NNNNNNNN directory) or a `checkpoint.dir` (its newest one that verifies); its
 model config is the one the checkpoint records, unless `--config`/overrides give one (which must fit its weights).
 `export` writes OUT/config.json and OUT/model.safetensors, or past 4 GiB of weights, shards of it with their index.

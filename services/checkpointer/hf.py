@@ -16,18 +16,20 @@ down_proj`, per-head `self_attn.{q,k}_norm`, `norm_topk_prob` as configured, lea
 `mlp.shared_expert` whose output is scaled by sigmoid(`mlp.shared_expert_gate`)) and "deepseek_v3"
 (DeepseekV3ForCausalLM: MLA attention with its RoPE rows reordered, sigmoid group-limited routing whose
 `mlp.gate.e_score_correction_bias` is our expert bias, `mlp.shared_experts`, YaRN RoPE, leading dense layers as
-`first_k_dense_replace`); and the dense "qwen3" (Qwen3ForCausalLM: QK-norm), "qwen2" (Qwen2ForCausalLM, Qwen2 and
-Qwen2.5: q/k/v biases), "llama" (LlamaForCausalLM, Llama 3.1's RoPE scaling too) and "mistral" (MistralForCausalLM,
-without a sliding window): our model with every layer's MLP dense (`model.first_k_dense=num_layers`), to upcycle. Export
-writes the per-expert ("original") layout, which every transformers version loads; import also reads the fused layout
-transformers 5 keeps in memory (`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`), FP8
-block-quantised weights (the published DeepSeek-V3 checkpoints: dequantised on import). DeepSeek-V3's
-multi-token-prediction layers (`model.layers.{L..}`, `num_nextn_predict_layers`) are our `mtp.{k}` depths
-(`mtp.{k}.block.*` the decoder layer, `enorm`, `hnorm`, `eh_proj`, `norm` for shared_head.norm), both ways.
+`first_k_dense_replace`), "deepseek_v2" (DeepseekV2ForCausalLM, DeepSeek-V2-Lite: as deepseek_v3 with softmax scores,
+unnormalised top-k weights, greedy top-k without a group limit, no selection bias, no MTP); and the dense "qwen3"
+(Qwen3ForCausalLM: QK-norm), "qwen2" (Qwen2ForCausalLM, Qwen2 and Qwen2.5: q/k/v biases), "llama" (LlamaForCausalLM,
+Llama 3.1's RoPE scaling too) and "mistral" (MistralForCausalLM, without a sliding window): our model with every layer's
+MLP dense (`model.first_k_dense=num_layers`), to upcycle. Export writes the per-expert ("original") layout, which every
+transformers version loads; import also reads the fused layout transformers 5 keeps in memory
+(`mlp.experts.gate_up_proj` [E, 2f, h] / `down_proj` [E, h, f], `mlp.gate`), FP8 block-quantised weights (the published
+DeepSeek-V3 checkpoints: dequantised on import). DeepSeek-V3's multi-token-prediction layers (`model.layers.{L..}`,
+`num_nextn_predict_layers`) are our `mtp.{k}` depths (`mtp.{k}.block.*` the decoder layer, `enorm`, `hnorm`, `eh_proj`,
+`norm` for shared_head.norm), both ways.
 
 Conversion is exact or refused: a config or state the family cannot express (a shared expert outside Qwen2-MoE and
-DeepSeek-V3, sigmoid or group-limited routing, expert capacity, a trained expert bias, QK-norm on Mixtral or its absence
-on Qwen3, MLA or YaRN outside DeepSeek-V3, RoPE types other than plain and YaRN, an output projection's bias, sliding
+DeepSeek, sigmoid or group-limited routing, expert capacity, a trained expert bias, QK-norm on Mixtral or its absence
+on Qwen3, MLA or YaRN outside DeepSeek, RoPE types other than plain and YaRN, an output projection's bias, sliding
 windows, ...) raises `HFError` naming what does not fit, and so does an HF tensor that import would otherwise drop.
 tests/test_checkpointer_hf_transformers.py, tests/test_checkpointer_hf_dense_transformers.py and
 tests/test_checkpointer_hf_deepseek_transformers.py check that transformers computes the same logits.
@@ -57,11 +59,13 @@ from services.common.config import ModelConfig
 _MOE = {"mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
         "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
         "qwen2_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
-        "deepseek_v3": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}
+        "deepseek_v3": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+        "deepseek_v2": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj"))}
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _QK_NORM = ("q_norm", "k_norm")
 _QKV_BIAS = ("q_proj.bias", "k_proj.bias", "v_proj.bias")  # with model.qkv_bias (Qwen2)
-_SHARED = {"deepseek_v3": "shared_experts", "qwen2_moe": "shared_expert"}  # the families' shared expert, HF's name
+# the families' shared expert, HF's name
+_SHARED = {"deepseek_v3": "shared_experts", "deepseek_v2": "shared_experts", "qwen2_moe": "shared_expert"}
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _MTP = ("enorm", "hnorm", "eh_proj")  # an MTP depth's own weights beside its decoder block and shared_head.norm
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # a non-persistent buffer some older HF checkpoints still hold
@@ -471,7 +475,8 @@ def open_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> HFModel:
         raise HFError(f"{src / 'config.json'} is not an HF model config ({type(e).__name__}: {e})") from None
     tensors = HFTensors(src, dtype, block, tied=bool(config.get("tie_word_embeddings")))
     return HFModel(_mtp_depths_present(cfg, tensors, src), family, tensors,
-                   rope_interleave=bool(config.get("rope_interleave", True)))
+                   # DeepSeek-V2's are always interleaved pairs (transformers rotates them as complex numbers)
+                   rope_interleave=family == "deepseek_v2" or bool(config.get("rope_interleave", True)))
 
 
 def import_hf(src: str | Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], ModelConfig]:

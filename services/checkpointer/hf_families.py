@@ -13,15 +13,17 @@ from typing import Literal
 from services.checkpointer.hf_deepseek import LATENT_NORM_EPS
 from services.common.config import ModelConfig
 
-Family = Literal["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "mistral"]
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "qwen3", "qwen2", "llama", "mistral")
+Family = Literal["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "qwen3", "qwen2", "llama",
+                 "mistral"]
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "qwen3", "qwen2", "llama", "mistral")
+DEEPSEEK = ("deepseek_v3", "deepseek_v2")  # MLA, shared experts (services/checkpointer/hf_deepseek.py)
 DENSE = ("qwen3", "qwen2", "llama", "mistral")  # dense models (every layer's MLP dense: model.first_k_dense=num_layers)
 _ARCH = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-         "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 _QK_NORM = ("qwen3_moe", "qwen3")  # the families with per-head q/k RMSNorm
 _QKV_BIAS = ("qwen2_moe", "qwen2")  # the families with q/k/v biases (Qwen2-MoE: unless its config's qkv_bias=false)
-_ROPE_SCALING = {"deepseek_v3": "yarn", "llama": "llama3"}  # the context extension each family has (model.rope_scaling)
+_ROPE_SCALING = {"deepseek_v3": "yarn", "deepseek_v2": "yarn", "llama": "llama3"}  # the context extension each family has (model.rope_scaling)
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}  # transformers' values for a missing (or null) field
 
 
@@ -37,16 +39,16 @@ def check_family(cfg: ModelConfig, family: str) -> None:
         if cfg.first_k_dense != cfg.num_layers:
             raise HFError(f"{family} is a dense model: it needs `model.first_k_dense=model.num_layers` "
                           f"({cfg.num_layers}), got {cfg.first_k_dense}; export MoE models as mixtral, qwen3_moe, "
-                          "qwen2_moe or deepseek_v3")
+                          "qwen2_moe, deepseek_v3 or deepseek_v2")
     elif cfg.capacity_factor > 0:
         raise HFError(f"{family} is dropless but `model.capacity_factor={cfg.capacity_factor}` drops tokens")
-    if family == "deepseek_v3":
-        _check_deepseek(cfg)
+    if family in DEEPSEEK:
+        _check_deepseek(cfg, family)
         _check_rope(cfg, family)
         return
     if cfg.attention != "gqa":
         raise HFError(f"{family} has grouped-query attention but `model.attention={cfg.attention}`; export MLA "
-                      "models as deepseek_v3")
+                      "models as deepseek_v3 or deepseek_v2")
     _check_rope(cfg, family)
     moe = family not in DENSE
     if family == "qwen2_moe" and not (cfg.shared_expert_ffn_hidden_size and cfg.shared_expert_gate):
@@ -88,25 +90,39 @@ def _check_rope(cfg: ModelConfig, family: str) -> None:
                       f"`model.rope_scaling_factor={cfg.rope_scaling_factor}` ({cfg.rope_scaling})")
 
 
-def _check_deepseek(cfg: ModelConfig) -> None:
-    """What DeepseekV3ForCausalLM computes: MLA, sigmoid scores, shared experts in units of one expert's width."""
+def _check_deepseek(cfg: ModelConfig, family: str) -> None:
+    """What DeepseekV3ForCausalLM computes: MLA, sigmoid scores, shared experts in units of one expert's width; and
+    DeepseekV2ForCausalLM: the same with softmax scores, unnormalised top-k weights, no group limit (transformers'
+    "greedy"; V2's own group limit ranks groups by their best score, ours by the two best), no selection bias and no
+    multi-token prediction."""
     if cfg.attention != "mla":
-        raise HFError(f"deepseek_v3 has Multi-head Latent Attention: it needs `model.attention=mla`, got "
+        raise HFError(f"{family} has Multi-head Latent Attention: it needs `model.attention=mla`, got "
                       f"{cfg.attention}")
-    if cfg.score_func != "sigmoid":
-        raise HFError(f"deepseek_v3 routes with sigmoid scores but `model.score_func={cfg.score_func}`")
+    scores = "sigmoid" if family == "deepseek_v3" else "softmax"
+    if cfg.score_func != scores:
+        raise HFError(f"{family} routes with {scores} scores but `model.score_func={cfg.score_func}`")
+    if family == "deepseek_v2":
+        if cfg.norm_topk_prob:
+            raise HFError("deepseek_v2 never renormalises its top-k probabilities (transformers' DeepseekV2 ignores "
+                          "norm_topk_prob): it needs `model.norm_topk_prob=false`")
+        if cfg.num_groups:
+            raise HFError(f"deepseek_v2 converts with greedy top-k routing: `model.num_groups={cfg.num_groups}` ranks "
+                          "groups by their two best scores (DeepSeek-V3), V2's group_limited_greedy by the best one")
+        if cfg.mtp_num_layers:
+            raise HFError(f"deepseek_v2 has no multi-token prediction layers but `model.mtp_num_layers="
+                          f"{cfg.mtp_num_layers}`; export MTP models as deepseek_v3")
     shared, f = cfg.shared_expert_ffn_hidden_size, cfg.moe_ffn_hidden_size
     if shared <= 0 or shared % f:
-        raise HFError(f"deepseek_v3's shared experts are n_shared_experts >= 1 experts' width: it needs "
+        raise HFError(f"{family}'s shared experts are n_shared_experts >= 1 experts' width: it needs "
                       f"`model.shared_expert_ffn_hidden_size` a positive multiple of `model.moe_ffn_hidden_size={f}`, "
                       f"got {shared}")
     if cfg.num_groups and cfg.num_experts // cfg.num_groups < 2:
         raise HFError(f"deepseek_v3 ranks expert groups by their two best scores: `model.num_groups="
                       f"{cfg.num_groups}` leaves fewer than 2 of `model.num_experts={cfg.num_experts}` per group")
     if cfg.shared_expert_gate:
-        raise HFError("deepseek_v3's shared experts are not gated but `model.shared_expert_gate=true`")
+        raise HFError(f"{family}'s shared experts are not gated but `model.shared_expert_gate=true`")
     if cfg.norm_eps != LATENT_NORM_EPS:
-        raise HFError(f"deepseek_v3's MLA latent norms (q_a_layernorm, kv_a_layernorm) always use eps "
+        raise HFError(f"{family}'s MLA latent norms (q_a_layernorm, kv_a_layernorm) always use eps "
                       f"{LATENT_NORM_EPS}, ours use `model.norm_eps={cfg.norm_eps}`: it needs "
                       f"`model.norm_eps={LATENT_NORM_EPS}`")
 
@@ -123,8 +139,8 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str = "bfloat16", max_pos
               "initializer_range": cfg.init_std, "attention_dropout": 0.0, "use_cache": True}
     if family not in DENSE:
         common.update({"num_experts_per_tok": cfg.top_k, "output_router_logits": False})
-    if family == "deepseek_v3":
-        return {**common, **_deepseek_hf_config(cfg, max_positions)}
+    if family in DEEPSEEK:
+        return {**common, **_deepseek_hf_config(cfg, family, max_positions)}
     common.update({"num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.kv_channels, "sliding_window": None,
                    # transformers < 5 reads rope_theta, 5 reads rope_parameters (and still accepts rope_theta alone)
                    "rope_theta": cfg.rope_theta,
@@ -149,9 +165,9 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str = "bfloat16", max_pos
             "mlp_only_layers": list(range(cfg.first_k_dense)), "use_sliding_window": False}
 
 
-def _deepseek_hf_config(cfg: ModelConfig, max_positions: int) -> dict:
-    """DeepseekV3Config's fields (the published spelling: scoring_func, topk_method, aux_loss_alpha are what
-    DeepSeek's own code reads; transformers computes the same without them)."""
+def _deepseek_hf_config(cfg: ModelConfig, family: str, max_positions: int) -> dict:
+    """DeepseekV3Config's or DeepseekV2Config's fields (the published spelling: scoring_func, topk_method,
+    aux_loss_alpha are what DeepSeek's own code reads; transformers computes the same without them)."""
     rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling_factor != 1.0:
         rope.update(rope_type="yarn", factor=cfg.rope_scaling_factor,
@@ -160,9 +176,13 @@ def _deepseek_hf_config(cfg: ModelConfig, max_positions: int) -> dict:
         # transformers warns unless max_position_embeddings is the extended context, original x factor
         max_positions = round(cfg.rope_original_max_position * cfg.rope_scaling_factor)
     groups = cfg.num_groups or 1  # one group holding every expert: the group limit selects them all
+    if family == "deepseek_v2":  # greedy top-k of softmax scores; its rope rows are always interleaved pairs
+        routing = {"scoring_func": "softmax", "topk_method": "greedy"}
+    else:  # rope rows as interleaved pairs: the published layout, which DeepSeek's own code and vLLM assume
+        routing = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "rope_interleave": True,
+                   "num_nextn_predict_layers": cfg.mtp_num_layers}
     return {"max_position_embeddings": max_positions, "attention_bias": False, "rope_theta": cfg.rope_theta,
-            # rope rows as interleaved pairs: the published layout, which DeepSeek's own code and vLLM assume
-            "rope_parameters": rope, "rope_interleave": True,
+            "rope_parameters": rope, **routing,
             "num_key_value_heads": cfg.num_heads, "head_dim": cfg.qk_rope_head_dim,
             "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
             "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
@@ -170,16 +190,16 @@ def _deepseek_hf_config(cfg: ModelConfig, max_positions: int) -> dict:
             "first_k_dense_replace": cfg.first_k_dense, "moe_layer_freq": 1,
             "moe_intermediate_size": cfg.moe_ffn_hidden_size, "n_routed_experts": cfg.num_experts,
             "n_shared_experts": cfg.shared_expert_ffn_hidden_size // cfg.moe_ffn_hidden_size,
-            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": cfg.norm_topk_prob,
+            "norm_topk_prob": cfg.norm_topk_prob,
             "n_group": groups, "topk_group": cfg.topk_groups if cfg.num_groups else 1,
-            "routed_scaling_factor": cfg.routed_scaling_factor, "num_nextn_predict_layers": cfg.mtp_num_layers,
+            "routed_scaling_factor": cfg.routed_scaling_factor,
             "aux_loss_alpha": cfg.aux_loss_coeff if cfg.aux_loss_type != "none" else 0.0,
             "seq_aux": cfg.aux_loss_type == "sequence"}
 
 
 def _rope_fields(config: dict, family: str) -> dict:
     """Our rope_* fields from config.json's rope_parameters (transformers 5) or rope_scaling + rope_theta (4):
-    plain RoPE for every family, YaRN for deepseek_v3 (where our softmax-scale mscale is DeepSeek's)."""
+    plain RoPE for every family, YaRN for deepseek_v3 and deepseek_v2 (where our softmax-scale mscale is DeepSeek's)."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if "full_attention" in rope:  # transformers 5 may nest the parameters by layer type
         rope = rope["full_attention"]
@@ -228,8 +248,8 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
     if config.get("attention_bias"):  # (Llama's and Mistral's: on o_proj too; Qwen2's q/k/v biases are below)
         raise HFError("attention_bias=true: our attention's output projection has no bias")
     rope = _rope_fields(config, family)
-    if family == "deepseek_v3":
-        return _deepseek_config(config, rope), family
+    if family in DEEPSEEK:
+        return _deepseek_config(config, family, rope), family
     windowed = config.get("use_sliding_window", family in ("mixtral", "mistral"))  # the families' defaults
     window = config.get("sliding_window") if windowed else None
     if window is not None:
@@ -268,30 +288,38 @@ def config_from_hf(config: dict) -> tuple[ModelConfig, Family]:
     return cfg, family
 
 
-def _refuse_deepseek_fields(config: dict) -> None:
+def _refuse_deepseek_fields(config: dict, family: str) -> None:
     """Fields of DeepSeek's own config.json whose other values transformers ignores or computes differently."""
-    for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+    wanted_fields = (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")) if family == "deepseek_v3" else \
+        (("scoring_func", "softmax"), ("topk_method", "greedy"))
+    for key, wanted in (*wanted_fields, ("moe_layer_freq", 1)):
         if config.get(key, wanted) != wanted:
-            raise HFError(f"{key}={config[key]!r}: deepseek_v3 converts with {key}={wanted!r} only")
+            raise HFError(f"{key}={config[key]!r}: {family} converts with {key}={wanted!r} only")
+    if family == "deepseek_v2" and config.get("norm_topk_prob"):
+        raise HFError("norm_topk_prob=true: transformers' DeepseekV2 ignores it (never renormalises) where DeepSeek's "
+                      "own code renormalises; deepseek_v2 converts with norm_topk_prob=false only")
     if (config.get("n_shared_experts") or 0) < 1:
-        raise HFError(f"n_shared_experts={config.get('n_shared_experts')}: deepseek_v3 converts with shared experts")
+        raise HFError(f"n_shared_experts={config.get('n_shared_experts')}: {family} converts with shared experts")
     if config["rms_norm_eps"] != LATENT_NORM_EPS:
         raise HFError(f"rms_norm_eps={config['rms_norm_eps']}: transformers' MLA latent norms (q_a_layernorm, "
                       f"kv_a_layernorm) keep eps {LATENT_NORM_EPS} while ours use model.norm_eps for every norm; "
-                      f"deepseek_v3 converts with rms_norm_eps={LATENT_NORM_EPS} only")
+                      f"{family} converts with rms_norm_eps={LATENT_NORM_EPS} only")
 
 
-def _deepseek_config(config: dict, rope: dict) -> ModelConfig:
-    """DeepseekV3Config -> ours. num_key_value_heads is not read: every MLA head has its own keys and values."""
-    _refuse_deepseek_fields(config)
-    heads, num_layers, groups = config["num_attention_heads"], config["num_hidden_layers"], config["n_group"] or 1
+def _deepseek_config(config: dict, family: str, rope: dict) -> ModelConfig:
+    """DeepseekV3Config or DeepseekV2Config -> ours. num_key_value_heads is not read: every MLA head has its own keys
+    and values. DeepSeek-V2 routes greedily (its n_group / topk_group unused)."""
+    _refuse_deepseek_fields(config, family)
+    heads, num_layers = config["num_attention_heads"], config["num_hidden_layers"]
+    groups = (config.get("n_group") or 1) if family == "deepseek_v3" else 1
     moe = {"num_experts": config.get("n_routed_experts", config.get("num_local_experts")),
            "top_k": config["num_experts_per_tok"], "moe_ffn_hidden_size": config["moe_intermediate_size"],
            "shared_expert_ffn_hidden_size": config["n_shared_experts"] * config["moe_intermediate_size"],
-           "score_func": "sigmoid", "norm_topk_prob": bool(config["norm_topk_prob"]),
+           "score_func": "sigmoid" if family == "deepseek_v3" else "softmax",
+           "norm_topk_prob": bool(config.get("norm_topk_prob")),
            "num_groups": groups if groups > 1 else 0, "topk_groups": config["topk_group"] if groups > 1 else 0,
-           "routed_scaling_factor": float(config["routed_scaling_factor"]),
-           "first_k_dense": min(config["first_k_dense_replace"], num_layers)}
+           "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0),
+           "first_k_dense": min(config.get("first_k_dense_replace") or 0, num_layers)}
     if "aux_loss_alpha" in config:  # DeepSeek's sequence-wise balance loss (not part of the function computed)
         moe.update(aux_loss_coeff=config["aux_loss_alpha"],
                    aux_loss_type="sequence" if config.get("seq_aux", True) else "micro_batch")
@@ -301,6 +329,6 @@ def _deepseek_config(config: dict, rope: dict) -> ModelConfig:
     mtp = config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0  # transformers 4 | 5 spelling
     return ModelConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=num_layers,
                        num_heads=heads, num_kv_heads=heads, ffn_hidden_size=config["intermediate_size"],
-                       mtp_num_layers=mtp,
+                       mtp_num_layers=mtp if family == "deepseek_v3" else 0,
                        norm_eps=config["rms_norm_eps"], init_std=config.get("initializer_range", ModelConfig.init_std),
                        **mla, **moe, **rope)
