@@ -33,6 +33,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from services.checkpointer.hf import items, open_hf
 from services.checkpointer.hf_families import HFError
 from services.checkpointer.layout import CheckpointError
 from services.common.command import run_command
-from services.common.config import Config, ConfigError, load_config
+from services.common.config import Config, ConfigError, ModelConfig, load_config
 from services.common.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from services.dataloader.chat import ChatTemplate, hf_chat_template, load_chat_template
 from services.dataloader.errors import DataError
@@ -99,12 +100,51 @@ def _tokenizer(given: str | None, recorded: str | None, fallback: str, source: s
 
 
 @dataclass
+class ModelSource:
+    """A model to load, opened but not read: its config, tokenizer and chat template, and its weights to be read."""
+    cfg: ModelConfig  # as trained (or as config.json describes it)
+    tokenizer: Tokenizer
+    tokenizer_spec: str  # what `tokenizer` was loaded from ("byte", a tokenizer.json)
+    source: str  # what is loaded, in words
+    chat_template: str  # the chat template the model was trained with (data.chat_template, an HF directory's); ""
+    checkpoint: Path | None  # the foldmoe checkpoint (None: an HF model directory)
+    state: Iterable[tuple[str, torch.Tensor]]  # (name, value) of every parameter and saved buffer, read as iterated
+
+
+@dataclass
 class Loaded:
     model: MoETransformer  # on `run.device`, in eval mode
     tokenizer: Tokenizer
-    tokenizer_spec: str  # what `tokenizer` was loaded from ("byte", a tokenizer.json)
-    source: str  # what was loaded, in words
-    chat_template: str  # the chat template the model was trained with (data.chat_template, an HF directory's); ""
+    tokenizer_spec: str
+    source: str
+    chat_template: str
+
+
+def open_model(spec: Path, cfg: Config, tokenizer_spec: str | None, dtype: torch.dtype) -> ModelSource:
+    """A foldmoe checkpoint or an HF model directory (its weights to be read in `dtype`), with the tokenizer it was
+    trained with (`tokenizer_spec` where given; refused where it is wider than the model's vocabulary)."""
+    if _is_hf_directory(spec):
+        hf = open_hf(spec, dtype)  # read in the model's dtype
+        model_cfg, source, checkpoint = hf.cfg, f"HF model {spec}", None
+        check_fits(hf.shapes(), model_cfg, source, "; its config.json does not describe the tensors beside it")
+        bundled = spec / "tokenizer.json"
+        recorded = str(bundled) if bundled.is_file() else None
+        chat_template = hf_chat_template(spec)
+        state = items(hf.state())
+    else:
+        checkpoint = find_checkpoint(spec)
+        model_cfg = trained_config(checkpoint)
+        source = f"checkpoint {checkpoint}"
+        data = recorded_config(checkpoint).get("data") or {}
+        recorded, chat_template = data.get("tokenizer"), data.get("chat_template") or ""
+        state = iter_model_state(checkpoint, model_cfg)  # read once the tokenizer is known to fit
+    tokenizer = _tokenizer(tokenizer_spec, recorded, cfg.data.tokenizer, source)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids but the model of {source} has a vocabulary "
+                            f"of {model_cfg.vocab_size}: not the tokenizer it was trained with; pass that one with "
+                            "--tokenizer")
+    return ModelSource(model_cfg, tokenizer, tokenizer_spec or recorded or cfg.data.tokenizer, source, chat_template,
+                       checkpoint, state)
 
 
 def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
@@ -113,40 +153,21 @@ def load_model(spec: Path, cfg: Config, tokenizer_spec: str | None) -> Loaded:
     device: host memory holds that, not a copy of the model (bench/bench_model_load.py)."""
     device = rollout_device(cfg)
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.run.dtype == "bf16" else torch.float32
-    if _is_hf_directory(spec):
-        hf = open_hf(spec, dtype)  # read in the model's dtype
-        model_cfg, source = hf.cfg, f"HF model {spec}"
-        check_fits(hf.shapes(), model_cfg, source, "; its config.json does not describe the tensors beside it")
-        bundled = spec / "tokenizer.json"
-        recorded = str(bundled) if bundled.is_file() else None
-        chat_template = hf_chat_template(spec)
-        state = items(hf.state())
-    else:
-        ckpt = find_checkpoint(spec)
-        model_cfg = trained_config(ckpt)
-        source = f"checkpoint {ckpt}"
-        data = recorded_config(ckpt).get("data") or {}
-        recorded, chat_template = data.get("tokenizer"), data.get("chat_template") or ""
-        state = iter_model_state(ckpt, model_cfg)  # read once the tokenizer is known to fit
-    tokenizer = _tokenizer(tokenizer_spec, recorded, cfg.data.tokenizer, source)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise GenerateError(f"the tokenizer has {tokenizer.vocab_size} ids but the model of {source} has a vocabulary "
-                            f"of {model_cfg.vocab_size}: not the tokenizer it was trained with; pass that one with "
-                            "--tokenizer")
+    opened = open_model(spec, cfg, tokenizer_spec, dtype)
     with parameters_on_meta():
-        model = MoETransformer(rollout_model_config(model_cfg))
+        model = MoETransformer(rollout_model_config(opened.cfg))
     model.to(dtype=dtype)  # the meta parameters and the buffers
     materialize(model, device)
     model.to(device)  # the buffers
     targets = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, value in state:
+        for name, value in opened.state:
             if name not in targets:
-                raise GenerateError(f"{source} holds {name}, which its model config's model has not")
+                raise GenerateError(f"{opened.source} holds {name}, which its model config's model has not")
             targets.pop(name).copy_(value)
     if targets:  # every parameter and saved buffer gets a value, as a strict load_state_dict asks
-        raise GenerateError(f"{source} holds no value for {', '.join(list(targets)[:5])}")
-    return Loaded(model.eval(), tokenizer, tokenizer_spec or recorded or cfg.data.tokenizer, source, chat_template)
+        raise GenerateError(f"{opened.source} holds no value for {', '.join(list(targets)[:5])}")
+    return Loaded(model.eval(), opened.tokenizer, opened.tokenizer_spec, opened.source, opened.chat_template)
 
 
 def as_chat(prompts: list[Prompt], chat: ChatTemplate) -> tuple[list[Prompt], str]:

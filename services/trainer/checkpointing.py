@@ -404,11 +404,8 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, resuming: Path | str
     """Loads the *model weights only* of `checkpoint.init_from` into `model`, when set and `resuming` is None; the
     optimizer, the step and the data position stay fresh. `resuming`: the checkpoint a resume will load over them
     (`resumable`'s answer, which the caller also needs, so it scans the manifests once), or None to load (nothing to
-    resume, or the RL reference policy, which is the initial one). `model` is the whole model, or with `groups` this
-    rank's slices of a folded layout, each read as its own box, and `shapes` the whole model's state (name -> shape).
-    Returns the checkpoint loaded, or None."""
-    from services.trainer.parallel.checkpoint_shards import read_local
-
+    resume, or the RL reference policy, which is the initial one). `model`, `groups` and `shapes` as `load_weights`
+    takes them. Returns the checkpoint loaded, or None."""
     spec = cfg.checkpoint.init_from
     if not spec:
         return None
@@ -417,13 +414,28 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, resuming: Path | str
             print(f"trainer: checkpoint.init_from={spec} ignored: resuming from {resuming}", file=sys.stderr)
         return None
     path = resolve_init_from(spec)
-    ckpt = load_checkpoint(path, checksums=False)  # resolve_init_from verified it
+    step = load_weights(path, cfg, model, groups, shapes, "checkpoint.init_from: ")
+    if rank == 0:
+        print(f"trainer: initialised the model weights from {path} (step {step}); optimizer, step and data "
+              "start fresh", file=sys.stderr)
+    return path
+
+
+def load_weights(path: Path, cfg: Config, model: nn.Module, groups: Any = None,
+                 shapes: dict[str, tuple[int, ...]] | None = None, what: str = "") -> int:
+    """The model weights of the verified checkpoint `path` into `model`: the whole model, or with `groups` this rank's
+    slices of a folded layout, each read as its own box (whatever layout saved it), `shapes` the whole model's state
+    (name -> shape). Another model than `cfg.model`'s is refused naming what differs (`what` prefixes the message).
+    Returns the checkpoint's step."""
+    from services.trainer.parallel.checkpoint_shards import read_local
+
+    ckpt = load_checkpoint(path, checksums=False)
     shapes = shapes or {name: tuple(t.shape) for name, t in model.state_dict().items()}
     why = state_mismatch({n.removeprefix("model/"): ckpt.global_shape(n) for n in ckpt.names() if n.startswith("model/")},
                          shapes)
     if why is not None:
         hint = diff_hint((ckpt.extra.get("config") or {}).get("model"), cfg.to_dict()["model"])
-        raise CheckpointLoadError(f"checkpoint.init_from: {path} holds another model than this one: {why}{hint}")
+        raise CheckpointLoadError(f"{what}{path} holds another model than this one: {why}{hint}")
     names = set(ckpt.names())
     try:
         with torch.no_grad():
@@ -435,8 +447,5 @@ def init_from(cfg: Config, model: nn.Module, rank: int = 0, resuming: Path | str
                 if f"model/{name}" in names:
                     b.copy_(_read_whole(ckpt, f"model/{name}", b))
     except CheckpointError as e:
-        raise CheckpointLoadError(f"checkpoint.init_from: {e}") from None
-    if rank == 0:
-        print(f"trainer: initialised the model weights from {path} (step {ckpt.step}); optimizer, step and data "
-              "start fresh", file=sys.stderr)
-    return path
+        raise CheckpointLoadError(f"{what}{e}") from None
+    return ckpt.step

@@ -6,6 +6,8 @@
 The model loads as `foldmoe generate` loads it (services/rl_rollout/generate.py `load_model`): a committed checkpoint,
 a checkpoint.dir (its newest valid one; default the config's) or an HF model directory, with the tokenizer it was
 trained with, on `run.device` (bf16 on a GPU under run.dtype=bf16, else fp32), every expert keeping every token.
+With `run.nproc=N` > 1, N ranks under torchrun evaluate a checkpoint in the folded layout of the config's `parallel`
+section, each holding its slices (services/trainer/evaluate_parallel.py), with the same result.
 
 What it reads:
 - without --corpus, the config's evaluation set, the one the trainer reports `eval_loss` on (services/dataloader/
@@ -29,6 +31,7 @@ import hashlib
 import itertools
 import json
 import math
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -51,7 +54,11 @@ from services.dataloader.heldout import eval_sequences, one_epoch
 from services.dataloader.packing import PackedSequences, Sequence
 from services.dataloader.preprocess import dataset_paths, ensure_dataset, eval_dataset_path, preprocess
 from services.dataloader.stream import build_micro_batch
-from services.rl_rollout.generate import GenerateError, Loaded, add_model_arguments, load_model
+from services.rl_rollout.generate import (GenerateError, Loaded, ModelSource, add_model_arguments, load_model,
+                                          open_model)
+from services.rl_rollout.worker import rollout_model_config
+from services.trainer import evaluate_parallel
+from services.trainer.checkpointing import CheckpointLoadError
 from services.trainer.parallel.pipeline import loss_forward_pipeline
 from services.trainer.step import count_loss_tokens
 
@@ -74,7 +81,7 @@ class Evaluation:
         return math.exp(min(self.loss, 700.0))
 
 
-def heldout_set(cfg: Config, loaded: Loaded) -> tuple[list[IndexedDataset], list[Sequence], str]:
+def heldout_set(cfg: Config, loaded: Loaded | ModelSource) -> tuple[list[IndexedDataset], list[Sequence], str]:
     """(datasets, sequences, what they are in words) of the config's evaluation set, as the trainer evaluates."""
     d = cfg.data
     if not d.eval_corpus and d.eval_fraction <= 0:
@@ -91,7 +98,8 @@ def heldout_set(cfg: Config, loaded: Loaded) -> tuple[list[IndexedDataset], list
     return datasets, sequences, what
 
 
-def corpus_set(cfg: Config, loaded: Loaded, corpus: list[str]) -> tuple[list[IndexedDataset], Iterator[Sequence], str]:
+def corpus_set(cfg: Config, loaded: Loaded | ModelSource,
+               corpus: list[str]) -> tuple[list[IndexedDataset], Iterator[Sequence], str]:
     """(the dataset, its sequences, in words) of every document of `corpus`, tokenized by the model's tokenizer."""
     key = hashlib.sha256(json.dumps([str(Path(c).resolve()) for c in corpus]).encode()).hexdigest()[:16]
     out = preprocess(corpus, loaded.tokenizer_spec, Path(cfg.run.dir) / "evaluate" / key,
@@ -131,31 +139,86 @@ def evaluate_loss(loaded: Loaded, datasets: list[IndexedDataset], sequences: Ite
     return Evaluation(float(loss) / tokens, tokens, count, time.perf_counter() - start)
 
 
-def evaluate(args: argparse.Namespace) -> Evaluation:
-    cfg = load_config(args.config, args.overrides)
-    if args.max_tokens < 0:
-        raise EvaluateError(f"--max-tokens must be >= 0 (0: the whole corpus), got {args.max_tokens}")
-    spec = Path(args.checkpoint or cfg.checkpoint.dir).expanduser()
-    loaded = load_model(spec, cfg, args.tokenizer)
-    d = cfg.data
-    if args.corpus:
-        datasets, sequences, what = corpus_set(cfg, loaded, args.corpus)
-        total = None
-    else:
-        datasets, held, what = heldout_set(cfg, loaded)
-        sequences, total = held, len(held)
-    say(f"evaluating {loaded.source} ({next(loaded.model.parameters()).device}) on {what}, sequences of {d.seq_len}")
-    result = evaluate_loss(loaded, datasets, sequences, d.seq_len, d.micro_batch_size, args.max_tokens, total)
+def evaluation_set(cfg: Config, model: Loaded | ModelSource,
+                   corpus: list[str] | None) -> tuple[list[IndexedDataset], Iterator[Sequence] | list[Sequence], str,
+                                                      int | None]:
+    """(datasets, sequences, what they are in words, how many: None where unknown) of --corpus or the held-out set."""
+    if corpus:
+        datasets, sequences, what = corpus_set(cfg, model, corpus)
+        return datasets, sequences, what, None
+    datasets, held, what = heldout_set(cfg, model)
+    return datasets, held, what, len(held)
+
+
+def report(result: Evaluation, args: argparse.Namespace, cfg: Config, source: str, what: str) -> None:
+    seq_len = cfg.data.seq_len
     if args.json:
         print(json.dumps({"loss": result.loss, "perplexity": result.perplexity, "tokens": result.tokens,
-                          "sequences": result.sequences, "seq_len": d.seq_len, "model": loaded.source, "data": what,
+                          "sequences": result.sequences, "seq_len": seq_len, "model": source, "data": what,
                           "seconds": round(result.seconds, 3)}), flush=True)
     else:
         print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.2f}  over {result.tokens:,} tokens "
-              f"({result.sequences} sequences of {d.seq_len})", flush=True)
+              f"({result.sequences} sequences of {seq_len})", flush=True)
     say(f"{result.tokens:,} tokens in {result.seconds:.2f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} "
         "tokens/s)")
+
+
+def evaluate(args: argparse.Namespace, argv: list[str]) -> Evaluation | None:
+    cfg = load_config(args.config, args.overrides)
+    if args.max_tokens < 0:
+        raise EvaluateError(f"--max-tokens must be >= 0 (0: the whole corpus), got {args.max_tokens}")
+    if cfg.run.nproc > 1 and not evaluate_parallel.is_rank():  # this process starts the ranks, which evaluate
+        code = subprocess.run(evaluate_parallel.torchrun_command(cfg.run.nproc, argv)).returncode
+        if code:
+            raise EvaluateError(f"the evaluation over run.nproc={cfg.run.nproc} ranks failed (exit {code}); the "
+                                "ranks' errors are above")
+        return None
+    spec = Path(args.checkpoint or cfg.checkpoint.dir).expanduser()
+    if evaluate_parallel.is_rank():
+        return evaluate_folded(args, cfg, spec)
+    loaded = load_model(spec, cfg, args.tokenizer)
+    datasets, sequences, what, total = evaluation_set(cfg, loaded, args.corpus)
+    say(f"evaluating {loaded.source} ({next(loaded.model.parameters()).device}) on {what}, sequences of "
+        f"{cfg.data.seq_len}")
+    result = evaluate_loss(loaded, datasets, sequences, cfg.data.seq_len, cfg.data.micro_batch_size, args.max_tokens,
+                           total)
+    report(result, args, cfg, loaded.source, what)
     return result
+
+
+def evaluate_folded(args: argparse.Namespace, cfg: Config, spec: Path) -> Evaluation:
+    """This rank's part of an evaluation over the ranks torchrun started (services/trainer/evaluate_parallel.py);
+    rank 0 reports."""
+    opened = open_model(spec, cfg, args.tokenizer, torch.float32)  # reads no weight: each rank reads its boxes
+    if opened.checkpoint is None:
+        raise EvaluateError(f"{spec} is an HF model directory, which one process evaluates (run.nproc=1); to evaluate "
+                            "it over several ranks, `python -m services.checkpointer.convert import` it to a "
+                            "checkpoint first")
+    cfg.model = rollout_model_config(opened.cfg)
+    rt, groups = evaluate_parallel.start(cfg)
+    try:
+        # rank 0 tokenizes what needs it; the others then read it
+        datasets, sequences, what, total = evaluate_parallel.rank_zero_first(
+            rt, lambda: evaluation_set(cfg, opened, args.corpus))
+        model = evaluate_parallel.load_folded_model(cfg, rt, groups, opened.checkpoint)
+        shown = rt.rank == 0 and _err.is_terminal
+        if rt.rank == 0:
+            say(f"evaluating {opened.source} over {rt.world_size} ranks ({rt.device.type}; parallel.tp="
+                f"{cfg.parallel.tp} cp={cfg.parallel.cp} pp={cfg.parallel.pp} ep={cfg.parallel.ep} etp="
+                f"{cfg.parallel.etp}) on {what}, sequences of {cfg.data.seq_len}")
+        with Progress(console=_err, transient=True, disable=not shown) as progress:
+            task = progress.add_task("evaluating", total=total)
+            loss, tokens, count, seconds = evaluate_parallel.evaluate_folded(
+                model, cfg, rt, groups, datasets, sequences, args.max_tokens,
+                lambda n: progress.advance(task, n))
+        if tokens == 0:
+            raise EvaluateError("the sequences hold no loss token (every position a prompt's or padding)")
+        result = Evaluation(loss, tokens, count, seconds)
+        if rt.rank == 0:
+            report(result, args, cfg, opened.source, what)
+        return result
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -172,9 +235,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command("foldmoe evaluate", _parser(), argv, evaluate,
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command("foldmoe evaluate", _parser(), argv, lambda args: evaluate(args, argv),
                        (EvaluateError, GenerateError, ConvertError, HFError, ConfigError, CheckpointError,
-                        TokenizerError, DataError, OSError))
+                        CheckpointLoadError, TokenizerError, DataError, OSError))
 
 
 if __name__ == "__main__":
