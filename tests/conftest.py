@@ -1,13 +1,22 @@
 """Loaded by pytest before any test module: the kernel tests need Triton built for its CPU interpreter, which works only
 if that happens before anything else imports triton (the model imports the `kernels` package). Also holds the
-fixtures that several test files share."""
+fixtures that several test files share.
 
-import kernels_interpreter  # noqa: F401
-import pytest
-import torch
-import torch.distributed as dist
+gRPC's fork handlers are off in the test process, as in every process the launcher starts (services/launcher.py sets
+GRPC_ENABLE_FORK_SUPPORT=false before gRPC is imported; tests/test_launcher_grpc_fork.py): the tests fork subprocesses
+(launchers, torchrun, servers) while gRPC channels of earlier tests live, and those handlers aborted the whole test
+process once (SIGABRT inside a channel's blocking call, test_dataloader_service.py, a full run of 2026-11-29)."""
 
-from services.trainer.parallel.groups import Axis
+import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # before anything imports grpc
+
+import kernels_interpreter  # noqa: E402, F401
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from services.trainer.parallel.groups import Axis  # noqa: E402
 
 
 @pytest.fixture
