@@ -276,7 +276,7 @@ class RunConfig:
     dtype: Literal["fp32", "bf16"] = "bf16"  # autocast dtype on GPU; CPU runs fp32 unless optimizer.param_dtype=bf16
     redis_url: str = ""  # empty: the launcher starts an embedded Redis
     dir: str = "runs"  # the launcher writes the resolved config.yaml and logs/<child>.log here
-    nproc: int = 1  # trainer ranks the launcher starts
+    nproc: int = 1  # trainer ranks the launcher starts (`foldmoe evaluate`: ranks evaluating in the folded layout)
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: datasheet value for the detected device
     metrics_file: str = "runs/metrics.jsonl"  # rank 0 appends one JSON record per step (`foldmoe plot` reads it)
     max_restarts: int = 3  # times the launcher restarts each crashed service (not the trainer) before failing the run
