@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import json
 import math
 import subprocess
@@ -53,14 +52,13 @@ from services.dataloader.errors import DataError
 from services.dataloader.heldout import eval_sequences, one_epoch
 from services.dataloader.packing import PackedSequences, Sequence
 from services.dataloader.preprocess import dataset_paths, ensure_dataset, eval_dataset_path, preprocess
-from services.dataloader.stream import build_micro_batch
 from services.rl_rollout.generate import (GenerateError, Loaded, ModelSource, add_model_arguments, load_model,
                                           open_model)
 from services.rl_rollout.worker import rollout_model_config
 from services.trainer import evaluate_parallel
 from services.trainer.checkpointing import CheckpointLoadError
 from services.trainer.parallel.pipeline import loss_forward_pipeline
-from services.trainer.step import count_loss_tokens
+from services.trainer.train import world_size_from_env
 
 _err = Console(stderr=True)  # progress only
 
@@ -120,20 +118,15 @@ def evaluate_loss(loaded: Loaded, datasets: list[IndexedDataset], sequences: Ite
     are counted. `total`: how many sequences there are, for the progress bar (None: unknown)."""
     device = next(loaded.model.parameters()).device
     # summed on the device and read once at the end: the host builds the next micro-batch while the device runs
-    loss, tokens, count = torch.zeros((), dtype=torch.float64, device=device), 0, 0
+    loss, seen = torch.zeros((), dtype=torch.float64, device=device), [0, 0]
     start = time.perf_counter()
-    it = iter(sequences)
     with Progress(console=_err, transient=True, disable=not _err.is_terminal) as progress:
         task = progress.add_task("evaluating", total=total)
-        while chunk := list(itertools.islice(it, batch)):
-            mb = build_micro_batch(datasets, chunk, seq_len).tensors
+        for mb in evaluate_parallel.micro_batches(datasets, sequences, seq_len, batch, max_tokens, seen):
             with torch.no_grad():
                 loss += loss_forward_pipeline(loaded.model, [mb], device, None, None).double()
-            tokens += count_loss_tokens([mb])
-            count += len(chunk)
-            progress.advance(task, len(chunk))
-            if max_tokens and tokens >= max_tokens:
-                break
+            progress.update(task, completed=seen[0])
+    count, tokens = seen
     if tokens == 0:
         raise EvaluateError("the sequences hold no loss token (every position a prompt's or padding)")
     return Evaluation(float(loss) / tokens, tokens, count, time.perf_counter() - start)
@@ -167,15 +160,15 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> Evaluation | None:
     cfg = load_config(args.config, args.overrides)
     if args.max_tokens < 0:
         raise EvaluateError(f"--max-tokens must be >= 0 (0: the whole corpus), got {args.max_tokens}")
-    if cfg.run.nproc > 1 and not evaluate_parallel.is_rank():  # this process starts the ranks, which evaluate
+    if cfg.run.nproc > 1 and world_size_from_env() == 1:  # this process starts the ranks, which evaluate
         code = subprocess.run(evaluate_parallel.torchrun_command(cfg.run.nproc, argv)).returncode
         if code:
             raise EvaluateError(f"the evaluation over run.nproc={cfg.run.nproc} ranks failed (exit {code}); the "
                                 "ranks' errors are above")
         return None
     spec = Path(args.checkpoint or cfg.checkpoint.dir).expanduser()
-    if evaluate_parallel.is_rank():
-        return evaluate_folded(args, cfg, spec)
+    if world_size_from_env() > 1:
+        return evaluate_over_ranks(args, cfg, spec)
     loaded = load_model(spec, cfg, args.tokenizer)
     datasets, sequences, what, total = evaluation_set(cfg, loaded, args.corpus)
     say(f"evaluating {loaded.source} ({next(loaded.model.parameters()).device}) on {what}, sequences of "
@@ -186,7 +179,7 @@ def evaluate(args: argparse.Namespace, argv: list[str]) -> Evaluation | None:
     return result
 
 
-def evaluate_folded(args: argparse.Namespace, cfg: Config, spec: Path) -> Evaluation:
+def evaluate_over_ranks(args: argparse.Namespace, cfg: Config, spec: Path) -> Evaluation:
     """This rank's part of an evaluation over the ranks torchrun started (services/trainer/evaluate_parallel.py);
     rank 0 reports."""
     opened = open_model(spec, cfg, args.tokenizer, torch.float32)  # reads no weight: each rank reads its boxes

@@ -18,7 +18,6 @@ same micro-batch; the loss sums are summed over the ranks. The result is the one
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -32,15 +31,13 @@ from services.dataloader.dataset import IndexedDataset
 from services.dataloader.packing import Sequence
 from services.dataloader.stream import build_micro_batch
 from services.trainer import checkpointing
-from services.trainer.model.initial_weights import materialize, parameters_on_meta
 from services.trainer.model.loss import IGNORE_INDEX
 from services.trainer.model.transformer import MoETransformer
 from services.trainer.parallel.context_parallel import cp_share, shard_micro_batch
 from services.trainer.parallel.groups import ParallelGroups, init_groups, sum_over
-from services.trainer.parallel.parallelize import parallelize
 from services.trainer.parallel.pipeline import loss_forward_pipeline
 from services.trainer.step import count_loss_tokens
-from services.trainer.train import Runtime, init_runtime
+from services.trainer.train import Runtime, init_runtime, model_slices
 
 MicroBatch = dict[str, torch.Tensor]
 
@@ -49,11 +46,6 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     """`foldmoe evaluate` with `argv` as `nproc` ranks on this machine (torchrun without the venv's bin/ on PATH)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "services.trainer.evaluate_checkpoint", *argv]
-
-
-def is_rank() -> bool:
-    """Whether this process is one of several ranks torchrun started."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def start(cfg: Config) -> tuple[Runtime, ParallelGroups]:
@@ -74,23 +66,19 @@ def rank_zero_first(rt: Runtime, work):
 
 
 def load_folded_model(cfg: Config, rt: Runtime, groups: ParallelGroups, checkpoint: Path) -> MoETransformer:
-    """This rank's slices of `cfg.model` on its device, read from `checkpoint`, in eval mode."""
-    with parameters_on_meta():
-        model = MoETransformer(cfg.model)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # the whole model's, as saved
-    parallelize(model, cfg, groups)
-    materialize(model, rt.device)
-    model.to(rt.device)  # the buffers
+    """This rank's slices of `cfg.model` on its device (as the trainer builds them), read from `checkpoint`, in eval
+    mode."""
+    model, shapes = model_slices(cfg, rt, groups)
     checkpointing.load_weights(checkpoint, cfg, model, groups, shapes)
     if rt.device.type == "cuda" and cfg.run.dtype == "bf16":
         model.to(torch.bfloat16)  # the one-process evaluation's weights
     return model.eval()
 
 
-def _micro_batches(datasets: list[IndexedDataset], sequences: Iterable[Sequence], seq_len: int, batch: int,
+def micro_batches(datasets: list[IndexedDataset], sequences: Iterable[Sequence], seq_len: int, batch: int,
                    max_tokens: int, seen: list[int]) -> Iterator[MicroBatch]:
-    """Micro-batches of `batch` sequences (the last padded with empty rows), until `max_tokens` (> 0) loss tokens are
-    counted; `seen` = [sequences, loss tokens] so far."""
+    """Micro-batches of `batch` sequences (the last padded with empty rows: no loss token), until `max_tokens` (> 0)
+    loss tokens are counted; `seen` = [sequences, loss tokens] so far. The one-process evaluation reads them too."""
     it = iter(sequences)
     while chunk := list(itertools.islice(it, batch)):
         mb = build_micro_batch(datasets, chunk + [[]] * (batch - len(chunk)), seq_len).tensors
@@ -109,7 +97,7 @@ def evaluate_folded(model: MoETransformer, cfg: Config, rt: Runtime, groups: Par
     d, p = cfg.data, cfg.parallel
     dp, me = groups.dp.size, groups.dp.rank
     seen = [0, 0]
-    rounds = _micro_batches(datasets, sequences, d.seq_len, d.micro_batch_size, max_tokens, seen)
+    rounds = micro_batches(datasets, sequences, d.seq_len, d.micro_batch_size, max_tokens, seen)
     loss = torch.zeros((), dtype=torch.float64, device=rt.device)
     start_time = time.perf_counter()
     before = 0

@@ -102,13 +102,7 @@ def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bo
     loads after the optimizer exists, so until then the values of a resuming model are undefined (`force_init`: the RL
     reference policy copies the model first and draws when there is no init_from). The memory policy is the caller's
     to apply, last (it wraps the cores parallelize swapped in; RL copies its reference model first)."""
-    with parameters_on_meta():
-        model = MoETransformer(cfg.model)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # the whole model's, as saved
-    if rt.world_size > 1:
-        parallelize(model, cfg, groups)
-    materialize(model, rt.device)
-    model.to(rt.device)  # the buffers
+    model, shapes = model_slices(cfg, rt, groups)
     resuming = None if force_init else checkpointing.resumable(cfg, source)  # one manifest scan, for both questions
     loaded = checkpointing.init_from(cfg, model, rt.rank, resuming, groups, shapes)
     if loaded is None and resuming is None:
@@ -117,6 +111,20 @@ def build_model(cfg: Config, rt: Runtime, groups: ParallelGroups, force_init: bo
             for name, p in model.named_parameters():
                 p.copy_(read_local(init, name, p, groups))
     return model
+
+
+def model_slices(cfg: Config, rt: Runtime,
+                 groups: ParallelGroups) -> tuple[MoETransformer, dict[str, tuple[int, ...]]]:
+    """(this rank's slices of `cfg.model` on its device, their values undefined; the whole model's state shapes, name
+    -> shape, as a checkpoint holds them): built on the meta device and cut to the layout before any memory is taken."""
+    with parameters_on_meta():
+        model = MoETransformer(cfg.model)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if rt.world_size > 1:
+        parallelize(model, cfg, groups)
+    materialize(model, rt.device)
+    model.to(rt.device)  # the buffers
+    return model, shapes
 
 
 def apply_model_memory_policy(model: MoETransformer, cfg: Config) -> None:
